@@ -1,0 +1,340 @@
+"""The backend selector: which implementation runs a call of an op, and why.
+
+Every op in :mod:`fastarch.ops` registers one :class:`Implementation` per backend. An implementation
+declares the devices and dtypes it takes and can add call-specific reasons (head dim too large, a feature
+it lacks). The selector is the only place that decides which one runs:
+
+1. an explicit ``backend=`` keyword on the op;
+2. the innermost :func:`use_backend` context;
+3. the ``FASTARCH_BACKEND`` environment variable (``torch``, or ``attention=triton,selective_scan=cpp``);
+4. otherwise the automatic order for the device, fastest first.
+
+A forced backend that cannot take the call raises :class:`BackendUnavailableError` listing every
+backend's reasons. In automatic mode a backend whose build or import fails is skipped with one warning
+per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import threading
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+BACKENDS: tuple[str, ...] = ("triton", "cuda", "cpp", "torch")
+AUTO = "auto"
+
+# Fastest first. Triton is deliberately absent on CPU: it runs there only in interpreter mode, for tests.
+DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
+    "cuda": ("cuda", "triton", "torch"),
+    "cpu": ("cpp", "torch"),
+}
+
+
+class BackendUnavailableError(RuntimeError):
+    """A forced backend cannot run the call; the message gives every backend's reasons."""
+
+
+class ExtensionBuildError(RuntimeError):
+    """A compiled extension failed to build or import."""
+
+
+@dataclass
+class Call:
+    """What an implementation needs to know to accept or refuse a call.
+
+    ``device`` and ``dtype`` are always set; ``features`` carries op-specific facts such as
+    ``head_dim``, ``causal`` or ``has_bias`` that an implementation's :meth:`Implementation.check` reads.
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    features: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.features[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.features.get(key, default)
+
+
+def triton_interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class Implementation:
+    """One backend's implementation of one op.
+
+    Subclasses set ``op``, ``backend``, ``devices`` and ``dtypes``, implement :meth:`load` when they need
+    a compiled extension or an optional package, and add the op's functions (``forward``, ``backward``,
+    ...) as methods. :meth:`check` adds call-specific reasons.
+    """
+
+    op: str = ""
+    backend: str = ""
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+    description: str = ""
+
+    def __init__(self) -> None:
+        self._lib: Any = None
+        self._load_error: str | None = None
+        self._loaded = False
+        self._lock = threading.Lock()
+
+    # -- loading ---------------------------------------------------------------------------------
+    def load(self) -> Any:
+        """Import or build what this implementation needs and return it (an extension, a module).
+
+        Raise an exception with a readable message when it cannot be had.
+        """
+        return None
+
+    def static_reasons(self) -> list[str]:
+        """Reasons that hold for any call on this machine (missing package, no CUDA torch)."""
+        return []
+
+    def ensure_loaded(self) -> str | None:
+        """Load once; return the failure message, or None when loaded."""
+        if not self._loaded:
+            with self._lock:
+                if not self._loaded:
+                    try:
+                        self._lib = self.load()
+                    except Exception as exc:  # a failed build is a reason, never a crash
+                        msg = str(exc).strip().splitlines()
+                        self._load_error = f"failed to load: {msg[-1] if msg else type(exc).__name__}"
+                    self._loaded = True
+        return self._load_error
+
+    @property
+    def lib(self) -> Any:
+        err = self.ensure_loaded()
+        if err is not None:
+            raise ExtensionBuildError(f"{self.op}/{self.backend}: {err}")
+        return self._lib
+
+    # -- support -----------------------------------------------------------------------------------
+    def check(self, call: Call) -> list[str]:
+        """Op-specific reasons this implementation refuses ``call``; empty when it accepts."""
+        return []
+
+    def not_supported_reasons(self, call: Call, *, load: bool = True) -> list[str]:
+        """Every reason, in words, why this implementation cannot take ``call``."""
+        reasons = list(self.static_reasons())
+        dev = call.device.type
+        if dev not in self.devices:
+            reasons.append(f"device {dev} not supported (supports {', '.join(self.devices)})")
+        if call.dtype not in self.dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
+            reasons.append(f"dtype {str(call.dtype).replace('torch.', '')} not supported (supports {names})")
+        if self.backend == "triton" and dev == "cpu" and "cpu" in self.devices and not triton_interpret_mode():
+            reasons.append("triton runs on CPU tensors only with TRITON_INTERPRET=1")
+        reasons.extend(self.check(call))
+        if not reasons and load:
+            err = self.ensure_loaded()
+            if err is not None:
+                reasons.append(err)
+        return reasons
+
+
+# -- registry ------------------------------------------------------------------------------------------
+_REGISTRY: dict[str, dict[str, Implementation]] = {}
+_ORDER: dict[str, dict[str, tuple[str, ...]]] = {}
+_WARNED: set[tuple[str, str]] = set()
+_FORCED: contextvars.ContextVar[tuple[dict[str, str], str | None] | None] = contextvars.ContextVar(
+    "fastarch_forced_backend", default=None
+)
+
+
+def register(impl: Implementation | type[Implementation]) -> Implementation:
+    """Register an implementation (an instance or a class, which is instantiated). Usable as a decorator."""
+    inst = impl() if isinstance(impl, type) else impl
+    if inst.backend not in BACKENDS:
+        raise ValueError(f"unknown backend {inst.backend!r}; expected one of {BACKENDS}")
+    if not inst.op:
+        raise ValueError("an Implementation must name its op")
+    _REGISTRY.setdefault(inst.op, {})[inst.backend] = inst
+    return inst
+
+
+def set_order(op: str, device_type: str, order: Sequence[str]) -> None:
+    """Set the automatic order for ``op`` on ``device_type``, fastest first, as measured."""
+    for b in order:
+        if b not in BACKENDS:
+            raise ValueError(f"unknown backend {b!r}")
+    _ORDER.setdefault(op, {})[device_type] = tuple(order)
+
+
+def ops() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def implementations(op: str) -> dict[str, Implementation]:
+    if op not in _REGISTRY:
+        raise KeyError(f"unknown op {op!r}; registered ops: {', '.join(ops())}")
+    return dict(_REGISTRY[op])
+
+
+def get_implementation(op: str, backend: str) -> Implementation:
+    impls = implementations(op)
+    if backend not in impls:
+        raise BackendUnavailableError(
+            f"op {op!r} has no {backend!r} implementation (it has: {', '.join(impls)})"
+        )
+    return impls[backend]
+
+
+def auto_order(op: str, device_type: str) -> tuple[str, ...]:
+    order = _ORDER.get(op, {}).get(device_type, DEFAULT_ORDER.get(device_type, ("torch",)))
+    return tuple(b for b in order if b in _REGISTRY.get(op, {}))
+
+
+# -- overrides ------------------------------------------------------------------------------------------
+def parse_backend_spec(spec: str) -> tuple[dict[str, str], str | None]:
+    """Parse ``"torch"`` or ``"attention=triton,selective_scan=cpp"`` into (per-op, global)."""
+    per_op: dict[str, str] = {}
+    glob: str | None = None
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        if "=" in part:
+            op, _, b = (s.strip() for s in part.partition("="))
+            _check_backend_name(b, source=spec)
+            per_op[op] = b
+        else:
+            _check_backend_name(part, source=spec)
+            glob = part
+    return per_op, glob
+
+
+def _check_backend_name(name: str, source: str) -> None:
+    if name not in BACKENDS and name != AUTO:
+        raise ValueError(f"unknown backend {name!r} in {source!r}; expected one of {', '.join(BACKENDS)}")
+
+
+@contextlib.contextmanager
+def use_backend(spec: str | None = None, **per_op: str) -> Iterator[None]:
+    """Force backends inside a ``with`` block.
+
+    ``use_backend("torch")`` forces every op; ``use_backend(attention="triton")`` or
+    ``use_backend("attention=triton,selective_scan=cpp")`` forces single ops. Contexts nest: an inner
+    one overrides what it names and inherits the rest.
+    """
+    outer = _FORCED.get()
+    merged, glob = (dict(outer[0]), outer[1]) if outer else ({}, None)
+    if spec:
+        p, g = parse_backend_spec(spec)
+        if g is not None:
+            merged, glob = {}, g
+        merged.update(p)
+    for op, b in per_op.items():
+        _check_backend_name(b, source=f"{op}={b}")
+        merged[op] = b
+    token = _FORCED.set((merged, glob))
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def requested_backend(op: str, backend: str | None = None) -> str:
+    """The backend asked for this call: explicit keyword, then context, then environment, else 'auto'."""
+    if backend is not None and backend != AUTO:
+        _check_backend_name(backend, source=f"backend={backend!r}")
+        return backend
+    forced = _FORCED.get()
+    if forced is not None:
+        per_op, glob = forced
+        if op in per_op:
+            return per_op[op]
+        if glob is not None:
+            return glob
+    env = os.environ.get("FASTARCH_BACKEND", "").strip()
+    if env:
+        per_op, glob = parse_backend_spec(env)
+        if op in per_op:
+            return per_op[op]
+        if glob is not None:
+            return glob
+    return AUTO
+
+
+def _reasons_table(op: str, call: Call) -> str:
+    lines = []
+    for name in BACKENDS:
+        impl = _REGISTRY.get(op, {}).get(name)
+        if impl is None:
+            lines.append(f"  {name}: no implementation of {op}")
+            continue
+        reasons = impl.not_supported_reasons(call)
+        lines.append(f"  {name}: " + ("available" if not reasons else "; ".join(reasons)))
+    return "\n".join(lines)
+
+
+def select(op: str, call: Call, backend: str | None = None) -> Implementation:
+    """Return the implementation that runs ``call``, honouring overrides; raise if a forced one can't."""
+    want = requested_backend(op, backend)
+    impls = _REGISTRY.get(op)
+    if not impls:
+        raise KeyError(f"unknown op {op!r}")
+    if want != AUTO:
+        impl = impls.get(want)
+        if impl is not None and not impl.not_supported_reasons(call):
+            return impl
+        raise BackendUnavailableError(
+            f"{op}: backend {want!r} cannot run this call "
+            f"(device={call.device.type}, dtype={str(call.dtype).replace('torch.', '')}).\n"
+            f"Backends and their reasons:\n{_reasons_table(op, call)}"
+        )
+    for name in auto_order(op, call.device.type):
+        impl = impls[name]
+        reasons = impl.not_supported_reasons(call, load=False)
+        if reasons:
+            continue
+        err = impl.ensure_loaded()
+        if err is not None:
+            if (op, name) not in _WARNED:
+                _WARNED.add((op, name))
+                warnings.warn(
+                    f"fastarch: {op} backend {name!r} is unavailable ({err}); falling back",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            continue
+        return impl
+    raise BackendUnavailableError(
+        f"{op}: no backend can run this call "
+        f"(device={call.device.type}, dtype={str(call.dtype).replace('torch.', '')}).\n"
+        f"Backends and their reasons:\n{_reasons_table(op, call)}"
+    )
+
+
+def explain(op: str, call: Call, backend: str | None = None) -> str:
+    """A human-readable account of which backend runs ``call`` and why the others do not."""
+    try:
+        chosen = select(op, call, backend).backend
+        head = f"{op}: runs on {chosen!r} (requested: {requested_backend(op, backend)})"
+    except BackendUnavailableError as exc:
+        return str(exc)
+    return head + "\n" + _reasons_table(op, call)
+
+
+def availability(op: str, device_type: str, dtype: torch.dtype = torch.float32) -> Mapping[str, list[str]]:
+    """Per backend, the reasons ``op`` is unavailable for a plain call on ``device_type`` (empty = ok)."""
+    call = Call(torch.device(device_type), dtype, {})
+    out: dict[str, list[str]] = {}
+    for name in BACKENDS:
+        impl = _REGISTRY.get(op, {}).get(name)
+        out[name] = ["not implemented"] if impl is None else impl.not_supported_reasons(call)
+    return out
+
+
+def _reset_warnings_for_tests() -> None:
+    _WARNED.clear()

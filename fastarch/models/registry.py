@@ -1,0 +1,46 @@
+"""A timm-style model registry: ``@register_model``, ``create_model(name, **kw)``, ``list_models(pattern)``."""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.nn as nn
+
+_MODELS: dict[str, Callable[..., nn.Module]] = {}
+F = TypeVar("F", bound=Callable[..., nn.Module])
+
+
+def register_model(fn: F | None = None, *, name: str | None = None) -> Any:
+    """Register a builder under its function name (or ``name``). Usable bare or with arguments."""
+
+    def wrap(f: F) -> F:
+        key = name or f.__name__
+        if key in _MODELS and _MODELS[key] is not f:
+            raise ValueError(f"model {key!r} is already registered")
+        _MODELS[key] = f
+        return f
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def list_models(pattern: str = "*") -> list[str]:
+    _load_builtin()
+    return sorted(n for n in _MODELS if fnmatch.fnmatch(n, pattern))
+
+
+def create_model(name: str, **kwargs: Any) -> nn.Module:
+    """Build the registered model ``name`` with ``kwargs`` overriding its defaults."""
+    _load_builtin()
+    if name not in _MODELS:
+        close = difflib.get_close_matches(name, list(_MODELS), n=5, cutoff=0.5)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise KeyError(f"unknown model {name!r}{hint} (see fastarch.models.list_models())")
+    return _MODELS[name](**kwargs)
+
+
+def _load_builtin() -> None:
+    # Builders live in the other files of fastarch.models; importing the package registers them.
+    import fastarch.models  # noqa: F401

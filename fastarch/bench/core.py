@@ -1,0 +1,121 @@
+"""The benchmark interface every suite is written against (frozen: fields may be added, never removed).
+
+A suite module ``fastarch/bench/suites/<name>.py`` defines a module-level ``SUITE``::
+
+    from fastarch.bench.core import Suite, Case, Provider, Skip, BenchConfig
+
+    def cases(cfg: BenchConfig) -> list[Case]:
+        ...
+        return [Case(name="L=1024", params={"L": 1024}, flops=4.0 * b * h * l * l * d,
+                     providers=[Provider("fastarch-cpp", "fastarch", setup_cpp),
+                                Provider("reference", "reference", setup_ref)])]
+
+    SUITE = Suite(name="attention", description="...", cases=cases)
+
+``Provider.setup()`` builds the inputs (outside the timed region) and returns a zero-argument callable
+that runs ONE timed iteration. It raises :class:`Skip` with a reason ("not installed", "no CUDA device",
+"sequence too long for this backend") when the provider cannot run this case; any other exception is
+recorded as an error for that provider and the run goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["BenchConfig", "Case", "Provider", "Skip", "Suite", "PROVIDER_KINDS"]
+
+PROVIDER_KINDS: tuple[str, ...] = ("fastarch", "reference", "torch", "peer")
+
+
+class Skip(Exception):
+    """Raised by ``Provider.setup`` (or by a suite's ``cases``) when it cannot run here; the message is the
+    reason shown in the table ("not installed", "no CUDA device", ...)."""
+
+
+@dataclass
+class BenchConfig:
+    """What a suite's ``cases(cfg)`` is told about the run.
+
+    ``quick``: the default small sweep (all suites together under 3 minutes on a 2-core CPU);
+    ``device``/``dtype``: where and in what precision inputs are built;
+    ``toy``: shrink every size to the smallest meaningful one (used by the bench's own tests; suites may
+    ignore it, the runner also caps work via ``max_seconds_per_provider``);
+    ``seed``: for input generation.
+    """
+
+    quick: bool = True
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype = torch.float32
+    toy: bool = False
+    seed: int = 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return torch.device(self.device).type == "cuda"
+
+
+@dataclass
+class Provider:
+    """One way to run a case.
+
+    ``name``: unique within the case, e.g. "fastarch-cpp", "fastarch-triton", "reference", "sdpa",
+    "flex_attention", "flash-attn"; ``kind``: one of ``PROVIDER_KINDS`` — "fastarch" (a fastarch backend),
+    "reference" (the PyTorch reference / seed-guide implementation), "torch" (in-torch peers: SDPA,
+    flex_attention), "peer" (another library); ``setup``: builds inputs, returns the timed callable, or
+    raises :class:`Skip`. ``peer_package``: the importable package a peer needs (reported "not installed"
+    when it is absent, without calling ``setup``).
+    """
+
+    name: str
+    kind: str
+    setup: Callable[[], Callable[[], Any]]
+    peer_package: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROVIDER_KINDS:
+            raise ValueError(
+                f"Provider {self.name!r}: argument 'kind' must be one of {PROVIDER_KINDS}, got {self.kind!r}"
+            )
+
+
+@dataclass
+class Case:
+    """One problem size of a suite, run by every provider.
+
+    ``params``: the sizes (used for the table, the CSV and the plots' x axis); ``flops``: floating point
+    operations of ONE call (FlashAttention's conventions, see :mod:`fastarch.bench.flops`), or None;
+    ``reference``: the provider name speedups are measured against. Optional: ``bytes`` (memory traffic of
+    one call, for GB/s), ``group`` (cases with the same group share a plot line family, e.g. "fwd" vs
+    "fwd+bwd"; default: the case name up to the first size), ``x`` (the params key on the plot's x axis;
+    default: the first of L, seq_len, seqlen, N, rows, n found), ``measure_memory`` (measure peak memory
+    in --quick mode too; --full measures every case).
+    """
+
+    name: str
+    params: dict[str, Any]
+    flops: float | None
+    providers: list[Provider]
+    reference: str = "reference"
+    bytes: float | None = None
+    group: str | None = None
+    x: str | None = None
+    measure_memory: bool = False
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.providers]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"Case {self.name!r}: duplicate provider names {dup}")
+
+
+@dataclass
+class Suite:
+    """A named set of cases. ``cases`` is a function ``(BenchConfig) -> list[Case]``."""
+
+    name: str
+    description: str
+    cases: Callable[[BenchConfig], list[Case]]

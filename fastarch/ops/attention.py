@@ -1,0 +1,458 @@
+"""Fused attention: full, causal, sliding-window, padded, biased and grouped-query attention in one op.
+
+``attention(q, k, v, ...)`` computes ``softmax(q k^T * scale + bias, masked) v`` per head:
+
+- ``q`` is ``(B, H, Lq, D)``; ``k`` and ``v`` are ``(B, Hk, Lk, D)`` with ``Hk`` dividing ``H`` (GQA/MQA:
+  query head ``h`` reads key/value head ``h // (H // Hk)``);
+- ``window=(left, right)`` is inclusive, FlashAttention-style: query ``i`` sees key ``j`` when
+  ``i + off - left <= j <= i + off + right`` with ``off = Lk - Lq`` (bottom-right alignment, so decoding
+  with a KV cache works); ``-1`` means unlimited; ``causal=True`` sets ``right = 0``;
+- ``key_padding_mask`` ``(B, Lk)`` bool, True = a real token;
+- ``attn_bias`` additive, broadcastable to ``(B, H, Lq, Lk)``, differentiable (its gradient is reduced to
+  its own shape);
+- a query row that sees no key gives 0 (and ``lse = -inf``);
+- dropout on the probabilities uses a counter-based hash of ``(seed, b, h, i, j)`` (see
+  :func:`dropout_keep_mask`), so every backend draws the same mask and backward reproduces it.
+
+Backends: ``torch`` (dense masked fp32, the reference), ``cpp`` (banded tiled online-softmax C++ kernel,
+forward and backward), ``triton`` (kernels/attention.py; on CPU only under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..backend import AUTO, Implementation, register
+from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_tensor, fail
+from ._dispatch import call_of, run
+
+__all__ = ["attention", "attention_ref", "dropout_keep_mask", "normalize_window"]
+
+OP = "attention"
+_M = 0xFFFFFFFF
+MAX_TRITON_HEAD_DIM = 256
+
+
+# -- semantics shared by every backend -------------------------------------------------------------------
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The 32-bit finaliser of SHARED_APIS.md on int64 tensors holding values in [0, 2^32)."""
+    # int64 products may wrap; the low 32 bits kept by ``& _M`` are still exact.
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M
+    x = x ^ (x >> 16)
+    return x
+
+
+def dropout_keep_mask(
+    seed: int, B: int, H: int, Lq: int, Lk: int, dropout_p: float, device: torch.device | str = "cpu",
+    row0: int = 0,
+) -> torch.Tensor:
+    """The keep mask ``(B, H, Lq, Lk)`` bool of the attention dropout, a pure function of
+    ``(seed, b, h, i, j)`` (rows ``row0 .. row0 + Lq - 1``)."""
+    dev = torch.device(device)
+    bh = torch.arange(B * H, device=dev, dtype=torch.int64)
+    key = _mix32((int(seed) & _M) ^ _mix32(bh)).view(B, H, 1, 1)
+    i = torch.arange(row0, row0 + Lq, device=dev, dtype=torch.int64).view(Lq, 1)
+    j = torch.arange(Lk, device=dev, dtype=torch.int64).view(1, Lk)
+    ij = _mix32((i * 0x9E3779B1 + j) & _M)  # (Lq, Lk)
+    r = _mix32(key ^ ij)
+    return (r >> 8).to(torch.float64) * (2.0**-24) >= dropout_p
+
+
+def normalize_window(window: int | Sequence[int] | None, causal: bool = False) -> tuple[int, int]:
+    """``(left, right)`` with -1 = unlimited, causal folded in (``right = 0``); validates the values."""
+    if window is None:
+        w = (-1, -1)
+    elif isinstance(window, int) and not isinstance(window, bool):
+        w = (window, window)
+    elif isinstance(window, (tuple, list)) and len(window) == 2 and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in window
+    ):
+        w = (int(window[0]), int(window[1]))
+    else:
+        fail(OP, f"argument 'window' must be a pair of ints (left, right), got {window!r}")
+    if w[0] < -1 or w[1] < -1:
+        fail(OP, f"argument 'window' values must be >= -1 (-1 = unlimited), got {w}")
+    left, right = w
+    if causal:
+        right = 0
+    return left, right
+
+
+def _dense_scores_mask(
+    q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None, attn_bias: torch.Tensor | None,
+    wl: int, wr: int, scale: float, row0: int, Lq_total: int,
+) -> torch.Tensor:
+    """fp32 scores (B, H, lq, Lk) with -inf where masked; q is a row chunk starting at ``row0``."""
+    B, H, lq, _ = q.shape
+    Lk = k.shape[2]
+    s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if attn_bias is not None:
+        s = s + attn_bias.float()
+    ok: torch.Tensor | None = None
+    if wl >= 0 or wr >= 0:
+        i = torch.arange(row0, row0 + lq, device=q.device).view(-1, 1) + (Lk - Lq_total)
+        j = torch.arange(Lk, device=q.device).view(1, -1)
+        ok = torch.ones(lq, Lk, dtype=torch.bool, device=q.device)
+        if wl >= 0:
+            ok = ok & (j >= i - wl)
+        if wr >= 0:
+            ok = ok & (j <= i + wr)
+        ok = ok.view(1, 1, lq, Lk)
+    if key_padding_mask is not None:
+        kp = key_padding_mask.view(B, 1, 1, Lk)
+        ok = kp if ok is None else ok & kp
+    if ok is not None:
+        s = s.masked_fill(~ok, float("-inf"))
+    return s
+
+
+def _softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row softmax and log-sum-exp of masked scores; rows with no finite score give p = 0, lse = -inf.
+    Written so that autograd through it never meets NaN."""
+    m = s.detach().amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.exp(s - m)
+    z = e.sum(-1, keepdim=True)
+    p = e / torch.where(z > 0, z, torch.ones_like(z))
+    lse = (m + torch.log(z.detach())).squeeze(-1)
+    return p, lse
+
+
+def _expand_kv(t: torch.Tensor, H: int) -> torch.Tensor:
+    Hk = t.shape[1]
+    return t if Hk == H else t.repeat_interleave(H // Hk, dim=1)
+
+
+def _bias4(attn_bias: torch.Tensor | None) -> torch.Tensor | None:
+    """View a bias of rank <= 4 as rank 4 (leading singleton dims), without expanding."""
+    if attn_bias is None:
+        return None
+    return attn_bias.reshape((1,) * (4 - attn_bias.dim()) + tuple(attn_bias.shape))
+
+
+def _dense_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+    attn_bias: torch.Tensor | None, wl: int, wr: int, dropout_p: float, seed: int, scale: float,
+    row0: int = 0, Lq_total: int | None = None, bias_row0: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 (o, lse) for the query rows ``row0 .. row0 + lq - 1`` (q holds just those rows) of a problem
+    with ``Lq_total`` rows; the bias rows are taken from ``bias_row0`` (default ``row0``). Differentiable."""
+    B, H, lq, _ = q.shape
+    Lq_total = lq if Lq_total is None else Lq_total
+    kf, vf = _expand_kv(k.float(), H), _expand_kv(v.float(), H)
+    bias = None
+    if attn_bias is not None:
+        b4 = _bias4(attn_bias)
+        br = row0 if bias_row0 is None else bias_row0
+        bias = b4[:, :, br:br + lq] if b4.shape[2] != 1 else b4
+    s = _dense_scores_mask(q.float(), kf, key_padding_mask, bias, wl, wr, scale, row0, Lq_total)
+    p, lse = _softmax_lse(s)
+    if dropout_p > 0:
+        keep = dropout_keep_mask(seed, B, H, lq, k.shape[2], dropout_p, q.device, row0=row0)
+        p = p * keep / (1.0 - dropout_p)
+    return torch.matmul(p, vf), lse
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: int | Sequence[int] = (-1, -1),
+    key_padding_mask: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    return_lse: bool = False,
+    dropout_seed: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The oracle: dense masked attention in fp32 (materialises ``(B, H, Lq, Lk)``), output in q's dtype.
+
+    Same arguments and semantics as :func:`attention`; differentiable through plain autograd. With
+    ``dropout_p > 0`` a ``dropout_seed`` must be given (the mask is the shared hash mask).
+    """
+    wl, wr = normalize_window(window, causal)
+    if dropout_p > 0 and dropout_seed is None:
+        fail(OP, "attention_ref with dropout_p > 0 needs an explicit dropout_seed")
+    sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o, lse = _dense_forward(q, k, v, key_padding_mask, attn_bias, wl, wr, float(dropout_p),
+                            int(dropout_seed or 0), sc)
+    o = o.to(q.dtype)
+    return (o, lse) if return_lse else o
+
+
+# -- validation ------------------------------------------------------------------------------------------
+def _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale) -> None:
+    check_tensor(OP, "q", q, ndim=4)
+    check_tensor(OP, "k", k, ndim=4)
+    check_tensor(OP, "v", v, ndim=4)
+    check_same_device(OP, "q", q, k=k, v=v)
+    check_same_dtype(OP, "q", q, k=k, v=v)
+    B, H, Lq, D = q.shape
+    if k.shape != v.shape:
+        fail(OP, f"arguments 'k' and 'v' must have the same shape (B, Hk, Lk, D), got {tuple(k.shape)} "
+                 f"and {tuple(v.shape)}")
+    Bk, Hk, Lk, Dk = k.shape
+    if Bk != B:
+        fail(OP, f"argument 'k' has batch {Bk} but 'q' has batch {B} "
+                 f"(q: {tuple(q.shape)}, k: {tuple(k.shape)})")
+    if Dk != D:
+        fail(OP, f"argument 'k' has head dim {Dk} but 'q' has head dim {D}")
+    if D < 1:
+        fail(OP, f"argument 'q' must have head dim >= 1, got shape {tuple(q.shape)}")
+    if Hk < 1 or H % Hk != 0:
+        fail(OP, f"the number of query heads H={H} must be a multiple of the key/value heads Hk={Hk} "
+                 f"(q: {tuple(q.shape)}, k: {tuple(k.shape)})")
+    if key_padding_mask is not None:
+        check_tensor(OP, "key_padding_mask", key_padding_mask, ndim=2, dtypes=(torch.bool,), shape=(B, Lk))
+        check_same_device(OP, "q", q, key_padding_mask=key_padding_mask)
+    if attn_bias is not None:
+        check_tensor(OP, "attn_bias", attn_bias, dtypes=FLOAT_DTYPES)
+        check_same_device(OP, "q", q, attn_bias=attn_bias)
+        full = (B, H, Lq, Lk)
+        shp = tuple(attn_bias.shape)
+        if len(shp) > 4 or any(s not in (1, f) for s, f in zip(shp[::-1], full[::-1])):
+            fail(OP, f"argument 'attn_bias' must be broadcastable to (B, H, Lq, Lk) = {full}, got {shp}")
+    if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
+        fail(OP, f"argument 'dropout_p' must be a float in [0, 1), got {dropout_p!r}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        fail(OP, f"argument 'scale' must be a finite float or None, got {scale!r}")
+
+
+# -- the custom ops --------------------------------------------------------------------------------------
+def _features(q: torch.Tensor, k: torch.Tensor, kpm, bias, wl: int, wr: int, dropout_p: float) -> dict:
+    return {
+        "head_dim": q.shape[-1], "Lq": q.shape[2], "Lk": k.shape[2], "H": q.shape[1], "Hk": k.shape[1],
+        "window": (wl, wr), "has_mask": kpm is not None, "has_bias": bias is not None,
+        "dropout": dropout_p > 0,
+    }
+
+
+@torch.library.custom_op("fastarch::attention_fwd", mutates_args=())
+def _attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
+    attn_bias: torch.Tensor | None, window_left: int, window_right: int, dropout_p: float, seed: int,
+    scale: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    call = call_of(q, **_features(q, k, key_padding_mask, attn_bias, window_left, window_right, dropout_p))
+    o, lse = run(OP, "forward", call, backend, q, k, v, key_padding_mask, attn_bias, window_left,
+                 window_right, dropout_p, seed, scale)
+    return o, lse
+
+
+@_attention_fwd.register_fake
+def _(q, k, v, key_padding_mask, attn_bias, window_left, window_right, dropout_p, seed, scale, backend):
+    B, H, Lq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, H, Lq), dtype=torch.float32)
+
+
+@torch.library.custom_op("fastarch::attention_bwd", mutates_args=())
+def _attention_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    key_padding_mask: torch.Tensor | None, attn_bias: torch.Tensor | None, window_left: int,
+    window_right: int, dropout_p: float, seed: int, scale: float, need_dbias: bool, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    call = call_of(q, **_features(q, k, key_padding_mask, attn_bias, window_left, window_right, dropout_p))
+    dq, dk, dv, dbias = run(OP, "backward", call, backend, do, q, k, v, o, lse, key_padding_mask, attn_bias,
+                            window_left, window_right, dropout_p, seed, scale, need_dbias)
+    if dbias is None:
+        dbias = q.new_empty((0,), dtype=torch.float32)
+    return dq, dk, dv, dbias
+
+
+@_attention_bwd.register_fake
+def _(do, q, k, v, o, lse, key_padding_mask, attn_bias, window_left, window_right, dropout_p, seed, scale,
+      need_dbias, backend):
+    B, H, Lq, _ = q.shape
+    dbias_shape = (B, H, Lq, k.shape[2]) if need_dbias else (0,)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(dbias_shape, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, kpm, bias, wl, wr, p, seed, scale, backend = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, kpm, bias)
+    ctx.args = (wl, wr, p, seed, scale, backend)
+
+
+def _reduce_to(g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Sum a (B, H, Lq, Lk) gradient down to a rank-4 broadcast shape."""
+    dims = [d for d in range(4) if shape[d] == 1 and g.shape[d] != 1]
+    return g.sum(dim=dims, keepdim=True) if dims else g
+
+
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, kpm, bias = ctx.saved_tensors
+    wl, wr, p, seed, scale, backend = ctx.args
+    need_dbias = bias is not None and ctx.needs_input_grad[4]
+    dq, dk, dv, dbias = _attention_bwd(do.contiguous(), q, k, v, o, lse, kpm, bias, wl, wr, p, seed, scale,
+                                       need_dbias, backend)
+    gb = None
+    if need_dbias:
+        gb = _reduce_to(dbias, bias.shape).to(bias.dtype)
+    return dq, dk, dv, None, gb, None, None, None, None, None, None
+
+
+_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: int | Sequence[int] = (-1, -1),
+    key_padding_mask: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    return_lse: bool = False,
+    dropout_seed: int | None = None,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Fused attention. q ``(B, H, Lq, D)``, k/v ``(B, Hk, Lk, D)`` -> o ``(B, H, Lq, D)``
+    [, lse ``(B, H, Lq)`` fp32].
+
+    ``window=(left, right)`` inclusive, -1 unlimited, bottom-right aligned when Lq != Lk; ``causal`` sets
+    right = 0. ``key_padding_mask`` ``(B, Lk)`` bool (True = real token). ``attn_bias`` additive,
+    broadcastable to ``(B, H, Lq, Lk)``. ``dropout_p`` drops probabilities with the shared hash mask of
+    ``dropout_seed`` (drawn from torch's generator when None). ``scale`` defaults to ``D ** -0.5``.
+    ``backend`` forces 'torch', 'cpp' or 'triton'.
+    """
+    wl, wr = normalize_window(window, causal)
+    _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale)
+    dropout_p = float(dropout_p)
+    if dropout_seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
+    else:
+        if not isinstance(dropout_seed, int):
+            fail(OP, f"argument 'dropout_seed' must be an int or None, got {type(dropout_seed).__name__}",
+                 TypeError)
+        seed = int(dropout_seed) & _M
+    sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    bias4 = _bias4(attn_bias)
+    B, H, Lq, _ = q.shape
+    if Lq == 0 or k.shape[2] == 0 or B == 0 or H == 0:
+        # Empty problems: nothing to launch; rows without keys are 0 by definition.
+        o = q.new_zeros(q.shape) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()
+        lse = q.new_full((B, H, Lq), float("-inf"), dtype=torch.float32)
+        return (o, lse) if return_lse else o
+    o, lse = _attention_fwd(q, k, v, key_padding_mask, bias4, wl, wr, dropout_p, seed, sc, backend or AUTO)
+    return (o, lse) if return_lse else o
+
+
+# -- backends --------------------------------------------------------------------------------------------
+def _query_chunk(B: int, H: int, Lk: int, budget: int = 1 << 26) -> int:
+    # Rows per chunk so that one chunk's fp32 score matrix stays under ~256 MB.
+    return max(1, budget // max(1, B * H * Lk))
+
+
+class TorchAttention(Implementation):
+    op, backend = OP, "torch"
+    description = "dense masked attention in fp32 (the reference), chunked over query rows"
+
+    def forward(self, q, k, v, kpm, bias, wl, wr, p, seed, scale):
+        B, H, Lq, _ = q.shape
+        step = _query_chunk(B, H, k.shape[2])
+        os, lses = [], []
+        for r0 in range(0, Lq, step):
+            o, lse = _dense_forward(q[:, :, r0:r0 + step], k, v, kpm, bias, wl, wr, p, seed, scale,
+                                    row0=r0, Lq_total=Lq)
+            os.append(o)
+            lses.append(lse)
+        return torch.cat(os, 2).to(q.dtype), torch.cat(lses, 2).contiguous()
+
+    def backward(self, do, q, k, v, o, lse, kpm, bias, wl, wr, p, seed, scale, need_dbias):
+        # Explicit formulas (custom-op bodies run below autograd, so no autograd.grad here).
+        B, H, Lq, D = q.shape
+        Hk, Lk = k.shape[1], k.shape[2]
+        step = _query_chunk(B, H, Lk)
+        kx, vx = _expand_kv(k.float(), H), _expand_kv(v.float(), H)
+        dkx = torch.zeros(B, H, Lk, D, dtype=torch.float32, device=q.device)
+        dvx = torch.zeros_like(dkx)
+        b4 = _bias4(bias)
+        dq_parts, dbias_parts = [], []
+        for r0 in range(0, Lq, step):
+            qc = q[:, :, r0:r0 + step].float()
+            doc = do[:, :, r0:r0 + step].float()
+            lq = qc.shape[2]
+            bc = None
+            if b4 is not None:
+                bc = b4[:, :, r0:r0 + lq] if b4.shape[2] != 1 else b4
+            s = _dense_scores_mask(qc, kx, kpm, bc, wl, wr, scale, r0, Lq)
+            pr, _ = _softmax_lse(s)
+            dpd = torch.matmul(doc, vx.transpose(-2, -1))
+            if p > 0:
+                keep = dropout_keep_mask(seed, B, H, lq, Lk, p, q.device, row0=r0).float() / (1.0 - p)
+                dvx += torch.matmul((pr * keep).transpose(-2, -1), doc)
+                dp = dpd * keep
+            else:
+                dvx += torch.matmul(pr.transpose(-2, -1), doc)
+                dp = dpd
+            ds = pr * (dp - (pr * dp).sum(-1, keepdim=True))
+            dq_parts.append(torch.matmul(ds, kx) * scale)
+            dkx += torch.matmul(ds.transpose(-2, -1), qc) * scale
+            if need_dbias:
+                dbias_parts.append(ds)
+        g = H // Hk
+        dk = dkx.view(B, Hk, g, Lk, D).sum(2)
+        dv = dvx.view(B, Hk, g, Lk, D).sum(2)
+        dbias = torch.cat(dbias_parts, 2) if need_dbias else None
+        return torch.cat(dq_parts, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
+
+
+class TritonAttention(Implementation):
+    op, backend = OP, "triton"
+    description = "Triton FlashAttention-2 style kernels (kernels/attention.py), fp32 accumulation"
+
+    def static_reasons(self):
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return ["triton is not installed"]
+        return []
+
+    def check(self, call):
+        d = call.get("head_dim", 0)
+        if d > MAX_TRITON_HEAD_DIM:
+            return [f"head dim {d} > {MAX_TRITON_HEAD_DIM}"]
+        return []
+
+    def load(self):
+        from ..kernels import attention as K
+
+        return K
+
+    @staticmethod
+    def _bias_full(bias, q, k):
+        if bias is None:
+            return None
+        B, H, Lq, _ = q.shape
+        return bias.expand(B, H, Lq, k.shape[2])
+
+    def forward(self, q, k, v, kpm, bias, wl, wr, p, seed, scale):
+        o, lse = self.lib.attention_fwd(
+            q, k, v, window_left=wl, window_right=wr, key_padding_mask=kpm,
+            attn_bias=self._bias_full(bias, q, k), dropout_p=p, seed=seed, scale=scale,
+        )
+        return o, lse
+
+    def backward(self, do, q, k, v, o, lse, kpm, bias, wl, wr, p, seed, scale, need_dbias):
+        dq, dk, dv, dbias = self.lib.attention_bwd(
+            do, q, k, v, o, lse, window_left=wl, window_right=wr, key_padding_mask=kpm,
+            attn_bias=self._bias_full(bias, q, k), dropout_p=p, seed=seed, scale=scale, need_dbias=need_dbias,
+        )
+        return dq, dk, dv, dbias
+
+
+for _impl in (TorchAttention, TritonAttention):
+    register(_impl)

@@ -1,0 +1,231 @@
+"""lsh_attention: the reference against an independent per-query oracle of the rule, the dense limit,
+and every backend (outputs and gradients) against the reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastarch.ops.lsh_attention import lsh_attention, lsh_attention_ref, lsh_n_buckets, lsh_rotations
+from tests._tolerance import assert_fa_close
+
+
+# -- an independent oracle: for each query, list the key occurrences the rule gives, in float64 -------------
+def oracle(qk, v, rotations, bucket_size, causal=False, key_padding_mask=None):
+    """Per-query loops straight from the issue text; O(L^2) and slow, for tiny L only."""
+    B, H, L, D = qk.shape
+    NH = rotations.shape[1]
+    nb = max(2, math.ceil(L / bucket_size))
+    nb += nb % 2
+    Lp = math.ceil(L / bucket_size) * bucket_size
+    n_chunks = NH * Lp // bucket_size
+    out = torch.zeros(B, H, L, D, dtype=torch.float64)
+    buckets = torch.zeros(B, H, NH, L, dtype=torch.long)
+    R = rotations.double()
+    for b in range(B):
+        for h in range(H):
+            x, vv = qk[b, h].double(), v[b, h].double()
+            order: list[int] = []
+            for r in range(NH):
+                proj = x @ R[:, r, :]
+                bk = [int(torch.argmax(torch.cat([proj[i], -proj[i]]))) for i in range(L)]
+                buckets[b, h, r] = torch.tensor(bk)
+                keyed = [((bk[i] if i < L else nb), i) for i in range(Lp)]
+                order += [i for _, i in sorted(keyed)]
+            for i in range(L):
+                rounds = []
+                for r in range(NH):
+                    slot = r * Lp + order[r * Lp : (r + 1) * Lp].index(i)
+                    c = slot // bucket_size
+                    prev = (c - 1) % n_chunks
+                    slots = list(range(c * bucket_size, (c + 1) * bucket_size))
+                    slots += list(range(prev * bucket_size, (prev + 1) * bucket_size))
+                    keys = []
+                    for t in slots:
+                        j = order[t]
+                        if j >= L or j == i:
+                            continue
+                        if key_padding_mask is not None and not bool(key_padding_mask[b, j]):
+                            continue
+                        if causal and j > i:
+                            continue
+                        keys.append(j)
+                    if keys:
+                        s = torch.stack(
+                            [x[i] @ (x[j] / x[j].norm().clamp_min(1e-12)) for j in keys]
+                        ) / math.sqrt(D)
+                        lse = torch.logsumexp(s, 0)
+                        o = (torch.softmax(s, 0)[:, None] * vv[keys]).sum(0)
+                        rounds.append((o, lse))
+                if rounds:
+                    w = torch.softmax(torch.stack([lse for _, lse in rounds]), 0)
+                    out[b, h, i] = sum(wr * o for wr, (o, _) in zip(w, rounds))
+                else:
+                    out[b, h, i] = vv[i]
+    return out, buckets
+
+
+def _inputs(B, H, L, D, dtype=torch.float32, grad=False):
+    qk = torch.randn(B, H, L, D, dtype=dtype)
+    v = torch.randn(B, H, L, D, dtype=dtype)
+    if grad:
+        qk.requires_grad_(True)
+        v.requires_grad_(True)
+    return qk, v
+
+
+@pytest.mark.parametrize(
+    "L,bs,nh,causal,use_mask",
+    [
+        (5, 8, 1, False, False),  # a single chunk that wraps onto itself
+        (5, 8, 2, True, False),
+        (7, 4, 3, False, True),
+        (13, 4, 2, True, True),
+        (21, 32, 2, False, False),  # bucket_size >= L
+        (37, 8, 3, True, False),
+        (40, 8, 4, False, True),
+    ],
+)
+def test_reference_matches_oracle(L, bs, nh, causal, use_mask):
+    B, H, D = 2, 2, 6
+    qk, v = _inputs(B, H, L, D)
+    rot = lsh_rotations(D, nh, lsh_n_buckets(L, bs), seed=3)
+    kpm = (torch.rand(B, L) > 0.3) if use_mask else None
+    out, buckets = lsh_attention_ref(
+        qk,
+        v,
+        n_hashes=nh,
+        bucket_size=bs,
+        causal=causal,
+        key_padding_mask=kpm,
+        rotations=rot,
+        return_buckets=True,
+    )
+    want, want_b = oracle(qk, v, rot, bs, causal, kpm)
+    assert torch.equal(buckets, want_b)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_self_only_fallback_is_own_value():
+    # L=1: the only key is the query itself in every round, so the output is its own v.
+    qk, v = _inputs(1, 2, 1, 8)
+    for backend in ("torch", "cpp", "triton"):
+        out = lsh_attention(qk, v, n_hashes=3, bucket_size=4, seed=0, backend=backend)
+        torch.testing.assert_close(out, v)
+
+
+@pytest.mark.parametrize("nh", [1, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_bucket_size_at_least_L_is_dense(nh, causal, backend):
+    # Every round's chunk pair holds every key (twice), so the rule is dense attention without self,
+    # normalised keys, and the query's own v when it has no other key.
+    B, H, L, D = 1, 2, 19, 8
+    qk, v = _inputs(B, H, L, D)
+    out = lsh_attention(qk, v, n_hashes=nh, bucket_size=32, causal=causal, seed=1, backend=backend)
+    kn = F.normalize(qk, dim=-1)
+    s = qk @ kn.transpose(-1, -2) / math.sqrt(D)
+    allowed = ~torch.eye(L, dtype=torch.bool)
+    if causal:
+        allowed &= torch.ones(L, L).tril().bool()
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    dense = p @ v
+    dense[:, :, 0] = v[:, :, 0] if causal else dense[:, :, 0]
+    torch.testing.assert_close(out, dense, atol=2e-5, rtol=1e-4)
+
+
+CASES = [
+    # (B, H, L, D, bs, nh, causal)
+    (1, 2, 1, 16, 8, 1, False),
+    (2, 2, 63, 16, 8, 4, True),
+    (1, 3, 200, 24, 16, 1, False),
+    (1, 2, 200, 16, 32, 4, True),
+    (1, 1, 1000, 32, 64, 4, False),
+    (1, 1, 1000, 16, 32, 1, True),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+@pytest.mark.parametrize("B,H,L,D,bs,nh,causal", CASES)
+def test_backend_matches_reference(backend, B, H, L, D, bs, nh, causal):
+    if backend == "triton" and L * nh > 2000:
+        pytest.skip("kept small under the Triton interpreter")
+    qk, v = _inputs(B, H, L, D, grad=True)
+    kpm = torch.rand(B, L) > 0.2
+    kw = dict(n_hashes=nh, bucket_size=bs, causal=causal, key_padding_mask=kpm, seed=7)
+    ref = lsh_attention_ref(qk, v, **kw)
+    g = torch.randn_like(ref)
+    dq_ref, dv_ref = torch.autograd.grad(ref, (qk, v), g)
+    out = lsh_attention(qk, v, backend=backend, **kw)
+    dq, dv = torch.autograd.grad(out, (qk, v), g)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(dv, dv_ref, atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(dq, dq_ref, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_half_precision(backend):
+    B, H, L, D = 1, 2, 70, 16
+    qk32, v32 = _inputs(B, H, L, D)
+    kw = dict(n_hashes=2, bucket_size=16, seed=5, causal=True)
+    qk, v = qk32.half().requires_grad_(True), v32.half().requires_grad_(True)
+    qkr, vr = qk.detach().float().requires_grad_(True), v.detach().float().requires_grad_(True)
+    ref = lsh_attention_ref(qkr, vr, **kw)
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    qkt, vt = qk.detach().clone().requires_grad_(True), v.detach().clone().requires_grad_(True)
+    tor = lsh_attention_ref(qkt.float(), vt.float(), **kw).half()  # torch in half: rounding of the output
+    tor.float().backward(g)
+    out = lsh_attention(qk, v, backend=backend, **kw)
+    assert out.dtype == torch.float16
+    out.float().backward(g)
+    assert_fa_close(out, ref, tor, 2.0)
+    assert_fa_close(qk.grad, qkr.grad, qkt.grad.half(), 3.0, atol=1e-3, what="dqk")
+    assert_fa_close(v.grad, vr.grad, vt.grad.half(), 3.0, atol=1e-3, what="dv")
+
+
+def test_buckets_and_seed():
+    qk, v = _inputs(2, 3, 50, 8)
+    o1, b1 = lsh_attention(qk, v, n_hashes=2, bucket_size=8, seed=11, return_buckets=True)
+    o2, b2 = lsh_attention(qk, v, n_hashes=2, bucket_size=8, seed=11, return_buckets=True)
+    assert b1.shape == (2, 3, 2, 50) and b1.dtype == torch.long
+    nb = lsh_n_buckets(50, 8)
+    assert nb == 8 and int(b1.max()) < nb
+    assert torch.equal(b1, b2) and torch.equal(o1, o2)
+    rot = lsh_rotations(8, 2, nb, seed=11)
+    o3, b3 = lsh_attention(qk, v, n_hashes=2, bucket_size=8, rotations=rot, return_buckets=True)
+    assert torch.equal(b1, b3)
+    torch.testing.assert_close(o1, o3)
+    _, b4 = lsh_attention(qk, v, n_hashes=2, bucket_size=8, seed=12, return_buckets=True)
+    assert not torch.equal(b1, b4)
+
+
+def test_n_buckets_rule():
+    assert lsh_n_buckets(1, 64) == 2
+    assert lsh_n_buckets(100, 64) == 2
+    assert lsh_n_buckets(129, 64) == 4
+    assert lsh_n_buckets(200, 64) == 4
+    assert lsh_n_buckets(16384, 64) == 256
+
+
+def test_bad_inputs():
+    qk, v = _inputs(1, 2, 10, 8)
+    with pytest.raises(ValueError, match="bucket_size"):
+        lsh_attention(qk, v, bucket_size=0)
+    with pytest.raises(ValueError, match="n_hashes"):
+        lsh_attention(qk, v, n_hashes=0)
+    with pytest.raises(ValueError, match="'v'"):
+        lsh_attention(qk, v[:, :, :9])
+    with pytest.raises(ValueError, match="'qk'"):
+        lsh_attention(qk[0], v[0])
+    with pytest.raises(ValueError, match="rotations"):
+        lsh_attention(qk, v, n_hashes=2, bucket_size=4, rotations=torch.randn(8, 2, 3))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        lsh_attention(qk, v, key_padding_mask=torch.ones(1, 9, dtype=torch.bool))
+    with pytest.raises(TypeError, match="key_padding_mask"):
+        lsh_attention(qk, v, key_padding_mask=torch.ones(1, 10))
+    with pytest.raises(TypeError, match="'v'"):
+        lsh_attention(qk, v.double())

@@ -144,6 +144,19 @@ class Implementation:
         return reasons
 
 
+class TritonImplementation(Implementation):
+    """Base for Triton implementations: unavailable when the triton package cannot be imported."""
+
+    backend = "triton"
+
+    def static_reasons(self) -> list[str]:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return ["triton is not installed"]
+        return []
+
+
 # -- registry ------------------------------------------------------------------------------------------
 _REGISTRY: dict[str, dict[str, Implementation]] = {}
 _ORDER: dict[str, dict[str, tuple[str, ...]]] = {}

@@ -207,13 +207,20 @@ def load_extension(name: str, kind: str = "cpu") -> ModuleType:
             try:
                 mod = _jit_build(name, kind)
             except Exception as exc:
-                text = str(exc).strip().splitlines()
-                errs = [ln for ln in text if "error" in ln.lower()]
-                msg = f"build of {key} failed: {(errs or text or [type(exc).__name__])[0][:300]}"
+                msg = f"build of {key} failed: {_first_compiler_error(exc)}"
                 _errors[key] = msg
                 raise ExtensionBuildError(msg) from exc
         _loaded[key] = mod
         return mod
+
+
+def _first_compiler_error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    for pat in (": error:", "error:", "Error"):
+        hits = [ln.strip() for ln in text if pat in ln]
+        if hits:
+            return hits[0][:300]
+    return (text[0] if text else type(exc).__name__)[:300]
 
 
 def status() -> list[tuple[str, str, str]]:

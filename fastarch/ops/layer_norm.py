@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import AUTO, Implementation, register
+from ..backend import AUTO, Implementation, TritonImplementation, register
 from ..extensions import load_extension
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
 from ._dispatch import call_of, run
@@ -213,16 +213,9 @@ class CppLayerNorm(Implementation):
         return tuple(self.lib.layer_norm_bwd(dy, x, weight, mean, eps, mode))
 
 
-class TritonLayerNorm(Implementation):
-    op, backend = OP, "triton"
+class TritonLayerNorm(TritonImplementation):
+    op = OP
     description = "Triton row kernels, one row per program"
-
-    def static_reasons(self):
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return ["triton is not installed"]
-        return []
 
     def check(self, call):
         if call.get("n", 0) > 65536:

@@ -1,0 +1,7 @@
+"""``python -m fastarch.bench ...`` is ``fastarch bench ...``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,203 @@
+"""Norms and rotary embeddings: LayerNorm (forward and forward+backward), RMSNorm, RoPE.
+
+Providers per case:
+
+- ``fastarch-cpp`` / ``fastarch-triton`` / ``fastarch-torch``: :func:`fastarch.ops.layer_norm`,
+  :func:`fastarch.ops.rms_norm`, :func:`fastarch.ops.rotary_embedding` forced to each backend;
+- ``reference``: the seed guide's composed module (guide 003: ``LayerNorm`` with the unbiased std and
+  ``eps`` outside the square root; the guide's interleaved ``apply_rotary``; a composed RMSNorm);
+- ``torch``: ``F.layer_norm`` / ``F.rms_norm`` (fused ATen kernels; note ``F.layer_norm`` computes the
+  standard biased-variance LayerNorm, the same amount of work but not the guide's formula);
+- peers (CUDA only): flash-attn's Triton ``layer_norm_fn``/``rms_norm_fn`` and ``apply_rotary_emb``.
+
+The LayerNorm cases use the guide's semantics (``unbiased=True, eps_inside_sqrt=False``) so that fastarch
+and the reference compute the same function. ``bytes`` is the minimum memory traffic (read x [and dy],
+write y [and dx]), so GB/s shows how close each provider gets to memory bandwidth. The issue-2 bar is the
+``layer_norm fwd+bwd rows=8192,N=1024`` case: fastarch-cpp against ``reference``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..core import BenchConfig, Case, Provider, Skip, Suite
+from ..helpers import fastarch_op, randn, require_backend, require_cuda, require_package
+
+EPS = 1e-6
+BACKENDS = ("cpp", "triton", "torch")
+
+
+def _guide_layer_norm(x: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    # Guide 003's LayerNorm.forward, verbatim in behaviour: unbiased std, eps added to the std.
+    mean = x.mean(dim=-1, keepdim=True)
+    std = x.std(dim=-1, keepdim=True)
+    return gamma * ((x - mean) / (std + EPS)) + beta
+
+
+def _composed_rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+
+def _guide_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Guide 003's RotaryPositionalEncoding.apply_rotary (pairs 2r, 2r+1), tables broadcast over (B, H).
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2)
+
+
+def _timed(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], backward: bool) -> Callable[[], Any]:
+    """One iteration: ``fn(*inputs)``, plus the gradients of every input that requires grad (computed with
+    ``autograd.grad`` so nothing accumulates between iterations)."""
+    if not backward:
+        def fwd() -> Any:
+            with torch.no_grad():
+                return fn(*inputs)
+        return fwd
+    with torch.no_grad():
+        shape = fn(*inputs).shape
+    g = torch.Generator(device="cpu").manual_seed(7)
+    dy = torch.randn(shape, generator=g).to(device=inputs[0].device, dtype=inputs[0].dtype)
+    wrt = [t for t in inputs if t.requires_grad]
+
+    def fwd_bwd() -> Any:
+        y = fn(*inputs)
+        return torch.autograd.grad(y, wrt, dy)
+    return fwd_bwd
+
+
+def _sizes(cfg: BenchConfig) -> tuple[list[int], list[int]]:
+    """(rows, widths) per mode; quick holds the issue-2 headline size rows=8192, N=1024."""
+    if cfg.toy:
+        return [64, 256], [128]
+    if cfg.quick:
+        return [1024, 8192], [1024]
+    return [256, 1024, 4096, 16384, 65536], [1024, 4096]
+
+
+def _norm_case(kind: str, rows: int, n: int, backward: bool, cfg: BenchConfig) -> Case:
+    op_name = "layer_norm" if kind == "layer_norm" else "rms_norm"
+    mode = "fwd+bwd" if backward else "fwd"
+
+    def inputs() -> list[torch.Tensor]:
+        x = randn(rows, n, cfg=cfg, seed=1, requires_grad=backward)
+        w = (1 + 0.1 * randn(n, cfg=cfg, seed=2)).detach().requires_grad_(backward)
+        if kind == "layer_norm":
+            b = (0.1 * randn(n, cfg=cfg, seed=3)).detach().requires_grad_(backward)
+            return [x, w, b]
+        return [x, w]
+
+    def fastarch_setup(backend: str) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            op = fastarch_op(op_name)
+            require_backend(op_name, backend, cfg.device, cfg.dtype, n=n)
+            if kind == "layer_norm":
+                fn = lambda x, w, b: op(x, w, b, EPS, unbiased=True, eps_inside_sqrt=False, backend=backend)
+            else:
+                fn = lambda x, w: op(x, w, EPS, backend=backend)
+            return _timed(fn, inputs(), backward)
+        return setup
+
+    def reference() -> Callable[[], Any]:
+        return _timed(_guide_layer_norm if kind == "layer_norm" else _composed_rms_norm, inputs(), backward)
+
+    def torch_fused() -> Callable[[], Any]:
+        if kind == "layer_norm":
+            return _timed(lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS), inputs(), backward)
+        if not hasattr(F, "rms_norm"):
+            raise Skip(f"F.rms_norm needs torch >= 2.4 (have {torch.__version__})")
+        return _timed(lambda x, w: F.rms_norm(x, (n,), w, EPS), inputs(), backward)
+
+    def flash_attn_peer() -> Callable[[], Any]:
+        require_cuda(cfg)
+        mod = require_package("flash_attn.ops.triton.layer_norm")
+        if kind == "layer_norm":
+            return _timed(lambda x, w, b: mod.layer_norm_fn(x, w, b, eps=EPS), inputs(), backward)
+        return _timed(lambda x, w: mod.rms_norm_fn(x, w, None, eps=EPS), inputs(), backward)
+
+    providers = [Provider(f"fastarch-{b}", "fastarch", fastarch_setup(b)) for b in BACKENDS]
+    providers += [
+        Provider("reference", "reference", reference),
+        Provider("torch", "torch", torch_fused),
+        Provider("flash-attn", "peer", flash_attn_peer, peer_package="flash_attn"),
+    ]
+    elt = torch.tensor([], dtype=cfg.dtype).element_size()
+    traffic = (5 if backward else 2) * rows * n * elt  # x,y | x,y + dy,x,dx
+    return Case(
+        name=f"{kind} {mode} rows={rows},N={n}", params={"rows": rows, "N": n, "mode": mode},
+        flops=None, bytes=float(traffic), providers=providers, group=f"{kind} {mode} N={n}", x="rows",
+        measure_memory=(rows == max(_sizes(cfg)[0]) and backward),
+    )
+
+
+def _rotary_case(batch: int, seq: int, heads: int, dim: int, backward: bool, cfg: BenchConfig) -> Case:
+    mode = "fwd+bwd" if backward else "fwd"
+
+    def tables() -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(seq, dtype=torch.float32)[:, None]
+        inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        ang = pos * inv[None, :]
+        return ang.cos().to(cfg.device, cfg.dtype), ang.sin().to(cfg.device, cfg.dtype)
+
+    def inputs() -> list[torch.Tensor]:
+        return [randn(batch, seq, heads, dim, cfg=cfg, seed=4, requires_grad=backward), *tables()]
+
+    def fastarch_setup(backend: str) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            op = fastarch_op("rotary_embedding")
+            require_backend("rotary", backend, cfg.device, cfg.dtype)
+            return _timed(lambda x, c, s: op(x, c, s, interleaved=True, backend=backend), inputs(), backward)
+        return setup
+
+    def flash_attn_peer() -> Callable[[], Any]:
+        require_cuda(cfg)
+        mod = require_package("flash_attn.layers.rotary")
+        return _timed(lambda x, c, s: mod.apply_rotary_emb(x, c, s, interleaved=True), inputs(), backward)
+
+    providers = [Provider(f"fastarch-{b}", "fastarch", fastarch_setup(b)) for b in BACKENDS]
+    providers += [
+        Provider("reference", "reference", lambda: _timed(_guide_rotary, inputs(), backward)),
+        Provider("flash-attn", "peer", flash_attn_peer, peer_package="flash_attn"),
+    ]
+    elt = torch.tensor([], dtype=cfg.dtype).element_size()
+    n = batch * seq * heads * dim
+    return Case(
+        name=f"rotary {mode} B={batch},L={seq},H={heads},D={dim}",
+        params={"B": batch, "L": seq, "H": heads, "D": dim, "mode": mode},
+        flops=6.0 * n / 2 * (2 if backward else 1),  # per pair: 4 mul + 2 add
+        bytes=float((4 if backward else 2) * n * elt), providers=providers, group=f"rotary {mode}", x="L",
+    )
+
+
+def cases(cfg: BenchConfig) -> list[Case]:
+    rows_list, widths = _sizes(cfg)
+    out: list[Case] = []
+    for n in widths:
+        for backward in (True, False):
+            for rows in rows_list:
+                out.append(_norm_case("layer_norm", rows, n, backward, cfg))
+        for rows in rows_list:
+            out.append(_norm_case("rms_norm", rows, n, True, cfg))
+        if not cfg.quick:
+            for rows in rows_list:
+                out.append(_norm_case("rms_norm", rows, n, False, cfg))
+    if cfg.toy:
+        seqs = [32, 64]
+    elif cfg.quick:
+        seqs = [512, 2048]
+    else:
+        seqs = [256, 1024, 4096, 16384]
+    for backward in ((False,) if cfg.quick else (False, True)):
+        for seq in seqs:
+            out.append(_rotary_case(2, seq, 8, 64, backward, cfg))
+    return out
+
+
+SUITE = Suite(
+    name="norms",
+    description="LayerNorm (guide-003 semantics) fwd and fwd+bwd, RMSNorm, rotary embedding",
+    cases=cases,
+)

@@ -1,0 +1,229 @@
+"""GPT family, drop-in: guide 000's ``GPTTransformer``/``GPTDecoderLayer`` and guide 001's
+``GPTModel``/``GPTBlock``, with causal attention through ``fastarch.ops.attention`` and a KV cache.
+
+Deviations (docs/models.md):
+
+- Guide 000's ``generate_causal_mask`` marks the *future* with True and its attention masks where the mask
+  is 0, so as written every token sees only the strictly later tokens. Here the attention is causal (each
+  token sees itself and the past), which is what the guide describes.
+- ``attention_mask`` (B, L) (accepted and ignored by guide 000) masks padded keys here (1 = real token).
+- ``forward(..., kv_cache=cache)`` appends this call's keys/values to ``cache`` (layer index = block index)
+  and places the new tokens at positions ``cache.seq_len ...`` (or ``start_pos``); ``allocate_kv_cache``
+  builds a cache sized for the model. ``generate`` decodes with the cache: one token per step instead of
+  re-running the whole prefix, the same distribution as the guide's loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ._models_common import check_input, layer_norm
+from .transformer import _MHA000, PositionwiseFeedForward, _QKVAttention
+
+__all__ = ["GPTDecoderLayer", "GPTTransformer", "GPTBlock", "GPTModel"]
+
+
+class _SimpleKVCache:
+    """Minimal cache with the KVCache interface, used only when fastarch.generation is unavailable."""
+
+    def __init__(self, max_seq_len, n_heads, head_dim, n_layers, *, batch_size=1, dtype=torch.float32,
+                 device=None, window=None):
+        shape = (batch_size, n_heads, max_seq_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.lens = [0] * n_layers
+        self.max_seq_len = max_seq_len
+
+    @property
+    def seq_len(self) -> int:
+        return self.lens[0]
+
+    def update(self, layer_idx, k, v):
+        s, t = self.lens[layer_idx], k.shape[2]
+        if s + t > self.max_seq_len:
+            raise ValueError(f"KV cache overflow: {s} cached + {t} new > max_seq_len {self.max_seq_len}")
+        self.k[layer_idx][:, :, s:s + t] = k
+        self.v[layer_idx][:, :, s:s + t] = v
+        self.lens[layer_idx] = s + t
+        return self.k[layer_idx][:, :, : s + t], self.v[layer_idx][:, :, : s + t]
+
+    def get(self, layer_idx):
+        s = self.lens[layer_idx]
+        return (self.k[layer_idx][:, :, :s], self.v[layer_idx][:, :, :s]) if s else (None, None)
+
+    def reset(self):
+        self.lens = [0] * len(self.lens)
+
+
+def _new_cache(model, batch_size, max_seq_len, dtype, device):
+    p = next(model.parameters())
+    dtype = dtype or p.dtype
+    device = device or p.device
+    max_seq_len = max_seq_len or model.max_seq_len
+    if max_seq_len > model.max_seq_len:
+        raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's position table ({model.max_seq_len})")
+    try:
+        from ..generation import KVCache  # type: ignore[attr-defined]
+    except ImportError:
+        KVCache = _SimpleKVCache  # noqa: N806
+    return KVCache(max_seq_len, model.n_heads, model.d_model // model.n_heads, model.n_layers,
+                   batch_size=batch_size, dtype=dtype, device=device)
+
+
+def _positions(input_ids, kv_cache, start_pos, max_len):
+    b, n = input_ids.shape
+    start = int(start_pos) if start_pos is not None else (int(kv_cache.seq_len) if kv_cache is not None else 0)
+    if start + n > max_len:
+        raise ValueError(f"positions {start}..{start + n - 1} exceed max_len {max_len}")
+    return torch.arange(start, start + n, device=input_ids.device).unsqueeze(0)
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    logits = logits / temperature
+    if top_k is not None:
+        v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+        logits = logits.masked_fill(logits < v[:, [-1]], float("-inf"))
+    if top_p is not None:
+        sorted_logits, idx = torch.sort(logits, descending=True)
+        cum = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+        remove = cum > top_p
+        remove[..., 1:] = remove[..., :-1].clone()
+        remove[..., 0] = False
+        logits = logits.masked_fill(remove.scatter(1, idx, remove), float("-inf"))
+    return torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)
+
+
+class _GPTBase(nn.Module):
+    max_seq_len: int
+    n_layers: int
+    n_heads: int
+    d_model: int
+
+    def allocate_kv_cache(self, batch_size: int, max_seq_len: int | None = None, dtype=None, device=None):
+        """A KV cache for ``batch_size`` sequences of up to ``max_seq_len`` tokens (default: the model's)."""
+        return _new_cache(self, batch_size, max_seq_len, dtype, device)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 50, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
+        """Sample ``max_new_tokens`` tokens after the prompt (B, L) -> (B, L + max_new_tokens)."""
+        check_input("input_ids", input_ids, ndim=2, integer=True, owner=type(self).__name__)
+        if temperature <= 0:
+            raise ValueError(f"argument 'temperature' must be > 0, got {temperature}")
+        self.eval()
+        total = input_ids.shape[1] + max_new_tokens
+        if max_new_tokens <= 0:
+            return input_ids
+        if total > self.max_seq_len:
+            raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_len {self.max_seq_len}")
+        cache = self.allocate_kv_cache(input_ids.shape[0], total)
+        logits = self(input_ids, kv_cache=cache)[:, -1]
+        out = [input_ids]
+        for i in range(max_new_tokens):
+            nxt = _sample(logits, temperature, top_k, top_p)
+            out.append(nxt)
+            if i + 1 < max_new_tokens:
+                logits = self(nxt, kv_cache=cache)[:, -1]
+        return torch.cat(out, 1)
+
+
+class GPTDecoderLayer(nn.Module):
+    """Guide 000 GPT layer: x = norm1(MHA(x) + x) (MHA with its own add & norm), x = norm2(FFN_gelu(x) + x)."""
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.1):
+        super().__init__()
+        self.self_attn = _MHA000(d_model, n_heads, dropout)
+        self.ffn = PositionwiseFeedForward(d_model, d_ff, dropout, activation="gelu")
+        self.norm1 = nn.LayerNorm(d_model)
+        self.norm2 = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x, mask=None, *, causal: bool = True, kv_cache=None, layer_idx: int = 0):
+        residual = x
+        x, _ = self.self_attn(x, x, x, mask, causal=causal, kv_cache=kv_cache, layer_idx=layer_idx)
+        x = layer_norm(self.dropout(x) + residual, self.norm1)
+        return layer_norm(self.ffn(x) + x, self.norm2)
+
+
+class GPTTransformer(_GPTBase):
+    """Decoder-only LM of guide 000 (tied embedding / lm_head).
+
+    forward(input_ids (B, L), attention_mask (B, L) or None, *, kv_cache=None, start_pos=None) -> (B, L, V).
+    """
+
+    def __init__(self, vocab_size: int, d_model: int = 768, n_heads: int = 12, num_layers: int = 12,
+                 d_ff: int = 3072, max_len: int = 1024, dropout: float = 0.1):
+        super().__init__()
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
+        self.position_embedding = nn.Embedding(max_len, d_model)
+        self.layers = nn.ModuleList(GPTDecoderLayer(d_model, n_heads, d_ff, dropout) for _ in range(num_layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.lm_head.weight = self.token_embedding.weight
+        self.dropout = nn.Dropout(dropout)
+        self.d_model, self.n_heads, self.n_layers, self.max_seq_len = d_model, n_heads, num_layers, max_len
+
+    def generate_causal_mask(self, sz: int) -> torch.Tensor:
+        """The guide's helper (True above the diagonal); not used by forward, which attends causally."""
+        return torch.triu(torch.ones(sz, sz), diagonal=1).bool()
+
+    def forward(self, input_ids, attention_mask=None, *, kv_cache=None, start_pos=None):
+        check_input("input_ids", input_ids, ndim=2, integer=True, owner="GPTTransformer")
+        pos = _positions(input_ids, kv_cache, start_pos, self.max_seq_len)
+        x = self.dropout(self.token_embedding(input_ids) + self.position_embedding(pos))
+        mask = None
+        if attention_mask is not None:
+            if kv_cache is not None:
+                raise ValueError("GPTTransformer: 'attention_mask' is not supported together with 'kv_cache'")
+            check_input("attention_mask", attention_mask, ndim=2, owner="GPTTransformer")
+            mask = attention_mask[:, None, None, :]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask, causal=True, kv_cache=kv_cache, layer_idx=i)
+        return self.lm_head(layer_norm(x, self.norm))
+
+
+class GPTBlock(nn.Module):
+    """Guide 001 pre-norm GPT block: x += attn(norm1(x)); x += ffn(norm2(x)). Keys ``attention.qkv``,
+    ``attention.out_proj``, ``norm1``, ``ffn.{0,3}``, ``norm2``."""
+
+    def __init__(self, embed_dim: int, num_heads: int, ff_dim: int, dropout: float = 0.1):
+        super().__init__()
+        self.attention = _QKVAttention(embed_dim, num_heads, dropout)
+        self.norm1 = nn.LayerNorm(embed_dim)
+        self.ffn = nn.Sequential(nn.Linear(embed_dim, ff_dim), nn.GELU(), nn.Dropout(dropout),
+                                 nn.Linear(ff_dim, embed_dim), nn.Dropout(dropout))
+        self.norm2 = nn.LayerNorm(embed_dim)
+
+    def forward(self, x, causal_mask=None, *, causal: bool | None = None, kv_cache=None, layer_idx: int = 0):
+        # The guide passes a lower-triangular 1/0 mask; without one the block is causal.
+        use_causal = causal if causal is not None else causal_mask is None
+        x = x + self.attention(layer_norm(x, self.norm1), causal_mask, causal=use_causal, kv_cache=kv_cache,
+                               layer_idx=layer_idx)
+        return x + self.ffn(layer_norm(x, self.norm2))
+
+
+class GPTModel(_GPTBase):
+    """GPT-2-style LM of guide 001 (pre-norm blocks, tied lm_head); ``gpt2_small`` is this at 124,439,808
+    parameters. forward(input_ids (B, L), *, kv_cache=None, start_pos=None) -> logits (B, L, V)."""
+
+    def __init__(self, vocab_size: int, embed_dim: int = 768, num_heads: int = 12, num_layers: int = 12,
+                 ff_dim: int = 3072, max_len: int = 1024, dropout: float = 0.1):
+        super().__init__()
+        self.token_embedding = nn.Embedding(vocab_size, embed_dim)
+        self.position_embedding = nn.Embedding(max_len, embed_dim)
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(GPTBlock(embed_dim, num_heads, ff_dim, dropout) for _ in range(num_layers))
+        self.norm = nn.LayerNorm(embed_dim)
+        self.lm_head = nn.Linear(embed_dim, vocab_size, bias=False)
+        self.lm_head.weight = self.token_embedding.weight
+        self.d_model, self.n_heads, self.n_layers, self.max_seq_len = embed_dim, num_heads, num_layers, max_len
+
+    def forward(self, input_ids, *, kv_cache=None, start_pos=None):
+        check_input("input_ids", input_ids, ndim=2, integer=True, owner="GPTModel")
+        pos = _positions(input_ids, kv_cache, start_pos, self.max_seq_len)
+        x = self.dropout(self.token_embedding(input_ids) + self.position_embedding(pos))
+        for i, block in enumerate(self.blocks):
+            x = block(x, causal=True, kv_cache=kv_cache, layer_idx=i)
+        return self.lm_head(layer_norm(x, self.norm))

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from ..backend import AUTO, Implementation, register
+from ..extensions import load_extension
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_tensor, fail
 from ._dispatch import call_of, run
 
@@ -410,6 +411,34 @@ class TorchAttention(Implementation):
         return torch.cat(dq_parts, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
 
 
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous()
+
+
+class CppAttention(Implementation):
+    op, backend = OP, "cpp"
+    devices = ("cpu",)
+    description = "banded tiled online-softmax C++ kernel (AVX2/FMA micro-GEMMs), fp32 accumulation"
+
+    def load(self):
+        return load_extension("attention", "cpu")
+
+    def forward(self, q, k, v, kpm, bias, wl, wr, p, seed, scale):
+        kpm = kpm.contiguous() if kpm is not None else None
+        bias = bias.float() if bias is not None else None
+        o, lse = self.lib.attention_fwd(_f32(q), _f32(k), _f32(v), kpm, bias, wl, wr, p, seed, scale)
+        return o.to(q.dtype), lse
+
+    def backward(self, do, q, k, v, o, lse, kpm, bias, wl, wr, p, seed, scale, need_dbias):
+        kpm = kpm.contiguous() if kpm is not None else None
+        bias = bias.float() if bias is not None else None
+        res = self.lib.attention_bwd(_f32(do), _f32(q), _f32(k), _f32(v), _f32(o), lse.contiguous(), kpm, bias,
+                                     wl, wr, p, seed, scale, need_dbias)
+        dq, dk, dv = res[0], res[1], res[2]
+        dbias = res[3] if need_dbias else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
+
+
 class TritonAttention(Implementation):
     op, backend = OP, "triton"
     description = "Triton FlashAttention-2 style kernels (kernels/attention.py), fp32 accumulation"
@@ -454,5 +483,5 @@ class TritonAttention(Implementation):
         return dq, dk, dv, dbias
 
 
-for _impl in (TorchAttention, TritonAttention):
+for _impl in (TorchAttention, CppAttention, TritonAttention):
     register(_impl)

@@ -1,0 +1,560 @@
+// Banded, tiled attention for CPUs: forward and backward (FlashAttention-2 style recomputation).
+//
+// Semantics (see fastarch/ops/attention.py): q (B,H,Lq,D), k/v (B,Hk,Lk,D), fp32 contiguous here (the
+// Python side converts); query i sees key j when lo(i) <= j <= hi(i) with the window bottom-right aligned
+// (offset Lk - Lq), the key is not padded, and the additive bias is applied; fully masked rows give 0 and
+// lse = -inf; dropout uses the shared counter-based hash of (seed, b, h, i, j).
+//
+// Layout of the work:
+//  - forward: one task per (b, h, block of BQ query rows). The keys that block can see form a band; it is
+//    walked in chunks (one chunk when the band is short) with an online softmax. Scores and P.V are small
+//    register-blocked GEMMs (6x16 AVX2/FMA micro-kernel) on cache-resident tiles. Scores live in log2
+//    units (q is pre-scaled by scale*log2(e)) so the softmax uses a vectorised exp2.
+//  - backward pass 1: one task per (b, kv head, block of BK keys) accumulates dK and dV over the query
+//    heads of the group and the query rows that see the block (no races: each task owns its rows of dK/dV).
+//  - backward pass 2: one task per (b, h, query block) recomputes P and dS and accumulates dQ.
+// Memory is O(L * D) plus per-thread tiles of O(BQ * band); never L x L (except dbias, which is an output).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FA_AVX2 1
+#endif
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t BQ = 64;          // query rows per forward / dQ task
+constexpr int64_t BK = 64;          // keys per dK/dV task
+constexpr int64_t ONE_CHUNK = 1024; // a band up to this long is one chunk (no online rescaling)
+constexpr int64_t CHUNK = 512;      // otherwise the band is walked in chunks of this many keys
+
+inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+
+// ---- small GEMM: C[m x n] (=|+=) A[m x k] * B[k x n]; row-major, n a multiple of 8 -------------------
+#ifdef FA_AVX2
+template <int MR, int NV>
+inline void micro(int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+                  bool acc) {
+  __m256 c[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v] = acc ? _mm256_loadu_ps(C + r * ldc + 8 * v) : _mm256_setzero_ps();
+  for (int64_t p = 0; p < k; ++p) {
+    __m256 b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = _mm256_loadu_ps(B + p * ldb + 8 * v);
+    for (int r = 0; r < MR; ++r) {
+      __m256 a = _mm256_broadcast_ss(A + r * lda + p);
+      for (int v = 0; v < NV; ++v) c[r][v] = _mm256_fmadd_ps(a, b[v], c[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(C + r * ldc + 8 * v, c[r][v]);
+}
+
+template <int NV>
+inline void micro_rows(int64_t mr, int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb,
+                       float* C, int64_t ldc, bool acc) {
+  switch (mr) {
+    case 6: micro<6, NV>(k, A, lda, B, ldb, C, ldc, acc); break;
+    case 5: micro<5, NV>(k, A, lda, B, ldb, C, ldc, acc); break;
+    case 4: micro<4, NV>(k, A, lda, B, ldb, C, ldc, acc); break;
+    case 3: micro<3, NV>(k, A, lda, B, ldb, C, ldc, acc); break;
+    case 2: micro<2, NV>(k, A, lda, B, ldb, C, ldc, acc); break;
+    default: micro<1, NV>(k, A, lda, B, ldb, C, ldc, acc); break;
+  }
+}
+#endif
+
+void gemm(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+          int64_t ldc, bool acc) {
+#ifdef FA_AVX2
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int64_t i = 0; i < m; i += 6)
+      micro_rows<2>(std::min<int64_t>(6, m - i), k, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, acc);
+  for (; j + 8 <= n; j += 8)
+    for (int64_t i = 0; i < m; i += 6)
+      micro_rows<1>(std::min<int64_t>(6, m - i), k, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, acc);
+  for (; j < n; ++j)
+    for (int64_t i = 0; i < m; ++i) {
+      float s = acc ? C[i * ldc + j] : 0.f;
+      for (int64_t p = 0; p < k; ++p) s += A[i * lda + p] * B[p * ldb + j];
+      C[i * ldc + j] = s;
+    }
+#else
+  for (int64_t i = 0; i < m; ++i) {
+    float* c = C + i * ldc;
+    if (!acc) std::fill(c, c + n, 0.f);
+    for (int64_t p = 0; p < k; ++p) {
+      const float a = A[i * lda + p];
+      const float* b = B + p * ldb;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) c[j] += a * b[j];
+    }
+  }
+#endif
+}
+
+// ---- vectorised exp2 (|rel err| < 2e-7 on the range that matters; very negative inputs give ~0) ------
+#ifdef FA_AVX2
+inline __m256 exp2_ps(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
+  x = _mm256_min_ps(x, _mm256_set1_ps(126.f));
+  __m256 xi = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_mul_ps(_mm256_sub_ps(x, xi), _mm256_set1_ps(kLn2));  // e^f, |f| <= ln2/2
+  __m256 p = _mm256_set1_ps(1.f / 720.f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(xi), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// x[j] = exp2(x[j] - m) where x[j] > -inf, else 0; returns the sum.
+inline float exp2_sub_sum(float* x, int64_t n, float m) {
+  int64_t j = 0;
+  float sum = 0.f;
+#ifdef FA_AVX2
+  __m256 vm = _mm256_set1_ps(m), vs = _mm256_setzero_ps(), ninf = _mm256_set1_ps(kNegInf);
+  for (; j + 8 <= n; j += 8) {
+    __m256 s = _mm256_loadu_ps(x + j);
+    __m256 keep = _mm256_cmp_ps(s, ninf, _CMP_GT_OQ);
+    __m256 p = _mm256_and_ps(exp2_ps(_mm256_sub_ps(s, vm)), keep);
+    _mm256_storeu_ps(x + j, p);
+    vs = _mm256_add_ps(vs, p);
+  }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, vs);
+  for (int q = 0; q < 8; ++q) sum += t[q];
+#endif
+  for (; j < n; ++j) {
+    const float p = x[j] > kNegInf ? std::exp2(x[j] - m) : 0.f;
+    x[j] = p;
+    sum += p;
+  }
+  return sum;
+}
+
+// ---- dropout hash (SHARED_APIS.md) -------------------------------------------------------------------
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+struct Dropout {
+  bool on = false;
+  uint32_t seed = 0;
+  uint32_t threshold = 0;  // keep iff (r >> 8) >= threshold
+  float inv_keep = 1.f;
+  uint32_t head_key(int64_t b, int64_t H, int64_t h) const {
+    return mix32(seed ^ mix32(static_cast<uint32_t>(b * H + h)));
+  }
+  bool keep(uint32_t key, int64_t i, int64_t j) const {
+    const uint32_t r = mix32(key ^ mix32(static_cast<uint32_t>(i) * 0x9E3779B1u + static_cast<uint32_t>(j)));
+    return (r >> 8) >= threshold;
+  }
+};
+
+struct Problem {
+  int64_t B, H, Hk, Lq, Lk, D, Dp, wl, wr, off;
+  float scale;
+  const float *q, *k, *v;
+  const bool* kpm = nullptr;  // (B, Lk)
+  const float* bias = nullptr;
+  int64_t sb0 = 0, sb1 = 0, sb2 = 0, sb3 = 0;  // bias strides of the (B,H,Lq,Lk) view (0 = broadcast)
+  Dropout drop;
+
+  int64_t lo(int64_t i) const { return wl < 0 ? 0 : std::max<int64_t>(0, i + off - wl); }
+  int64_t hi(int64_t i) const { return wr < 0 ? Lk - 1 : std::min<int64_t>(Lk - 1, i + off + wr); }
+  const float* qh(int64_t b, int64_t h) const { return q + ((b * H + h) * Lq) * D; }
+  const float* kh(int64_t b, int64_t h) const { return k + ((b * Hk + h / (H / Hk)) * Lk) * D; }
+  const float* vh(int64_t b, int64_t h) const { return v + ((b * Hk + h / (H / Hk)) * Lk) * D; }
+};
+
+Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& bias, int64_t wl,
+                     int64_t wr, double p, int64_t seed, double scale) {
+  TORCH_CHECK(q.dtype() == at::kFloat && k.dtype() == at::kFloat && v.dtype() == at::kFloat,
+              "attention cpp: q, k, v must be float32 (the Python side converts)");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "attention cpp: need contiguous");
+  Problem P;
+  P.B = q.size(0); P.H = q.size(1); P.Lq = q.size(2); P.D = q.size(3);
+  P.Hk = k.size(1); P.Lk = k.size(2);
+  P.Dp = round16(P.D);
+  P.wl = wl; P.wr = wr; P.off = P.Lk - P.Lq;
+  P.scale = static_cast<float>(scale);
+  P.q = q.data_ptr<float>(); P.k = k.data_ptr<float>(); P.v = v.data_ptr<float>();
+  if (kpm.has_value() && kpm->defined()) {
+    TORCH_CHECK(kpm->dtype() == at::kBool && kpm->is_contiguous(), "attention cpp: key_padding_mask bool");
+    P.kpm = kpm->data_ptr<bool>();
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dtype() == at::kFloat && bias->dim() == 4, "attention cpp: bias must be 4-d float32");
+    at::Tensor e = bias->expand({P.B, P.H, P.Lq, P.Lk});
+    P.bias = e.data_ptr<float>();
+    P.sb0 = e.stride(0); P.sb1 = e.stride(1); P.sb2 = e.stride(2); P.sb3 = e.stride(3);
+  }
+  if (p > 0) {
+    P.drop.on = true;
+    P.drop.seed = static_cast<uint32_t>(seed & 0xFFFFFFFFll);
+    P.drop.threshold = static_cast<uint32_t>(std::ceil(p * 16777216.0));
+    P.drop.inv_keep = static_cast<float>(1.0 / (1.0 - p));
+  }
+  return P;
+}
+
+// Scores of rows [i0, i0+m) against keys [c0, c0+n) (S, m x ldS) -> masked (-inf), bias added (log2 units).
+void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, int64_t c0, int64_t n, float* S,
+                 int64_t ldS) {
+  const bool* kp = P.kpm ? P.kpm + b * P.Lk : nullptr;
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t i = i0 + r;
+    float* s = S + r * ldS;
+    const int64_t a = std::max<int64_t>(P.lo(i) - c0, 0), e = std::min<int64_t>(P.hi(i) - c0 + 1, n);
+    for (int64_t j = 0; j < std::min(a, n); ++j) s[j] = kNegInf;
+    for (int64_t j = std::max<int64_t>(e, 0); j < ldS; ++j) s[j] = kNegInf;
+    if (P.bias) {
+      const float* bb = P.bias + b * P.sb0 + h * P.sb1 + i * P.sb2 + c0 * P.sb3;
+      for (int64_t j = a; j < e; ++j) s[j] += bb[j * P.sb3] * kLog2e;
+    }
+    if (kp) {
+      for (int64_t j = a; j < e; ++j)
+        if (!kp[c0 + j]) s[j] = kNegInf;
+    }
+  }
+}
+
+// ---- forward ------------------------------------------------------------------------------------------
+std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& bias,
+                            int64_t wl, int64_t wr, double dropout_p, int64_t seed, double scale) {
+  const Problem P = make_problem(q, k, v, kpm, bias, wl, wr, dropout_p, seed, scale);
+  at::Tensor o = at::empty_like(q);
+  at::Tensor lse = at::empty({P.B, P.H, P.Lq}, q.options());
+  float* O = o.data_ptr<float>();
+  float* LSE = lse.data_ptr<float>();
+  const int64_t nqb = (P.Lq + BQ - 1) / BQ;
+  const int64_t D = P.D, Dp = P.Dp;
+  const float qscale = P.scale * kLog2e;
+
+  at::parallel_for(0, P.B * P.H * nqb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Qs(BQ * D), Kt, S, Vp, acc(BQ * Dp), mrow(BQ), lrow(BQ);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
+      const int64_t i0 = qb * BQ, m = std::min(BQ, P.Lq - i0);
+      const float* qp = P.qh(b, h) + i0 * D;
+      const float* kp = P.kh(b, h);
+      const float* vp = P.vh(b, h);
+      float* op = O + ((b * P.H + h) * P.Lq + i0) * D;
+      float* lp = LSE + (b * P.H + h) * P.Lq + i0;
+      const int64_t span_lo = P.lo(i0), span_hi = P.hi(i0 + m - 1);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(mrow.begin(), mrow.end(), kNegInf);
+      std::fill(lrow.begin(), lrow.end(), 0.f);
+      if (span_lo <= span_hi) {
+        for (int64_t r = 0; r < m * D; ++r) Qs[r] = qp[r] * qscale;
+        const int64_t span = span_hi - span_lo + 1;
+        const int64_t csz = span <= ONE_CHUNK ? span : CHUNK;
+        const uint32_t hkey = P.drop.on ? P.drop.head_key(b, P.H, h) : 0;
+        for (int64_t c0 = span_lo; c0 <= span_hi; c0 += csz) {
+          const int64_t n = std::min(csz, span_hi + 1 - c0), np = round16(n);
+          Kt.resize(D * np);
+          S.resize(m * np);
+          for (int64_t d = 0; d < D; ++d) {
+            float* kt = Kt.data() + d * np;
+            for (int64_t j = 0; j < n; ++j) kt[j] = kp[(c0 + j) * D + d];
+            for (int64_t j = n; j < np; ++j) kt[j] = 0.f;
+          }
+          gemm(m, np, D, Qs.data(), D, Kt.data(), np, S.data(), np, false);
+          mask_scores(P, b, h, i0, m, c0, n, S.data(), np);
+          for (int64_t r = 0; r < m; ++r) {
+            float* s = S.data() + r * np;
+            float mx = kNegInf;
+            for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+            const float mnew = std::max(mrow[r], mx);
+            if (mnew == kNegInf) {  // nothing visible yet in this row
+              std::fill(s, s + np, 0.f);
+              continue;
+            }
+            const float alpha = mrow[r] == kNegInf ? 0.f : std::exp2(mrow[r] - mnew);
+            const float rs = exp2_sub_sum(s, np, mnew);
+            lrow[r] = lrow[r] * alpha + rs;
+            mrow[r] = mnew;
+            if (alpha != 1.f) {
+              float* a = acc.data() + r * Dp;
+              for (int64_t d = 0; d < Dp; ++d) a[d] *= alpha;
+            }
+            if (P.drop.on) {
+              const int64_t i = i0 + r;
+              for (int64_t j = 0; j < n; ++j)
+                s[j] = (s[j] != 0.f && P.drop.keep(hkey, i, c0 + j)) ? s[j] * P.drop.inv_keep : 0.f;
+            }
+          }
+          const float* Bv;
+          int64_t ldb;
+          if (D == Dp) {
+            Bv = vp + c0 * D;
+            ldb = D;
+          } else {
+            Vp.resize(n * Dp);
+            for (int64_t j = 0; j < n; ++j) {
+              std::memcpy(Vp.data() + j * Dp, vp + (c0 + j) * D, D * sizeof(float));
+              std::fill(Vp.data() + j * Dp + D, Vp.data() + (j + 1) * Dp, 0.f);
+            }
+            Bv = Vp.data();
+            ldb = Dp;
+          }
+          gemm(m, Dp, n, S.data(), np, Bv, ldb, acc.data(), Dp, true);
+        }
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        const float l = lrow[r];
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        for (int64_t d = 0; d < D; ++d) op[r * D + d] = acc[r * Dp + d] * inv;
+        lp[r] = l > 0.f ? (mrow[r] + std::log2(l)) * kLn2 : kNegInf;
+      }
+    }
+  });
+  return {o, lse};
+}
+
+// ---- backward -----------------------------------------------------------------------------------------
+std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& kpm,
+                            const c10::optional<at::Tensor>& bias, int64_t wl, int64_t wr, double dropout_p,
+                            int64_t seed, double scale, bool need_dbias) {
+  const Problem P = make_problem(q, k, v, kpm, bias, wl, wr, dropout_p, seed, scale);
+  TORCH_CHECK(dout.is_contiguous() && out.is_contiguous() && lse.is_contiguous(), "attention cpp: contiguous");
+  TORCH_CHECK(dout.dtype() == at::kFloat && out.dtype() == at::kFloat, "attention cpp: do/o float32");
+  const int64_t D = P.D, Dp = P.Dp, G = P.H / P.Hk;
+  const float* dO = dout.data_ptr<float>();
+  // lse2 = lse * log2(e) (natural -> log2 units); Di = rowsum(dO * O).
+  at::Tensor lse2t = lse * kLog2e;
+  at::Tensor Dit = (dout * out).sum(-1);
+  const float* lse2 = lse2t.data_ptr<float>();
+  const float* Di = Dit.data_ptr<float>();
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  at::Tensor dbias;
+  float* DB = nullptr;
+  if (need_dbias) {
+    dbias = at::zeros({P.B, P.H, P.Lq, P.Lk}, q.options());
+    DB = dbias.data_ptr<float>();
+  }
+  const float qscale = P.scale * kLog2e;
+
+  // pass 1: dK, dV per (b, kv head, key block)
+  const int64_t nkb = (P.Lk + BK - 1) / BK;
+  float* DK = dk.data_ptr<float>();
+  float* DV = dv.data_ptr<float>();
+  at::parallel_for(0, P.B * P.Hk * nkb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Ks(BK * D), dKa(BK * Dp), dVa(BK * Dp), Qt, dOt, Qp, dOp, St, dPt;
+    std::vector<int64_t> lo, hi;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t kb = task % nkb, bhk = task / nkb, hk = bhk % P.Hk, b = bhk / P.Hk;
+      const int64_t j0 = kb * BK, nk = std::min(BK, P.Lk - j0);
+      const float* kp = P.k + ((b * P.Hk + hk) * P.Lk + j0) * D;
+      const float* vp = P.v + ((b * P.Hk + hk) * P.Lk + j0) * D;
+      for (int64_t r = 0; r < nk * D; ++r) Ks[r] = kp[r] * qscale;
+      std::fill(dKa.begin(), dKa.end(), 0.f);
+      std::fill(dVa.begin(), dVa.end(), 0.f);
+      // query rows that can see a key of [j0, j0+nk): lo(i) <= j0+nk-1 and hi(i) >= j0
+      int64_t a_lo = 0, a_hi = P.Lq - 1;
+      if (P.wr >= 0) a_lo = std::max<int64_t>(a_lo, j0 - P.off - P.wr);
+      if (P.wl >= 0) a_hi = std::min<int64_t>(a_hi, j0 + nk - 1 - P.off + P.wl);
+      for (int64_t g = 0; g < G && a_lo <= a_hi; ++g) {
+        const int64_t h = hk * G + g;
+        const float* qh = P.qh(b, h);
+        const float* doh = dO + ((b * P.H + h) * P.Lq) * D;
+        const float* l2 = lse2 + (b * P.H + h) * P.Lq;
+        const float* dih = Di + (b * P.H + h) * P.Lq;
+        const uint32_t hkey = P.drop.on ? P.drop.head_key(b, P.H, h) : 0;
+        const int64_t total = a_hi - a_lo + 1;
+        const int64_t csz = total <= ONE_CHUNK ? total : CHUNK;
+        for (int64_t a0 = a_lo; a0 <= a_hi; a0 += csz) {
+          const int64_t nq = std::min(csz, a_hi + 1 - a0), nqp = round16(nq);
+          Qt.resize(D * nqp); dOt.resize(D * nqp); Qp.resize(nqp * Dp); dOp.resize(nqp * Dp);
+          St.resize(nk * nqp); dPt.resize(nk * nqp);
+          lo.resize(nq); hi.resize(nq);
+          for (int64_t d = 0; d < D; ++d) {
+            float* qt = Qt.data() + d * nqp;
+            float* ot = dOt.data() + d * nqp;
+            for (int64_t c = 0; c < nq; ++c) {
+              qt[c] = qh[(a0 + c) * D + d];
+              ot[c] = doh[(a0 + c) * D + d];
+            }
+            for (int64_t c = nq; c < nqp; ++c) qt[c] = ot[c] = 0.f;
+          }
+          for (int64_t c = 0; c < nqp; ++c) {
+            float* qr = Qp.data() + c * Dp;
+            float* orow = dOp.data() + c * Dp;
+            if (c < nq) {
+              std::memcpy(qr, qh + (a0 + c) * D, D * sizeof(float));
+              std::memcpy(orow, doh + (a0 + c) * D, D * sizeof(float));
+              std::fill(qr + D, qr + Dp, 0.f);
+              std::fill(orow + D, orow + Dp, 0.f);
+            } else {
+              std::fill(qr, qr + Dp, 0.f);
+              std::fill(orow, orow + Dp, 0.f);
+            }
+          }
+          for (int64_t c = 0; c < nq; ++c) {
+            lo[c] = P.lo(a0 + c);
+            hi[c] = P.hi(a0 + c);
+          }
+          gemm(nk, nqp, D, Ks.data(), D, Qt.data(), nqp, St.data(), nqp, false);   // S^T
+          gemm(nk, nqp, D, vp, D, dOt.data(), nqp, dPt.data(), nqp, false);        // dP^T (pre-dropout)
+          const bool* kpb = P.kpm ? P.kpm + b * P.Lk : nullptr;
+          for (int64_t jr = 0; jr < nk; ++jr) {
+            const int64_t j = j0 + jr;
+            float* s = St.data() + jr * nqp;
+            float* dp = dPt.data() + jr * nqp;
+            const bool kreal = !kpb || kpb[j];
+            for (int64_t c = 0; c < nqp; ++c) {
+              float pv = 0.f;
+              if (c < nq && kreal && lo[c] <= j && j <= hi[c] && l2[a0 + c] > kNegInf) {
+                float sv = s[c];
+                if (P.bias) sv += P.bias[b * P.sb0 + h * P.sb1 + (a0 + c) * P.sb2 + j * P.sb3] * kLog2e;
+                pv = sv > kNegInf ? std::exp2(sv - l2[a0 + c]) : 0.f;
+              }
+              s[c] = pv;
+            }
+            if (P.drop.on) {
+              for (int64_t c = 0; c < nq; ++c) {
+                const float f = (s[c] != 0.f && P.drop.keep(hkey, a0 + c, j)) ? P.drop.inv_keep : 0.f;
+                dp[c] *= f;
+              }
+            }
+            // dS^T = P * (dP - Di); kept in dp. P (pre-dropout) stays in s for dV below.
+            for (int64_t c = 0; c < nq; ++c) dp[c] = s[c] * (dp[c] - dih[a0 + c]);
+            for (int64_t c = nq; c < nqp; ++c) dp[c] = 0.f;
+            if (DB) {
+              float* db = DB + ((b * P.H + h) * P.Lq + a0) * P.Lk + j;
+              for (int64_t c = 0; c < nq; ++c)
+                if (lo[c] <= j && j <= hi[c]) db[c * P.Lk] = dp[c];
+            }
+            if (P.drop.on) {  // dV uses the dropped probabilities
+              for (int64_t c = 0; c < nq; ++c)
+                if (s[c] != 0.f) s[c] = P.drop.keep(hkey, a0 + c, j) ? s[c] * P.drop.inv_keep : 0.f;
+            }
+          }
+          gemm(nk, Dp, nqp, St.data(), nqp, dOp.data(), Dp, dVa.data(), Dp, true);
+          gemm(nk, Dp, nqp, dPt.data(), nqp, Qp.data(), Dp, dKa.data(), Dp, true);
+        }
+      }
+      float* dkp = DK + ((b * P.Hk + hk) * P.Lk + j0) * D;
+      float* dvp = DV + ((b * P.Hk + hk) * P.Lk + j0) * D;
+      for (int64_t r = 0; r < nk; ++r)
+        for (int64_t d = 0; d < D; ++d) {
+          dkp[r * D + d] = dKa[r * Dp + d] * P.scale;
+          dvp[r * D + d] = dVa[r * Dp + d];
+        }
+    }
+  });
+
+  // pass 2: dQ per (b, h, query block)
+  const int64_t nqb = (P.Lq + BQ - 1) / BQ;
+  float* DQ = dq.data_ptr<float>();
+  at::parallel_for(0, P.B * P.H * nqb, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Qs(BQ * D), dOb(BQ * D), Kt, Vt, Kp, S, dP, dQa(BQ * Dp);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
+      const int64_t i0 = qb * BQ, m = std::min(BQ, P.Lq - i0);
+      const float* qp = P.qh(b, h) + i0 * D;
+      const float* dop = dO + ((b * P.H + h) * P.Lq + i0) * D;
+      const float* kp = P.kh(b, h);
+      const float* vp = P.vh(b, h);
+      const float* l2 = lse2 + (b * P.H + h) * P.Lq + i0;
+      const float* dih = Di + (b * P.H + h) * P.Lq + i0;
+      const uint32_t hkey = P.drop.on ? P.drop.head_key(b, P.H, h) : 0;
+      std::fill(dQa.begin(), dQa.end(), 0.f);
+      const int64_t span_lo = P.lo(i0), span_hi = P.hi(i0 + m - 1);
+      if (span_lo <= span_hi) {
+        for (int64_t r = 0; r < m * D; ++r) {
+          Qs[r] = qp[r] * qscale;
+          dOb[r] = dop[r];
+        }
+        const int64_t span = span_hi - span_lo + 1;
+        const int64_t csz = span <= ONE_CHUNK ? span : CHUNK;
+        for (int64_t c0 = span_lo; c0 <= span_hi; c0 += csz) {
+          const int64_t n = std::min(csz, span_hi + 1 - c0), np = round16(n);
+          Kt.resize(D * np); Vt.resize(D * np); Kp.resize(np * Dp); S.resize(m * np); dP.resize(m * np);
+          for (int64_t d = 0; d < D; ++d) {
+            float* kt = Kt.data() + d * np;
+            float* vt = Vt.data() + d * np;
+            for (int64_t j = 0; j < n; ++j) {
+              kt[j] = kp[(c0 + j) * D + d];
+              vt[j] = vp[(c0 + j) * D + d];
+            }
+            for (int64_t j = n; j < np; ++j) kt[j] = vt[j] = 0.f;
+          }
+          for (int64_t j = 0; j < np; ++j) {
+            float* kr = Kp.data() + j * Dp;
+            if (j < n) {
+              std::memcpy(kr, kp + (c0 + j) * D, D * sizeof(float));
+              std::fill(kr + D, kr + Dp, 0.f);
+            } else {
+              std::fill(kr, kr + Dp, 0.f);
+            }
+          }
+          gemm(m, np, D, Qs.data(), D, Kt.data(), np, S.data(), np, false);
+          gemm(m, np, D, dOb.data(), D, Vt.data(), np, dP.data(), np, false);
+          mask_scores(P, b, h, i0, m, c0, n, S.data(), np);
+          for (int64_t r = 0; r < m; ++r) {
+            float* s = S.data() + r * np;
+            float* dp = dP.data() + r * np;
+            if (!(l2[r] > kNegInf)) {
+              std::fill(dp, dp + np, 0.f);
+              continue;
+            }
+            exp2_sub_sum(s, np, l2[r]);
+            if (P.drop.on) {
+              for (int64_t j = 0; j < n; ++j)
+                dp[j] = (s[j] != 0.f && P.drop.keep(hkey, i0 + r, c0 + j)) ? dp[j] * P.drop.inv_keep : 0.f;
+            }
+            const float di = dih[r];
+            for (int64_t j = 0; j < np; ++j) dp[j] = s[j] * (dp[j] - di);
+          }
+          gemm(m, Dp, np, dP.data(), np, Kp.data(), Dp, dQa.data(), Dp, true);
+        }
+      }
+      float* dqp = DQ + ((b * P.H + h) * P.Lq + i0) * D;
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t d = 0; d < D; ++d) dqp[r * D + d] = dQa[r * Dp + d] * P.scale;
+    }
+  });
+  if (need_dbias) return {dq, dk, dv, dbias};
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attention_fwd", &fwd, "banded tiled attention forward -> (o, lse)");
+  m.def("attention_bwd", &bwd, "banded tiled attention backward -> (dq, dk, dv[, dbias])");
+  m.def("has_avx2", []() {
+#ifdef FA_AVX2
+    return true;
+#else
+    return false;
+#endif
+  });
+}

@@ -128,6 +128,8 @@ class Implementation:
     def not_supported_reasons(self, call: Call, *, load: bool = True) -> list[str]:
         """Every reason, in words, why this implementation cannot take ``call``."""
         reasons = list(self.static_reasons())
+        if self.backend == "cuda" and torch.version.cuda is None:
+            reasons.append("torch is a CPU build (no CUDA)")
         dev = call.device.type
         if dev not in self.devices:
             reasons.append(f"device {dev} not supported (supports {', '.join(self.devices)})")

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from ._models_common import check_input, layer_norm
-from .transformer import PositionwiseFeedForward, _MHA000
+from .transformer import _MHA000, PositionwiseFeedForward
 
 __all__ = ["CrossModalAttention", "CrossModalLayer", "MultiModalTransformer"]
 

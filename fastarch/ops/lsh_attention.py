@@ -61,9 +61,24 @@ def lsh_rotations(
 
 
 def lsh_hash(qk: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    """Buckets ``(B, H, n_hashes, L)`` int64: ``argmax(concat[x R, -x R])`` per round."""
-    rot = torch.einsum("bhld,dnr->bhnlr", qk.float(), rotations.float())
-    return torch.cat([rot, -rot], dim=-1).argmax(dim=-1)
+    """Buckets ``(B, H, n_hashes, L)`` int64: ``argmax(concat[x R, -x R])`` per round.
+
+    Computed without materialising the concatenation: the argmax is the argmax of ``x R`` when
+    ``max(x R) >= -min(x R)`` (ties go to the first half, as argmax takes the first maximum), else
+    ``n_buckets/2 + argmin(x R)``. Rows go in blocks so the projections stay in cache.
+    """
+    B, H, L, D = qk.shape
+    NH, R2 = rotations.shape[1], rotations.shape[2]
+    x = qk.detach().float().reshape(B * H * L, D)
+    rm = rotations.detach().float().reshape(D, NH * R2)
+    out = torch.empty(B * H * L, NH, dtype=torch.long, device=qk.device)
+    step = max(1, (1 << 21) // max(1, NH * R2))
+    for s in range(0, B * H * L, step):
+        p = (x[s : s + step] @ rm).view(-1, NH, R2)
+        mx, imx = p.max(-1)
+        mn, imn = p.min(-1)
+        out[s : s + step] = torch.where(mx >= -mn, imx, imn + R2)
+    return out.view(B, H, L, NH).permute(0, 1, 3, 2).contiguous()
 
 
 def _sort(
@@ -228,16 +243,25 @@ def _validate(
 
 
 def _prepare(
-    qk: torch.Tensor, n_hashes: int, bucket_size: int, seed: int | None, rotations: torch.Tensor | None
+    qk: torch.Tensor,
+    n_hashes: int,
+    bucket_size: int,
+    seed: int | None,
+    rotations: torch.Tensor | None,
+    backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rotations, buckets ``(B, H, NH, L)``, perm, inv) — hashing and sorting, under no_grad."""
+    """(rotations, buckets ``(B, H, NH, L)``, perm, inv) — hashing and sorting, under no_grad.
+
+    The hash is the same torch code for every backend (so all of them see identical buckets); the sort is
+    the backend's (every backend's sort gives the same, unique, result).
+    """
     L, D = qk.shape[-2], qk.shape[-1]
     nb = lsh_n_buckets(L, bucket_size)
     with torch.no_grad():
         if rotations is None:
             rotations = lsh_rotations(D, n_hashes, nb, seed, qk.device)
-        buckets = lsh_hash(qk.detach(), rotations)
-        perm, inv = _sort(buckets, L, bucket_size, nb)
+        buckets = lsh_hash(qk, rotations)
+        perm, inv = run(OP, "sort", _call(qk, bucket_size, False), backend, buckets, L, bucket_size, nb)
     return rotations, buckets, perm, inv
 
 
@@ -363,7 +387,7 @@ def lsh_attention(
         ``(B, H, L, D)`` in qk's dtype [, buckets]. Differentiable w.r.t. ``qk`` and ``v``.
     """
     _validate(qk, v, n_hashes, bucket_size, key_padding_mask, rotations)
-    _, buckets, perm, inv = _prepare(qk, n_hashes, bucket_size, seed, rotations)
+    _, buckets, perm, inv = _prepare(qk, n_hashes, bucket_size, seed, rotations, backend or AUTO)
     if qk.numel() == 0:
         out = torch.zeros_like(qk) + 0 * v
     else:
@@ -378,6 +402,9 @@ def lsh_attention(
 class TorchLSHAttention(Implementation):
     op, backend = OP, "torch"
     description = "gathers and dense chunk matmuls in fp32 (the reference); backward by recomputation"
+
+    def sort(self, buckets, seq_len, bucket_size, n_buckets):
+        return _sort(buckets, seq_len, bucket_size, n_buckets)
 
     def forward(self, qk, v, perm, inv, kpm, causal, bucket_size, n_hashes):
         out, lse = _chunked_ref(qk, v, perm, inv, kpm, causal, bucket_size, n_hashes)
@@ -457,6 +484,10 @@ class CppLSHAttention(Implementation):
     def load(self):
         return load_extension("lsh_attention", "cpu")
 
+    def sort(self, buckets, seq_len, bucket_size, n_buckets):
+        # a stable counting sort by bucket, O(L) per round
+        return tuple(self.lib.lsh_sort(buckets.contiguous(), bucket_size, n_buckets))
+
     def forward(self, qk, v, perm, inv, kpm, causal, bucket_size, n_hashes):
         q, kn, vf, kpm = _kernel_inputs(qk, v, kpm)
         out, lse = self.lib.lsh_fwd(q, kn, vf, perm.contiguous(), inv.contiguous(), kpm, causal, bucket_size)
@@ -504,6 +535,9 @@ class TritonLSHAttention(Implementation):
         from ..kernels import lsh_attention
 
         return lsh_attention
+
+    def sort(self, buckets, seq_len, bucket_size, n_buckets):
+        return _sort(buckets, seq_len, bucket_size, n_buckets)
 
     def forward(self, qk, v, perm, inv, kpm, causal, bucket_size, n_hashes):
         q, kn, vf, kpm = _kernel_inputs(qk, v, kpm)

@@ -1,0 +1,458 @@
+// Reformer LSH attention on the CPU: chunked attention with look-one-back over the sorted hash rounds.
+//
+// The hashing and the sort happen in torch (fastarch/ops/lsh_attention.py); this file gets the sort
+// permutation `perm` (B, H, S = n_hashes * Lp): the original position held by each slot of the concatenated
+// rounds (>= L for padding), and `inv` (B, H, n_hashes, L): the slot of each real position in each round.
+//
+// Forward, one task per (batch*head, chunk): gather the chunk's queries and the keys/values of the chunk
+// and the one before it through `perm` into small packed buffers, S = Q K^T (register-blocked SIMD GEMM),
+// masks (padding, key_padding_mask, causal, self), softmax with a vectorised exp, O = P V. Each task
+// writes o and lse for its own slots, so tasks never race. A second pass over positions combines the
+// rounds: out = sum_r o_r softmax_r(lse_r), or the query's own v when every round was empty.
+// Memory: O(n_hashes * L * D) for the per-slot outputs; never O(L^2).
+//
+// Backward, same tasks: recompute S, P = exp(S - LSE) with the combined LSE, dP = G V^T,
+// dS = P (dP - delta) * scale; dQ, dK, dV per slot; dK/dV of the previous chunk's keys go to a second
+// buffer so that every buffer slot has one writer. A last pass sums each position's slots over rounds.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v8fu __attribute__((vector_size(32), aligned(4)));
+
+inline v8f load8(const float* p) { return *reinterpret_cast<const v8fu*>(p); }
+inline void store8(float* p, v8f x) { *reinterpret_cast<v8fu*>(p) = x; }
+inline v8f splat8(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// exp for x <= 0 (Cephes-style range reduction and polynomial); values below -87 give exactly 0.
+inline v8f vexp_nonpos(v8f x) {
+  const v8i keep = x > splat8(-87.0f);
+  x = x > splat8(-87.0f) ? x : splat8(-87.0f);
+  const v8f magic = splat8(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to nearest
+  v8f n = (x * splat8(1.44269504088896341f) + magic) - magic;
+  v8f r = x - n * splat8(0.693359375f) + n * splat8(2.12194440e-4f);
+  v8f y = splat8(1.9875691500e-4f);
+  y = y * r + splat8(1.3981999507e-3f);
+  y = y * r + splat8(8.3334519073e-3f);
+  y = y * r + splat8(4.1665795894e-2f);
+  y = y * r + splat8(1.6666665459e-1f);
+  y = y * r + splat8(5.0000001201e-1f);
+  y = y * (r * r) + r + splat8(1.0f);
+  v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
+  y = y * reinterpret_cast<v8f&>(e);
+  v8i bits = reinterpret_cast<v8i&>(y) & keep;
+  return reinterpret_cast<v8f&>(bits);
+}
+
+// C[m x n] (+)= A[m x k] B[k x n]; row-major with leading dims; m % 4 == 0, n % 16 == 0.
+void gemm_nn(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t m,
+             int64_t n, int64_t k, bool accumulate) {
+  for (int64_t i0 = 0; i0 < m; i0 += 4) {
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {
+      v8f acc[4][2];
+      for (int r = 0; r < 4; ++r) {
+        if (accumulate) {
+          acc[r][0] = load8(C + (i0 + r) * ldc + j0);
+          acc[r][1] = load8(C + (i0 + r) * ldc + j0 + 8);
+        } else {
+          acc[r][0] = splat8(0.0f);
+          acc[r][1] = splat8(0.0f);
+        }
+      }
+      const float* a = A + i0 * lda;
+      for (int64_t p = 0; p < k; ++p) {
+        const v8f b0 = load8(B + p * ldb + j0);
+        const v8f b1 = load8(B + p * ldb + j0 + 8);
+        for (int r = 0; r < 4; ++r) {
+          const v8f ar = splat8(a[r * lda + p]);
+          acc[r][0] += ar * b0;
+          acc[r][1] += ar * b1;
+        }
+      }
+      for (int r = 0; r < 4; ++r) {
+        store8(C + (i0 + r) * ldc + j0, acc[r][0]);
+        store8(C + (i0 + r) * ldc + j0 + 8, acc[r][1]);
+      }
+    }
+  }
+}
+
+// dst[n x m] = src[m x n]^T (leading dims given).
+void transpose(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t m, int64_t n) {
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) dst[j * ldd + i] = src[i * lds + j];
+}
+
+struct Geometry {
+  int64_t B, H, L, D, S, NH, Lp, bs, C;
+  int64_t bsp, NK, NKp, Dp;  // padded sizes of the packed buffers
+  float scale;
+};
+
+Geometry geometry(const at::Tensor& q, const at::Tensor& perm, const at::Tensor& inv, int64_t bs) {
+  Geometry g;
+  g.B = q.size(0);
+  g.H = q.size(1);
+  g.L = q.size(2);
+  g.D = q.size(3);
+  g.S = perm.size(2);
+  g.NH = inv.size(2);
+  g.Lp = g.S / g.NH;
+  g.bs = bs;
+  g.C = g.S / bs;
+  g.bsp = round_up(bs, 4);
+  g.NK = 2 * bs;
+  g.NKp = round_up(g.NK, 16);
+  g.Dp = round_up(g.D, 16);
+  g.scale = 1.0f / std::sqrt(static_cast<float>(g.D));
+  return g;
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& kn, const at::Tensor& v, const at::Tensor& perm,
+                  const at::Tensor& inv, const c10::optional<at::Tensor>& kpm, int64_t bs) {
+  for (const at::Tensor* t : {&q, &kn, &v}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 4,
+                "lsh_attention (cpp): q/kn/v must be contiguous fp32 (B, H, L, D)");
+    TORCH_CHECK(t->sizes() == q.sizes(), "lsh_attention (cpp): q/kn/v shapes differ");
+  }
+  TORCH_CHECK(perm.scalar_type() == at::kLong && perm.is_contiguous() && perm.dim() == 3,
+              "lsh_attention (cpp): perm must be contiguous int64 (B, H, S)");
+  TORCH_CHECK(inv.scalar_type() == at::kLong && inv.is_contiguous() && inv.dim() == 4,
+              "lsh_attention (cpp): inv must be contiguous int64 (B, H, NH, L)");
+  TORCH_CHECK(bs >= 1 && perm.size(2) % bs == 0 && perm.size(2) % inv.size(2) == 0,
+              "lsh_attention (cpp): slot count must be a multiple of bucket_size and n_hashes");
+  if (kpm.has_value()) {
+    TORCH_CHECK(kpm->scalar_type() == at::kBool && kpm->is_contiguous() && kpm->dim() == 2 &&
+                    kpm->size(0) == q.size(0) && kpm->size(1) == q.size(2),
+                "lsh_attention (cpp): key_padding_mask must be contiguous bool (B, L)");
+  }
+}
+
+// The packed inputs of one task (bh, chunk c): positions, key validity, and Q / K^T / V buffers.
+struct Tile {
+  std::vector<int32_t> qpos, kpos;
+  std::vector<uint8_t> kval;
+  std::vector<float> Qb, Kt, Vb, Sb;
+  explicit Tile(const Geometry& g)
+      : qpos(g.bsp), kpos(g.NKp), kval(g.NKp), Qb(g.bsp * g.Dp), Kt(g.Dp * g.NKp), Vb(g.NKp * g.Dp),
+        Sb(g.bsp * g.NKp) {}
+
+  // Gather queries of chunk c and keys of chunks c-1 (columns [0, bs)) and c (columns [bs, 2 bs)).
+  void load(const Geometry& g, const float* q, const float* kn, const float* v, const int64_t* perm,
+            const bool* kpm_b, int64_t c) {
+    const int64_t cprev = (c + g.C - 1) % g.C;
+    std::fill(Qb.begin(), Qb.end(), 0.0f);
+    for (int64_t i = 0; i < g.bsp; ++i) {
+      const int64_t p = i < g.bs ? perm[c * g.bs + i] : g.L;
+      qpos[i] = static_cast<int32_t>(p);
+      if (p < g.L) std::memcpy(&Qb[i * g.Dp], q + p * g.D, sizeof(float) * g.D);
+    }
+    std::fill(Vb.begin(), Vb.end(), 0.0f);
+    std::fill(Kt.begin(), Kt.end(), 0.0f);
+    for (int64_t j = 0; j < g.NKp; ++j) {
+      int64_t p = g.L;
+      if (j < g.bs) p = perm[cprev * g.bs + j];
+      else if (j < g.NK) p = perm[c * g.bs + (j - g.bs)];
+      const bool ok = p < g.L && (kpm_b == nullptr || kpm_b[p]);
+      kpos[j] = static_cast<int32_t>(p);
+      kval[j] = ok;
+      if (p < g.L) {
+        const float* kr = kn + p * g.D;
+        for (int64_t d = 0; d < g.D; ++d) Kt[d * g.NKp + j] = kr[d];
+        std::memcpy(&Vb[j * g.Dp], v + p * g.D, sizeof(float) * g.D);
+      }
+    }
+  }
+
+  // Scores of row i after masking; returns the row max (-inf when no valid key but itself).
+  float mask_row(const Geometry& g, int64_t i, bool causal) {
+    float* s = &Sb[i * g.NKp];
+    const int32_t qp = qpos[i];
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < g.NKp; ++j) {
+      const bool ok = kval[j] && kpos[j] != qp && (!causal || kpos[j] <= qp);
+      const float x = ok ? s[j] * g.scale : -std::numeric_limits<float>::infinity();
+      s[j] = x;
+      mx = std::max(mx, x);
+    }
+    if (qp >= g.L) mx = -std::numeric_limits<float>::infinity();  // padded queries are dropped
+    return mx;
+  }
+};
+
+}  // namespace
+
+std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& kn, const at::Tensor& v,
+                                const at::Tensor& perm, const at::Tensor& inv,
+                                const c10::optional<at::Tensor>& kpm, bool causal, int64_t bucket_size) {
+  check_inputs(q, kn, v, perm, inv, kpm, bucket_size);
+  const Geometry g = geometry(q, perm, inv, bucket_size);
+  const int64_t BH = g.B * g.H;
+  auto o_s = at::empty({BH, g.S, g.D}, q.options());
+  auto lse_s = at::empty({BH, g.S}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kn.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t* pp = perm.data_ptr<int64_t>();
+  const bool* mp = kpm.has_value() ? kpm->data_ptr<bool>() : nullptr;
+  float* op = o_s.data_ptr<float>();
+  float* lp = lse_s.data_ptr<float>();
+  const float ninf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, BH * g.C, 1, [&](int64_t begin, int64_t end) {
+    Tile t(g);
+    std::vector<float> Ob(g.bsp * g.Dp);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / g.C, c = task % g.C, b = bh / g.H;
+      const int64_t off = bh * g.L * g.D;
+      t.load(g, qp + off, kp + off, vp + off, pp + bh * g.S, mp ? mp + b * g.L : nullptr, c);
+      gemm_nn(t.Qb.data(), g.Dp, t.Kt.data(), g.NKp, t.Sb.data(), g.NKp, g.bsp, g.NKp, g.D, false);
+      for (int64_t i = 0; i < g.bsp; ++i) {
+        const float mx = t.mask_row(g, i, causal);
+        float* s = &t.Sb[i * g.NKp];
+        float sum = 0.0f;
+        if (mx == ninf) {
+          std::fill(s, s + g.NKp, 0.0f);
+        } else {
+          v8f acc = splat8(0.0f);
+          const v8f m8 = splat8(mx);
+          for (int64_t j = 0; j < g.NKp; j += 8) {
+            const v8f e = vexp_nonpos(load8(s + j) - m8);
+            store8(s + j, e);
+            acc += e;
+          }
+          for (int l = 0; l < 8; ++l) sum += acc[l];
+        }
+        if (i < g.bs) lp[bh * g.S + c * g.bs + i] = mx == ninf ? ninf : mx + std::log(sum);
+        const float inv_sum = mx == ninf ? 0.0f : 1.0f / sum;
+        for (int64_t j = 0; j < g.NKp; ++j) s[j] *= inv_sum;
+      }
+      gemm_nn(t.Sb.data(), g.NKp, t.Vb.data(), g.Dp, Ob.data(), g.Dp, g.bsp, g.Dp, g.NKp, false);
+      for (int64_t i = 0; i < g.bs; ++i)
+        std::memcpy(op + (bh * g.S + c * g.bs + i) * g.D, &Ob[i * g.Dp], sizeof(float) * g.D);
+    }
+  });
+
+  // Combine the rounds per real position.
+  auto out = at::empty_like(q);
+  auto lse = at::empty({g.B, g.H, g.L}, q.options());
+  float* outp = out.data_ptr<float>();
+  float* lsep = lse.data_ptr<float>();
+  const int64_t* ip = inv.data_ptr<int64_t>();
+  at::parallel_for(0, BH * g.L, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(g.NH);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t bh = idx / g.L, i = idx % g.L;
+      const int64_t* slots = ip + (bh * g.NH) * g.L + i;
+      float mx = ninf;
+      for (int64_t r = 0; r < g.NH; ++r) mx = std::max(mx, lp[bh * g.S + slots[r * g.L]]);
+      float* o = outp + idx * g.D;
+      if (mx == ninf) {
+        std::memcpy(o, vp + idx * g.D, sizeof(float) * g.D);
+        lsep[idx] = ninf;
+        continue;
+      }
+      float z = 0.0f;
+      for (int64_t r = 0; r < g.NH; ++r) {
+        w[r] = std::exp(lp[bh * g.S + slots[r * g.L]] - mx);
+        z += w[r];
+      }
+      std::fill(o, o + g.D, 0.0f);
+      for (int64_t r = 0; r < g.NH; ++r) {
+        const float wr = w[r] / z;
+        if (wr == 0.0f) continue;
+        const float* orow = op + (bh * g.S + slots[r * g.L]) * g.D;
+        for (int64_t d = 0; d < g.D; ++d) o[d] += wr * orow[d];
+      }
+      lsep[idx] = mx + std::log(z);
+    }
+  });
+  return {out, lse};
+}
+
+std::vector<at::Tensor> lsh_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kn,
+                                const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                const at::Tensor& perm, const at::Tensor& inv,
+                                const c10::optional<at::Tensor>& kpm, bool causal, int64_t bucket_size) {
+  check_inputs(q, kn, v, perm, inv, kpm, bucket_size);
+  TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == at::kFloat && dout.is_contiguous(),
+              "lsh_attention (cpp): dout must be contiguous fp32 like q");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "lsh_attention (cpp): out must be contiguous fp32 like q");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.numel() == q.numel() / q.size(3),
+              "lsh_attention (cpp): lse must be contiguous fp32 (B, H, L)");
+  const Geometry g = geometry(q, perm, inv, bucket_size);
+  const int64_t BH = g.B * g.H;
+  // delta_i = g_i . out_i
+  auto delta = (dout * out).sum(-1).contiguous();
+  auto dq_s = at::empty({BH, g.S, g.D}, q.options());
+  auto dk_own = at::empty({BH, g.S, g.D}, q.options());
+  auto dk_prev = at::empty({BH, g.S, g.D}, q.options());
+  auto dv_own = at::empty({BH, g.S, g.D}, q.options());
+  auto dv_prev = at::empty({BH, g.S, g.D}, q.options());
+  const float* gp = dout.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const float* kp = kn.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const float* lsep = lse.data_ptr<float>();
+  const float* dp = delta.data_ptr<float>();
+  const int64_t* pp = perm.data_ptr<int64_t>();
+  const bool* mp = kpm.has_value() ? kpm->data_ptr<bool>() : nullptr;
+  float* dqs = dq_s.data_ptr<float>();
+  float* dko = dk_own.data_ptr<float>();
+  float* dkp = dk_prev.data_ptr<float>();
+  float* dvo = dv_own.data_ptr<float>();
+  float* dvp = dv_prev.data_ptr<float>();
+  const float ninf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, BH * g.C, 1, [&](int64_t begin, int64_t end) {
+    Tile t(g);
+    std::vector<float> Gb(g.bsp * g.Dp), Vt(g.Dp * g.NKp), Kb(g.NKp * g.Dp), dP(g.bsp * g.NKp);
+    std::vector<float> T(g.NKp * g.bsp), Ob(g.NKp * g.Dp);
+    std::vector<float> lq(g.bsp), dq(g.bsp);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / g.C, c = task % g.C, b = bh / g.H;
+      const int64_t cprev = (c + g.C - 1) % g.C;
+      const int64_t off = bh * g.L * g.D;
+      t.load(g, qp + off, kp + off, vp + off, pp + bh * g.S, mp ? mp + b * g.L : nullptr, c);
+      std::fill(Gb.begin(), Gb.end(), 0.0f);
+      for (int64_t i = 0; i < g.bsp; ++i) {
+        const int64_t p = t.qpos[i];
+        const bool real = i < g.bs && p < g.L;
+        lq[i] = real ? lsep[bh * g.L + p] : ninf;
+        dq[i] = real ? dp[bh * g.L + p] : 0.0f;
+        if (real) std::memcpy(&Gb[i * g.Dp], gp + off + p * g.D, sizeof(float) * g.D);
+      }
+      transpose(t.Vb.data(), g.Dp, Vt.data(), g.NKp, g.NKp, g.Dp);
+      transpose(t.Kt.data(), g.NKp, Kb.data(), g.Dp, g.Dp, g.NKp);
+      gemm_nn(t.Qb.data(), g.Dp, t.Kt.data(), g.NKp, t.Sb.data(), g.NKp, g.bsp, g.NKp, g.D, false);
+      gemm_nn(Gb.data(), g.Dp, Vt.data(), g.NKp, dP.data(), g.NKp, g.bsp, g.NKp, g.D, false);
+      for (int64_t i = 0; i < g.bsp; ++i) {
+        const float mx = t.mask_row(g, i, causal);
+        float* s = &t.Sb[i * g.NKp];
+        float* dpr = &dP[i * g.NKp];
+        if (mx == ninf || lq[i] == ninf) {
+          std::fill(s, s + g.NKp, 0.0f);
+          std::fill(dpr, dpr + g.NKp, 0.0f);
+          continue;
+        }
+        const v8f l8 = splat8(lq[i]), d8 = splat8(dq[i]), sc = splat8(g.scale);
+        for (int64_t j = 0; j < g.NKp; j += 8) {
+          // s - LSE <= 0 up to rounding; clamp so the exp stays in its domain
+          v8f x = load8(s + j) - l8;
+          x = x < splat8(0.0f) ? x : splat8(0.0f);
+          const v8f p = vexp_nonpos(x);
+          store8(s + j, p);                                   // P
+          store8(dpr + j, p * (load8(dpr + j) - d8) * sc);   // dS (scaled)
+        }
+      }
+      // dQ = dS K  (slots of this chunk)
+      gemm_nn(dP.data(), g.NKp, Kb.data(), g.Dp, Ob.data(), g.Dp, g.bsp, g.Dp, g.NKp, false);
+      for (int64_t i = 0; i < g.bs; ++i)
+        std::memcpy(dqs + (bh * g.S + c * g.bs + i) * g.D, &Ob[i * g.Dp], sizeof(float) * g.D);
+      // dK = dS^T Q ; dV = P^T G   (keys: [0, bs) -> chunk c-1, [bs, 2bs) -> chunk c)
+      transpose(dP.data(), g.NKp, T.data(), g.bsp, g.bsp, g.NKp);
+      gemm_nn(T.data(), g.bsp, t.Qb.data(), g.Dp, Ob.data(), g.Dp, g.NKp, g.Dp, g.bsp, false);
+      for (int64_t j = 0; j < g.NK; ++j) {
+        float* dst = j < g.bs ? dkp + (bh * g.S + cprev * g.bs + j) * g.D
+                              : dko + (bh * g.S + c * g.bs + (j - g.bs)) * g.D;
+        std::memcpy(dst, &Ob[j * g.Dp], sizeof(float) * g.D);
+      }
+      transpose(t.Sb.data(), g.NKp, T.data(), g.bsp, g.bsp, g.NKp);
+      gemm_nn(T.data(), g.bsp, Gb.data(), g.Dp, Ob.data(), g.Dp, g.NKp, g.Dp, g.bsp, false);
+      for (int64_t j = 0; j < g.NK; ++j) {
+        float* dst = j < g.bs ? dvp + (bh * g.S + cprev * g.bs + j) * g.D
+                              : dvo + (bh * g.S + c * g.bs + (j - g.bs)) * g.D;
+        std::memcpy(dst, &Ob[j * g.Dp], sizeof(float) * g.D);
+      }
+    }
+  });
+
+  // Sum every real position's slots over the rounds.
+  auto dqo = at::empty_like(q);
+  auto dkno = at::empty_like(q);
+  auto dvout = at::empty_like(q);
+  float* dqop = dqo.data_ptr<float>();
+  float* dknp = dkno.data_ptr<float>();
+  float* dvop = dvout.data_ptr<float>();
+  const int64_t* ip = inv.data_ptr<int64_t>();
+  at::parallel_for(0, BH * g.L, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t bh = idx / g.L, i = idx % g.L;
+      const int64_t* slots = ip + (bh * g.NH) * g.L + i;
+      float* a = dqop + idx * g.D;
+      float* k = dknp + idx * g.D;
+      float* w = dvop + idx * g.D;
+      std::fill(a, a + g.D, 0.0f);
+      std::fill(k, k + g.D, 0.0f);
+      // every round fell back to the query's own value: out_i = v_i
+      if (lsep[idx] == ninf) std::memcpy(w, gp + idx * g.D, sizeof(float) * g.D);
+      else std::fill(w, w + g.D, 0.0f);
+      for (int64_t r = 0; r < g.NH; ++r) {
+        const int64_t base = (bh * g.S + slots[r * g.L]) * g.D;
+        for (int64_t d = 0; d < g.D; ++d) {
+          a[d] += dqs[base + d];
+          k[d] += dko[base + d] + dkp[base + d];
+          w[d] += dvo[base + d] + dvp[base + d];
+        }
+      }
+    }
+  });
+  return {dqo, dkno, dvout};
+}
+
+// Stable counting sort of every round by bucket, after padding to Lp with bucket n_buckets.
+// buckets (B, H, NH, L) int64 in [0, n_buckets) -> perm (B, H, NH * Lp), inv (B, H, NH, L).
+std::vector<at::Tensor> lsh_sort(const at::Tensor& buckets, int64_t bucket_size, int64_t n_buckets) {
+  TORCH_CHECK(buckets.scalar_type() == at::kLong && buckets.is_contiguous() && buckets.dim() == 4,
+              "lsh_attention (cpp): buckets must be contiguous int64 (B, H, NH, L)");
+  const int64_t B = buckets.size(0), H = buckets.size(1), NH = buckets.size(2), L = buckets.size(3);
+  const int64_t Lp = round_up(L, bucket_size);
+  auto perm = at::empty({B, H, NH * Lp}, buckets.options());
+  auto inv = at::empty({B, H, NH, L}, buckets.options());
+  const int64_t* bp = buckets.data_ptr<int64_t>();
+  int64_t* pp = perm.data_ptr<int64_t>();
+  int64_t* ip = inv.data_ptr<int64_t>();
+  at::parallel_for(0, B * H * NH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> start(n_buckets + 2);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t* bk = bp + row * L;
+      const int64_t r = row % NH;
+      int64_t* pr = pp + row * Lp;  // (B, H, NH*Lp) rows of Lp per round line up with (B, H, NH)
+      int64_t* ir = ip + row * L;
+      std::fill(start.begin(), start.end(), 0);
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t b = bk[i];
+        TORCH_CHECK(b >= 0 && b < n_buckets, "lsh_attention (cpp): bucket id out of range");
+        ++start[b + 1];
+      }
+      for (int64_t b = 0; b < n_buckets; ++b) start[b + 1] += start[b];
+      for (int64_t i = 0; i < L; ++i) {
+        const int64_t s = start[bk[i]]++;
+        pr[s] = i;
+        ir[i] = r * Lp + s;
+      }
+      for (int64_t i = L; i < Lp; ++i) pr[i] = i;  // padding: bucket n_buckets, after every real one
+    }
+  });
+  return {perm, inv};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("lsh_sort", &lsh_sort, "stable counting sort of the hash rounds: (perm, inv)");
+  m.def("lsh_fwd", &lsh_fwd, "LSH attention forward: (out, lse)");
+  m.def("lsh_bwd", &lsh_bwd, "LSH attention backward: (dq, dkn, dv)");
+}

@@ -93,6 +93,7 @@ def discover_suites() -> dict[str, SuiteEntry]:
     that fails to import, or has no ``SUITE``, is an entry with an ``error`` instead of a crash."""
     from . import suites as pkg
 
+    pkg.extend_path()
     out: dict[str, SuiteEntry] = {}
     for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda m: m.name):
         if info.name.startswith("_"):
@@ -190,7 +191,7 @@ def run_benchmarks(
     peak = None
     if opts.measure_peak and plan:
         try:
-            peak = measure_matmul_peak(opts.device, opts.dtype, quick=opts.quick)
+            peak = measure_matmul_peak(opts.device, opts.dtype, quick=opts.quick, size=256 if opts.toy else None)
         except Exception:  # a peak we cannot measure leaves percent-of-peak blank
             peak = None
 

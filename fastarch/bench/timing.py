@@ -130,17 +130,19 @@ def time_callable(fn: Callable[[], Any], device: torch.device | str, policy: Tim
     return _time_cpu(fn, policy)
 
 
-_PEAK_CACHE: dict[tuple[str, str], float] = {}
+_PEAK_CACHE: dict[tuple[str, str, int | None], float] = {}
 
 
-def measure_matmul_peak(device: torch.device | str, dtype: torch.dtype, *, quick: bool = True) -> float:
+def measure_matmul_peak(
+    device: torch.device | str, dtype: torch.dtype, *, quick: bool = True, size: int | None = None
+) -> float:
     """The device's achievable matmul throughput in GFLOP/s for ``dtype``, measured once per process.
 
     A square matmul (1024 on CPU in quick mode, 2048 otherwise; 8192 on CUDA) timed like any provider;
     percent-of-peak figures are relative to it.
     """
     device = torch.device(device)
-    key = (str(device), str(dtype))
+    key = (str(device), str(dtype), size)
     if key in _PEAK_CACHE:
         return _PEAK_CACHE[key]
     if device.type == "cuda":
@@ -150,6 +152,7 @@ def measure_matmul_peak(device: torch.device | str, dtype: torch.dtype, *, quick
     # Low-precision CPU matmuls can be orders of magnitude slower; keep them short.
     if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
         n = 512
+    n = size or n
     g = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)
     b = torch.randn(n, n, generator=g).to(device=device, dtype=dtype)

@@ -1,0 +1,258 @@
+"""The bench machinery end to end: suite discovery (including a module that fails to import), provider
+skipping and errors, derived metrics, CSV/JSON schema, plots, and the CLI at toy sizes."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fastarch.bench import cli
+from fastarch.bench.core import BenchConfig, Case, Provider, Skip, Suite
+from fastarch.bench.report import CSV_COLUMNS, METRICS
+from fastarch.bench.runner import RunOptions, SuiteEntry, discover_suites, run_benchmarks
+from fastarch.bench.timing import TimingPolicy, quantile, time_callable
+
+TOY = '''
+import torch
+from fastarch.bench.core import Case, Provider, Skip, Suite
+
+
+def _mm(n, cfg, slow):
+    def setup():
+        g = torch.Generator().manual_seed(n)
+        a = torch.randn(n, n, generator=g).to(cfg.device, cfg.dtype)
+        if slow:  # materialises an (n, n, n) product: n**3 * 4 bytes of temporary memory
+            return lambda: (a[:, :, None] * a[None, :, :]).sum(1)
+        return lambda: a @ a
+    return setup
+
+
+def _unicorn():
+    raise Skip("needs a unicorn")
+
+
+def _boom():
+    raise RuntimeError("kaboom")
+
+
+def cases(cfg):
+    sizes = (16, 32, 128) if cfg.toy else (256, 512)
+    return [
+        Case(name=f"mm n={n}", params={"n": n}, flops=2.0 * n ** 3, bytes=3.0 * n * n * 4,
+             measure_memory=(n == 128),
+             providers=[
+                 Provider("fast", "fastarch", _mm(n, cfg, slow=False)),
+                 Provider("reference", "reference", _mm(n, cfg, slow=True)),
+                 Provider("torch-peer", "torch", _mm(n, cfg, slow=False)),
+                 Provider("unicorn", "fastarch", _unicorn),
+                 Provider("boom", "fastarch", _boom),
+                 Provider("peerlib", "peer", _mm(n, cfg, slow=False),
+                          peer_package="surely_not_installed_pkg_fastarch"),
+             ])
+        for n in sizes
+    ]
+
+
+SUITE = Suite(name="zz_toy_suite", description="toy matmuls", cases=cases)
+'''
+
+
+@pytest.fixture(scope="module")
+def suite_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("suites")
+    (d / "zz_toy_suite.py").write_text(TOY)
+    (d / "zz_broken_suite.py").write_text("import not_a_real_module_fastarch_xyz\n")
+    (d / "zz_nosuite.py").write_text("X = 1\n")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FASTARCH_BENCH_SUITES_PATH", str(d))
+    yield d
+    mp.undo()
+    for m in [m for m in sys.modules if m.startswith("fastarch.bench.suites.zz_")]:
+        del sys.modules[m]
+
+
+def test_discovery_reports_broken_modules(suite_dir):
+    entries = discover_suites()
+    assert entries["zz_toy_suite"].suite is not None
+    assert entries["zz_broken_suite"].suite is None
+    assert "failed to import" in entries["zz_broken_suite"].error
+    assert "not_a_real_module_fastarch_xyz" in entries["zz_broken_suite"].error
+    assert "no SUITE" in entries["zz_nosuite"].error
+    assert entries["norms"].suite is not None
+
+
+def test_run_statuses_and_derived_metrics(suite_dir):
+    entries = discover_suites()
+    opts = RunOptions(quick=True, toy=True, policy=TimingPolicy(repeat=3), memory="none")
+    run = run_benchmarks([entries["zz_toy_suite"], entries["zz_broken_suite"]], opts)
+    assert run.suites["zz_broken_suite"]["status"] == "error"
+    by = {(r.case, r.provider): r for r in run.results}
+    assert len(by) == 3 * 6
+    r = by[("mm n=32", "unicorn")]
+    assert (r.status, r.note) == ("skipped", "needs a unicorn")
+    r = by[("mm n=32", "boom")]
+    assert r.status == "error" and r.note == "RuntimeError: kaboom"
+    r = by[("mm n=32", "peerlib")]
+    assert r.status == "skipped" and "not installed" in r.note
+    fast, ref, peer = by[("mm n=32", "fast")], by[("mm n=32", "reference")], by[("mm n=32", "torch-peer")]
+    for x in (fast, ref, peer):
+        assert x.status == "ok"
+        assert x.timing.p20_ms <= x.timing.median_ms <= x.timing.p80_ms
+        assert x.timing.reps >= 3
+    assert ref.speedup_vs_reference == pytest.approx(1.0)
+    assert fast.speedup_vs_reference == pytest.approx(ref.timing.median_ms / fast.timing.median_ms)
+    assert fast.speedup_vs_best_peer == pytest.approx(peer.timing.median_ms / fast.timing.median_ms)
+    assert fast.best_peer == "torch-peer"
+    assert fast.gflops == pytest.approx(2.0 * 32**3 / (fast.timing.median_ms * 1e-3) / 1e9)
+    assert fast.pct_peak == pytest.approx(100 * fast.gflops / run.matmul_peak_gflops)
+    assert fast.gbps == pytest.approx(3.0 * 32 * 32 * 4 / (fast.timing.median_ms * 1e-3) / 1e9)
+
+
+def test_provider_filter_keeps_reference(suite_dir):
+    entries = discover_suites()
+    opts = RunOptions(toy=True, providers=["fast"], policy=TimingPolicy(repeat=1), memory="none",
+                      measure_peak=False)
+    run = run_benchmarks([entries["zz_toy_suite"]], opts)
+    assert {r.provider for r in run.results} == {"fast", "reference"}
+    opts.providers = ["peer"]  # by kind
+    run = run_benchmarks([entries["zz_toy_suite"]], opts)
+    assert {r.provider for r in run.results} == {"peerlib", "reference"}
+
+
+def test_cases_raising_skip_or_error_are_reported():
+    def skip_all(cfg):
+        raise Skip("no widgets here")
+
+    def crash(cfg):
+        raise ValueError("bad sizes")
+
+    entries = [SuiteEntry("s1", "x", Suite("s1", "d", skip_all)), SuiteEntry("s2", "x", Suite("s2", "d", crash))]
+    run = run_benchmarks(entries, RunOptions(toy=True, memory="none"))
+    assert run.suites["s1"] == {"description": "d", "status": "skipped", "note": "no widgets here"}
+    assert run.suites["s2"]["status"] == "error" and "bad sizes" in run.suites["s2"]["note"]
+    assert run.results == []
+
+
+def test_cuda_device_without_cuda_is_reported_not_fatal(suite_dir, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    rc = cli.main(["--suite", "zz_toy_suite", "--device", "cuda", "--out", str(tmp_path), "--no-plot",
+                   "--no-progress"])
+    assert rc == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["suites"]["zz_toy_suite"] == {"description": "toy matmuls", "status": "skipped",
+                                             "note": "no CUDA device"}
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_unknown_suite_is_a_clear_error(capsys):
+    assert cli.main(["--suite", "no_such_suite", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown suite(s): no_such_suite" in err and "norms" in err
+
+
+def test_list(suite_dir, capsys):
+    assert cli.main(["--list", "--toy", "--suite", "zz_toy_suite,zz_broken_suite"]) == 0
+    out = capsys.readouterr().out
+    assert "mm n=16: fast (fastarch), reference (reference)" in out
+    assert "zz_broken_suite: NOT AVAILABLE" in out
+
+
+def test_case_validation():
+    p = Provider("a", "fastarch", lambda: (lambda: None))
+    with pytest.raises(ValueError, match="duplicate provider"):
+        Case("c", {}, None, [p, p])
+    with pytest.raises(ValueError, match="kind"):
+        Provider("a", "friend", lambda: (lambda: None))
+    cfg = BenchConfig()
+    assert (cfg.quick, cfg.device.type, cfg.dtype, cfg.is_cuda) == (True, "cpu", torch.float32, False)
+
+
+def test_timing_helpers():
+    assert quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.2) == pytest.approx(1.8)
+    assert quantile([7.0], 0.8) == 7.0
+    calls = []
+    res = time_callable(lambda: calls.append(1), "cpu", TimingPolicy(warmup=2, repeat=5))
+    assert res.reps == 5 and len(calls) == 7 and res.method == "wall"
+    res = time_callable(lambda: None, "cpu", TimingPolicy(budget_s=0.01, min_reps=3, max_reps=50))
+    assert 3 <= res.reps <= 50
+
+
+def test_cli_end_to_end_toy(suite_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    provs = "fast,torch-peer,unicorn,boom,peerlib,fastarch-torch,torch"
+    rc = cli.main(["--suite", "zz_toy_suite,zz_broken_suite,norms", "--quick", "--toy", "--out", str(out),
+                   "--repeat", "2", "--providers", provs, "--no-progress"])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "== zz_toy_suite: toy matmuls" in stdout
+    assert "skipped: not installed (surely_not_installed_pkg_fastarch)" in stdout
+    assert "error: RuntimeError: kaboom" in stdout
+    assert "zz_broken_suite" in stdout and "failed to import" in stdout
+
+    with open(out / "results.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == CSV_COLUMNS
+        rows = list(reader)
+    assert rows and all(r["metric"] in METRICS for r in rows)
+    assert {r["suite"] for r in rows} == {"zz_toy_suite", "norms"}
+    for r in rows:
+        assert r["status"] in ("ok", "skipped", "error")
+        assert r["torch"] == torch.__version__ and r["timestamp"] and r["cpu"] and r["device"] == "cpu"
+        json.loads(r["params"])
+        if r["status"] == "ok":
+            float(r["value"])
+        else:
+            assert r["value"] == "" and r["metric"] == "time_median_ms" and r["note"]
+    # one row per (suite, case, provider, metric)
+    keys = [(r["suite"], r["case"], r["provider"], r["metric"]) for r in rows]
+    assert len(keys) == len(set(keys))
+    fast = {r["metric"]: r for r in rows if r["case"] == "mm n=128" and r["provider"] == "fast"}
+    assert {"time_median_ms", "time_p20_ms", "time_p80_ms", "gflops", "pct_matmul_peak", "gbps",
+            "speedup_vs_reference", "speedup_vs_best_peer", "peak_memory_mb"} <= set(fast)
+    # Peak memory is measured (subprocess RSS): the reference materialises a 128**3 fp32 temporary (8 MiB).
+    ref_mem = next(float(r["value"]) for r in rows if r["case"] == "mm n=128" and r["provider"] == "reference"
+                   and r["metric"] == "peak_memory_mb")
+    assert 6.0 <= ref_mem <= 24.0, ref_mem
+    assert float(fast["peak_memory_mb"]["value"]) < 2.0
+    assert not any(r["metric"] == "peak_memory_mb" for r in rows if r["case"] == "mm n=16")
+
+    doc = json.loads((out / "results.json").read_text())
+    for k in ("timestamp", "machine", "cpu", "device", "device_name", "torch", "triton", "fastarch", "python",
+              "matmul_peak_gflops", "wall_time_s"):
+        assert k in doc["meta"], k
+    assert doc["columns"] == CSV_COLUMNS and len(doc["rows"]) == len(rows)
+    assert doc["suites"]["zz_broken_suite"]["status"] == "error"
+    norms_ok = [r for r in doc["rows"] if r["suite"] == "norms" and r["status"] == "ok"]
+    assert {r["provider"] for r in norms_ok} >= {"reference", "torch", "fastarch-torch"}
+    for name in ("zz_toy_suite.png", "norms.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plots_skip_without_matplotlib(monkeypatch, tmp_path):
+    import builtins
+
+    from fastarch.bench.plots import plot_suites
+
+    real_import = builtins.__import__
+
+    def no_mpl(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError("no matplotlib")
+        return real_import(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_mpl)
+    from fastarch.bench.runner import RunResult
+
+    paths, msg = plot_suites(RunResult([], {}, None, 0.0), tmp_path)
+    assert paths == [] and "matplotlib is not installed" in msg
+
+
+def test_toy_suite_module_source_is_valid():
+    # The toy suite above is plain Python: compile it so a syntax slip fails here, not in a subprocess.
+    compile(textwrap.dedent(TOY), "zz_toy_suite.py", "exec")

@@ -1,0 +1,229 @@
+"""Byte-pair encoding with incremental pair counts.
+
+Guide-003 ``BPETokenizer(vocab_size=1000)`` with ``train(texts)`` and ``encode(text)``. Training keeps,
+for every adjacent symbol pair, its corpus count and the set of words containing it, and a max-heap of
+``(count, pair)`` with lazy deletion (an entry is used only if its count is still current). A merge
+rewrites only the words that contain the pair and updates the counts of the pairs those words gain and
+lose, instead of recounting every pair of the corpus after each merge as the guide does.
+
+Deviations from the guide:
+
+- the end-of-word marker ``</w>`` is glued to the word's last character (``"low" -> l o w</w>``), as in
+  Sennrich et al.; the guide split the marker itself into the four symbols ``< / w >``;
+- ties between equally frequent pairs go to the lexicographically smallest pair (the guide: dict order);
+- ``encode`` returns ids (``tokenize`` returns the guide's token strings); characters never seen in
+  training map to ``unk_token``; ids are specials first, then the learned tokens sorted.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .io import BaseTokenizer, TokenizerFileError, require
+
+__all__ = ["BPETokenizer"]
+
+EOW = "</w>"
+
+
+class _Rev:
+    """Wraps a pair so that heapq (a min-heap) pops the lexicographically *smallest* pair among equal counts."""
+
+    __slots__ = ("p",)
+
+    def __init__(self, p: tuple[str, str]) -> None:
+        self.p = p
+
+    def __lt__(self, other: _Rev) -> bool:
+        return self.p < other.p
+
+
+class BPETokenizer(BaseTokenizer):
+    """BPE tokenizer (see the module docstring).
+
+    Args:
+        vocab_size: target size: ``train`` performs ``vocab_size - len(alphabet) - len(specials)`` merges
+            unless ``num_merges`` is given.
+        lowercase: lowercase the text before splitting on whitespace (the guide always does).
+        unk_token, pad_token, bos_token, eos_token: special tokens (``None`` to omit); bos/eos are added by
+            ``encode(add_special_tokens=True)`` when set.
+    """
+
+    def __init__(self, vocab_size: int = 1000, *, lowercase: bool = True, unk_token: str | None = "<unk>",
+                 pad_token: str | None = "<pad>", bos_token: str | None = None, eos_token: str | None = None,
+                 additional_special_tokens: Sequence[str] = ()) -> None:
+        super().__init__()
+        if not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"BPETokenizer: argument 'vocab_size' must be a positive int, got {vocab_size!r}")
+        self.vocab_size = vocab_size
+        self.lowercase = lowercase
+        roles = {"pad_token": pad_token, "unk_token": unk_token, "bos_token": bos_token, "eos_token": eos_token}
+        self.special_tokens = {r: t for r, t in roles.items() if t}
+        self.additional_special_tokens = list(additional_special_tokens)
+        self.merges: list[tuple[str, str]] = []
+        self._ranks: dict[tuple[str, str], int] = {}
+        self._cache: dict[str, list[str]] = {}
+
+    # ---- guide helpers ----------------------------------------------------------------------------------
+    def _words(self, text: str) -> list[str]:
+        return (text.lower() if self.lowercase else text).split()
+
+    def get_word_frequencies(self, texts: Iterable[str]) -> dict[str, int]:
+        """``{word + '</w>': count}`` as in the guide."""
+        freq: Counter[str] = Counter()
+        for text in texts:
+            freq.update(self._words(text))
+        return {w + EOW: c for w, c in freq.items()}
+
+    @staticmethod
+    def _symbols(word: str) -> list[str]:
+        return list(word[:-1]) + [word[-1] + EOW]
+
+    # ---- training ---------------------------------------------------------------------------------------
+    def train(self, texts: Sequence[str] | Iterable[str], num_merges: int | None = None, verbose: bool = False) -> None:
+        """Learn merges from ``texts``; ``num_merges`` overrides the count implied by ``vocab_size``."""
+        freq: Counter[str] = Counter()
+        for text in texts:
+            freq.update(self._words(text))
+        words = [self._symbols(w) for w in freq]
+        counts = list(freq.values())
+        alphabet = sorted({s for w in words for s in w})
+        specials = self._specials_in_order()
+        if num_merges is None:
+            num_merges = max(0, self.vocab_size - len(alphabet) - len(specials))
+        elif not isinstance(num_merges, int) or num_merges < 0:
+            raise ValueError(f"BPETokenizer.train: argument 'num_merges' must be an int >= 0, got {num_merges!r}")
+
+        pair_count: defaultdict[tuple[str, str], int] = defaultdict(int)
+        where: defaultdict[tuple[str, str], set[int]] = defaultdict(set)
+        for i, (w, c) in enumerate(zip(words, counts)):
+            for p in zip(w, w[1:]):
+                pair_count[p] += c
+                where[p].add(i)
+        heap = [(-c, _Rev(p)) for p, c in pair_count.items()]
+        heapq.heapify(heap)
+        merges: list[tuple[str, str]] = []
+        learned: list[str] = []
+        while len(merges) < num_merges and heap:
+            negc, rp = heapq.heappop(heap)
+            pair = rp.p
+            cur = pair_count.get(pair, 0)
+            if cur != -negc or cur <= 0:
+                continue  # stale entry: the pair's count changed after it was pushed
+            a, b = pair
+            new = a + b
+            changed: set[tuple[str, str]] = set()
+            for i in where.pop(pair):
+                w = words[i]
+                # Skip words that lost the pair in an earlier merge (the index is not pruned eagerly).
+                n = len(w)
+                j = 0
+                hit = False
+                while j < n - 1:
+                    if w[j] == a and w[j + 1] == b:
+                        hit = True
+                        break
+                    j += 1
+                if not hit:
+                    continue
+                c = counts[i]
+                merged: list[str] = w[:j]
+                while j < n:
+                    if j < n - 1 and w[j] == a and w[j + 1] == b:
+                        merged.append(new)
+                        j += 2
+                    else:
+                        merged.append(w[j])
+                        j += 1
+                for p in zip(w, w[1:]):
+                    pair_count[p] -= c
+                    changed.add(p)
+                for p in zip(merged, merged[1:]):
+                    pair_count[p] += c
+                    where[p].add(i)
+                    changed.add(p)
+                words[i] = merged
+            pair_count.pop(pair, None)
+            changed.discard(pair)
+            for p in changed:
+                c = pair_count[p]
+                if c > 0:
+                    heapq.heappush(heap, (-c, _Rev(p)))
+                else:
+                    del pair_count[p]
+            merges.append(pair)
+            learned.append(new)
+            if verbose and len(merges) % 1000 == 0:
+                print(f"BPE: {len(merges)} merges")
+        self.merges = merges
+        tokens = sorted(set(alphabet) | set(learned))
+        self._set_vocab(specials + [t for t in tokens if t not in specials])
+        self._ranks = {p: r for r, p in enumerate(merges)}
+        self._cache = {}
+
+    # ---- encoding ---------------------------------------------------------------------------------------
+    def _bpe(self, word: str) -> list[str]:
+        """Apply the merges to one word: repeatedly merge the adjacent pair learned earliest."""
+        hit = self._cache.get(word)
+        if hit is not None:
+            return hit
+        syms = self._symbols(word)
+        ranks = self._ranks
+        while len(syms) > 1:
+            best_rank, best = None, None
+            for p in zip(syms, syms[1:]):
+                r = ranks.get(p)
+                if r is not None and (best_rank is None or r < best_rank):
+                    best_rank, best = r, p
+            if best is None:
+                break
+            a, b = best
+            out: list[str] = []
+            j = 0
+            while j < len(syms):
+                if j < len(syms) - 1 and syms[j] == a and syms[j + 1] == b:
+                    out.append(a + b)
+                    j += 2
+                else:
+                    out.append(syms[j])
+                    j += 1
+            syms = out
+        if len(self._cache) < 100_000:
+            self._cache[word] = syms
+        return syms
+
+    def tokenize(self, text: str) -> list[str]:
+        """Token strings of ``text`` (what the guide's ``encode`` returned)."""
+        self._require_vocab()
+        out: list[str] = []
+        for w in self._words(text):
+            out.extend(self._bpe(w))
+        return out
+
+    def _decode_tokens(self, tokens: list[str]) -> str:
+        return "".join(tokens).replace(EOW, " ").strip()
+
+    # ---- persistence ------------------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {"vocab_size": self.vocab_size, "lowercase": self.lowercase, "merges": [list(p) for p in self.merges]}
+
+    @classmethod
+    def _from_state(cls, path: str, data: dict[str, Any]) -> BPETokenizer:
+        tok = cls(require(path, data, "vocab_size", int, "an int"), lowercase=require(path, data, "lowercase", bool,
+                                                                                        "a bool"),
+                  unk_token=None, pad_token=None)
+        merges = require(path, data, "merges", list, "a list of [left, right] pairs")
+        vocab = set(data.get("vocab", []))
+        out = []
+        for i, m in enumerate(merges):
+            if not (isinstance(m, list) and len(m) == 2 and all(isinstance(s, str) and s for s in m)):
+                raise TokenizerFileError(f"{path}: merge {i} must be a pair of non-empty strings, got {m!r}")
+            if m[0] + m[1] not in vocab:
+                raise TokenizerFileError(f"{path}: merge {i} {m!r} produces {m[0] + m[1]!r}, which is not in the vocab")
+            out.append((m[0], m[1]))
+        tok.merges = out
+        tok._ranks = {p: r for r, p in enumerate(out)}
+        return tok

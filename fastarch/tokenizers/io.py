@@ -1,0 +1,266 @@
+"""Shared tokenizer plumbing: vocabulary/id maps, special tokens, atomic JSON save/load with validation."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = ["BaseTokenizer", "TokenizerFileError", "atomic_write_text", "load_tokenizer"]
+
+FORMAT_VERSION = 1
+
+
+class TokenizerFileError(ValueError):
+    """A tokenizer or vocabulary file is missing, unreadable or malformed."""
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, fsync, ``os.replace``."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _fail(path: str, msg: str) -> TokenizerFileError:
+    return TokenizerFileError(f"{path}: {msg}")
+
+
+def read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise _fail(path, "no such tokenizer file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise _fail(path, f"cannot read the tokenizer file ({e})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _fail(path, f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise _fail(path, f"expected a JSON object at the top level, got {type(data).__name__}")
+    return data
+
+
+def require(path: str, data: dict[str, Any], key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if key not in data:
+        raise _fail(path, f"missing field '{key}' ({what})")
+    val = data[key]
+    if not isinstance(val, kind) or (kind is int and isinstance(val, bool)):
+        raise _fail(path, f"field '{key}' must be {what}, got {type(val).__name__}")
+    return val
+
+
+class BaseTokenizer:
+    """Vocabulary, ids and special tokens shared by the BPE, WordPiece and Unigram tokenizers.
+
+    Subclasses implement ``tokenize(text) -> list[str]`` for ordinary text, ``_decode_tokens`` and the
+    ``_state``/``_from_state`` pair used by :meth:`save`/:meth:`load`.
+    """
+
+    #: special-token roles, in the order their ids are assigned
+    SPECIAL_ROLES: tuple[str, ...] = ("pad_token", "unk_token", "bos_token", "eos_token")
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+        self._id_to_token: list[str] = []
+        self.special_tokens: dict[str, str] = {}
+        self.additional_special_tokens: list[str] = []
+        self._special_re: re.Pattern[str] | None = None
+
+    # ---- vocabulary -------------------------------------------------------------------------------------
+    def _set_vocab(self, tokens: Sequence[str]) -> None:
+        if len(set(tokens)) != len(tokens):
+            dup = sorted({t for t in tokens if tokens.count(t) > 1})[:5]
+            raise ValueError(f"{type(self).__name__}: duplicate tokens in the vocabulary: {dup}")
+        self._id_to_token = list(tokens)
+        self.vocab = {t: i for i, t in enumerate(tokens)}
+        self._special_re = None
+
+    def _specials_in_order(self) -> list[str]:
+        out = [self.special_tokens[r] for r in self.SPECIAL_ROLES if self.special_tokens.get(r)]
+        out += [t for t in self.additional_special_tokens if t not in out]
+        return out
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return self._specials_in_order()
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return [self.vocab[t] for t in self._specials_in_order() if t in self.vocab]
+
+    def __len__(self) -> int:
+        return len(self._id_to_token)
+
+    def get_vocab_size(self) -> int:
+        return len(self._id_to_token)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.vocab.get(token)
+
+    def id_to_token(self, idx: int) -> str:
+        if not isinstance(idx, int) or not 0 <= idx < len(self._id_to_token):
+            raise ValueError(f"{type(self).__name__}: token id must be in [0, {len(self._id_to_token)}), got {idx!r}")
+        return self._id_to_token[idx]
+
+    def convert_tokens_to_ids(self, tokens: Iterable[str]) -> list[int]:
+        unk = self.special_tokens.get("unk_token")
+        unk_id = self.vocab.get(unk) if unk else None
+        out = []
+        for t in tokens:
+            i = self.vocab.get(t, unk_id)
+            if i is None:
+                raise ValueError(f"{type(self).__name__}: token {t!r} is not in the vocabulary and there is no "
+                                 "unk_token")
+            out.append(i)
+        return out
+
+    def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
+        return [self.id_to_token(int(i)) for i in ids]
+
+    def _require_vocab(self) -> None:
+        if not self.vocab:
+            raise ValueError(f"{type(self).__name__}: tokenizer not trained yet (call train() or load())")
+
+    # ---- text <-> ids -----------------------------------------------------------------------------------
+    def _split_on_specials(self, text: str) -> list[tuple[str, bool]]:
+        """Split ``text`` around special tokens written literally in it (they are never broken up)."""
+        specials = [t for t in self._specials_in_order() if t in self.vocab]
+        if not specials:
+            return [(text, False)]
+        if self._special_re is None:
+            alts = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
+            self._special_re = re.compile(f"({alts})")
+        parts: list[tuple[str, bool]] = []
+        for i, piece in enumerate(self._special_re.split(text)):
+            if piece:
+                parts.append((piece, i % 2 == 1))
+        return parts
+
+    def tokenize(self, text: str) -> list[str]:
+        raise NotImplementedError
+
+    def tokenize_with_specials(self, text: str) -> list[str]:
+        self._require_vocab()
+        out: list[str] = []
+        for piece, special in self._split_on_specials(text):
+            out.extend([piece] if special else self.tokenize(piece))
+        return out
+
+    def _wrap_special(self, ids: list[int]) -> list[int]:
+        """Add the model's special tokens around one sequence (default: bos/eos when defined)."""
+        bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
+        return ([self.vocab[bos]] if bos else []) + ids + ([self.vocab[eos]] if eos else [])
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of ``text`` (special tokens written in the text map to their ids)."""
+        if not isinstance(text, str):
+            raise TypeError(f"{type(self).__name__}.encode: argument 'text' must be a str, got {type(text).__name__}")
+        ids = self.convert_tokens_to_ids(self.tokenize_with_specials(text))
+        return self._wrap_special(ids) if add_special_tokens else ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [self.encode(t, add_special_tokens) for t in texts]
+
+    def _decode_tokens(self, tokens: list[str]) -> str:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; special tokens are dropped (``skip_special_tokens``) or kept as words."""
+        self._require_vocab()
+        specials = set(self._specials_in_order())
+        out: list[str] = []
+        run: list[str] = []
+        for tok in self.convert_ids_to_tokens(ids):
+            if tok in specials:
+                if run:
+                    out.append(self._decode_tokens(run))
+                    run = []
+                if not skip_special_tokens:
+                    out.append(tok)
+            else:
+                run.append(tok)
+        if run:
+            out.append(self._decode_tokens(run))
+        return " ".join(s for s in out if s)
+
+    # ---- persistence ------------------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def _from_state(cls, path: str, data: dict[str, Any]) -> BaseTokenizer:
+        raise NotImplementedError
+
+    def _common_state(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, "version": FORMAT_VERSION, "vocab": list(self._id_to_token),
+                "special_tokens": dict(self.special_tokens),
+                "additional_special_tokens": list(self.additional_special_tokens)}
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the tokenizer as JSON, atomically (a crash never leaves a half-written file)."""
+        state = self._common_state()
+        state.update(self._state())
+        atomic_write_text(path, json.dumps(state, ensure_ascii=False, indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> BaseTokenizer:
+        """Load a tokenizer saved by :meth:`save`; malformed files raise :class:`TokenizerFileError`."""
+        p = os.fspath(path)
+        data = read_json(p)
+        typ = require(p, data, "type", str, "the tokenizer class name")
+        if cls is not BaseTokenizer and typ != cls.__name__:
+            raise _fail(p, f"holds a {typ}, not a {cls.__name__}")
+        version = require(p, data, "version", int, "an int")
+        if version != FORMAT_VERSION:
+            raise _fail(p, f"format version {version} is not supported (expected {FORMAT_VERSION})")
+        target = cls if cls is not BaseTokenizer else _registry().get(typ)
+        if target is None:
+            raise _fail(p, f"unknown tokenizer type {typ!r}")
+        vocab = require(p, data, "vocab", list, "a list of token strings")
+        if not all(isinstance(t, str) for t in vocab):
+            raise _fail(p, "field 'vocab' must hold only strings")
+        if len(set(vocab)) != len(vocab):
+            raise _fail(p, "field 'vocab' has duplicate tokens")
+        specials = require(p, data, "special_tokens", dict, "an object mapping roles to tokens")
+        extra = require(p, data, "additional_special_tokens", list, "a list of strings")
+        for role, tok in specials.items():
+            if not isinstance(tok, str) or tok not in vocab:
+                raise _fail(p, f"special token {role}={tok!r} is not a token of the vocabulary")
+        for tok in extra:
+            if not isinstance(tok, str) or tok not in vocab:
+                raise _fail(p, f"additional special token {tok!r} is not a token of the vocabulary")
+        tok = target._from_state(p, data)
+        tok.special_tokens = dict(specials)
+        tok.additional_special_tokens = list(extra)
+        tok._set_vocab(vocab)
+        return tok
+
+
+def _registry() -> dict[str, type[BaseTokenizer]]:
+    from .bpe import BPETokenizer
+    from .unigram import UnigramTokenizer
+    from .wordpiece import WordPieceTokenizer
+
+    return {c.__name__: c for c in (BPETokenizer, WordPieceTokenizer, UnigramTokenizer)}
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> BaseTokenizer:
+    """Load any tokenizer saved by ``save`` (the class is read from the file)."""
+    return BaseTokenizer.load(path)

@@ -1,0 +1,249 @@
+"""WordPiece: likelihood-ratio training, BERT-compatible encoding, and loading of BERT ``vocab.txt`` files.
+
+Guide-003 ``WordPieceTokenizer(vocab_size=1000, unk_token='[UNK]')`` with ``train(texts)`` and
+``encode(text)``. Deviations from the guide, which is incomplete:
+
+- training merges the adjacent pair with the highest likelihood ratio
+  ``count(ab) / (count(a) * count(b))`` (the WordPiece criterion) instead of adding the most frequent
+  substring;
+- pre-tokenization is BERT's (clean text, CJK characters, lowercase + accent stripping, punctuation
+  split) instead of whitespace only, and encoding is BERT's greedy longest-match-first, where a word
+  with an unmatchable position becomes a single ``[UNK]`` (the guide emitted one ``[UNK]`` per character
+  and could loop on ``##`` pieces);
+- ``encode`` returns ids (``tokenize`` returns the token strings the guide's ``encode`` returned), with
+  ``[CLS] ... [SEP]`` when ``add_special_tokens``; ids are assigned specials first, then tokens sorted.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .bert_basic import BasicTokenizer, wordpiece_tokenize
+from .io import BaseTokenizer, TokenizerFileError, require
+
+__all__ = ["WordPieceTokenizer"]
+
+BERT_SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+                 "mask_token": "[MASK]"}
+
+
+class WordPieceTokenizer(BaseTokenizer):
+    """WordPiece tokenizer (see the module docstring).
+
+    Args:
+        vocab_size: target vocabulary size for ``train`` (special tokens included).
+        unk_token, pad_token, cls_token, sep_token, mask_token: special tokens (``None`` to omit one).
+        lowercase: lowercase and strip accents (BERT uncased).
+        max_input_chars_per_word: longer words become ``unk_token``.
+    """
+
+    SPECIAL_ROLES = ("pad_token", "unk_token", "cls_token", "sep_token", "mask_token")
+
+    def __init__(self, vocab_size: int = 1000, unk_token: str = "[UNK]", *, pad_token: str | None = "[PAD]",
+                 cls_token: str | None = "[CLS]", sep_token: str | None = "[SEP]", mask_token: str | None = "[MASK]",
+                 lowercase: bool = True, strip_accents: bool | None = None, tokenize_chinese_chars: bool = True,
+                 max_input_chars_per_word: int = 100, prefix: str = "##") -> None:
+        super().__init__()
+        if not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"WordPieceTokenizer: argument 'vocab_size' must be a positive int, got {vocab_size!r}")
+        if not unk_token:
+            raise ValueError("WordPieceTokenizer: argument 'unk_token' must be a non-empty string")
+        self.vocab_size = vocab_size
+        self.unk_token = unk_token
+        self.lowercase = lowercase
+        self.strip_accents = strip_accents
+        self.tokenize_chinese_chars = tokenize_chinese_chars
+        self.max_input_chars_per_word = max_input_chars_per_word
+        self.prefix = prefix
+        roles = {"pad_token": pad_token, "unk_token": unk_token, "cls_token": cls_token, "sep_token": sep_token,
+                 "mask_token": mask_token}
+        self.special_tokens = {r: t for r, t in roles.items() if t}
+        self._basic_cache: BasicTokenizer | None = None
+
+    # ---- pre-tokenization -------------------------------------------------------------------------------
+    @property
+    def basic(self) -> BasicTokenizer:
+        if self._basic_cache is None:
+            self._basic_cache = BasicTokenizer(do_lower_case=self.lowercase,
+                                               tokenize_chinese_chars=self.tokenize_chinese_chars,
+                                               strip_accents=self.strip_accents)
+        return self._basic_cache
+
+    def get_word_frequencies(self, texts: Iterable[str]) -> dict[str, int]:
+        freq: Counter[str] = Counter()
+        for text in texts:
+            freq.update(self.basic.tokenize(text))
+        return dict(freq)
+
+    # ---- training ---------------------------------------------------------------------------------------
+    def train(self, texts: Sequence[str] | Iterable[str], verbose: bool = False) -> None:
+        """Learn a vocabulary of ``vocab_size`` tokens from ``texts`` by likelihood-ratio merges."""
+        word_freq = self.get_word_frequencies(texts)
+        pre = self.prefix
+        words = [[w[0]] + [pre + c for c in w[1:]] for w in word_freq]
+        freqs = list(word_freq.values())
+        alphabet = sorted({s for w in words for s in w})
+        specials = [self.special_tokens[r] for r in self.SPECIAL_ROLES if r in self.special_tokens]
+        vocab_set = set(alphabet) | set(specials)
+        sym_count: Counter[str] = Counter()
+        pair_count: Counter[tuple[str, str]] = Counter()
+        where: defaultdict[tuple[str, str], set[int]] = defaultdict(set)
+        for i, (w, f) in enumerate(zip(words, freqs)):
+            for s in w:
+                sym_count[s] += f
+            for p in zip(w, w[1:]):
+                pair_count[p] += f
+                where[p].add(i)
+        self.merges: list[tuple[str, str]] = []
+        while len(vocab_set) < self.vocab_size and pair_count:
+            # score = count(ab) / (count(a) * count(b)); ties -> higher count, then lexicographic pair
+            best = max(pair_count.items(),
+                       key=lambda kv: (kv[1] / (sym_count[kv[0][0]] * sym_count[kv[0][1]]), kv[1],
+                                       _neg(kv[0])))[0]
+            a, b = best
+            new = a + (b[len(pre):] if b.startswith(pre) else b)
+            for i in list(where.pop(best, ())):
+                w, f = words[i], freqs[i]
+                if not any(x == a and y == b for x, y in zip(w, w[1:])):
+                    continue
+                for p in zip(w, w[1:]):
+                    pair_count[p] -= f
+                    if pair_count[p] <= 0:
+                        del pair_count[p]
+                for s in w:
+                    sym_count[s] -= f
+                merged: list[str] = []
+                j = 0
+                while j < len(w):
+                    if j + 1 < len(w) and w[j] == a and w[j + 1] == b:
+                        merged.append(new)
+                        j += 2
+                    else:
+                        merged.append(w[j])
+                        j += 1
+                words[i] = merged
+                for s in merged:
+                    sym_count[s] += f
+                for p in zip(merged, merged[1:]):
+                    pair_count[p] += f
+                    where[p].add(i)
+            pair_count.pop(best, None)
+            self.merges.append(best)
+            vocab_set.add(new)
+            if verbose and len(vocab_set) % 100 == 0:
+                print(f"WordPiece: vocabulary size {len(vocab_set)}")
+        learned = sorted(vocab_set - set(specials))
+        self._set_vocab(specials + learned)
+
+    # ---- BERT vocab files -------------------------------------------------------------------------------
+    @classmethod
+    def from_vocab_file(cls, path: str | os.PathLike[str], lowercase: bool = True, **kwargs: Any) -> WordPieceTokenizer:
+        """Load a BERT ``vocab.txt`` (one token per line; the line number is the id).
+
+        Special tokens present in the file (``[PAD] [UNK] [CLS] [SEP] [MASK]``) are registered; ``[UNK]``
+        must be present. Blank lines in the middle are rejected (they would shift every later id).
+        """
+        p = os.fspath(path)
+        try:
+            with open(p, encoding="utf-8") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            raise TokenizerFileError(f"{p}: no such vocab file") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerFileError(f"{p}: cannot read the vocab file as UTF-8 ({e})") from None
+        lines = raw.split("\n")
+        if lines and lines[-1] == "":
+            lines.pop()
+        tokens = [ln.rstrip("\r") for ln in lines]
+        if not tokens:
+            raise TokenizerFileError(f"{p}: the vocab file is empty")
+        seen: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            if t.strip() == "" or t != t.strip():
+                raise TokenizerFileError(f"{p}: line {i + 1} is blank or has surrounding whitespace ({t!r}); "
+                                         "each line must hold exactly one token")
+            if t in seen:
+                raise TokenizerFileError(f"{p}: token {t!r} appears on lines {seen[t] + 1} and {i + 1}")
+            seen[t] = i
+        unk = kwargs.pop("unk_token", "[UNK]")
+        if unk not in seen:
+            raise TokenizerFileError(f"{p}: the vocab file has no unknown token {unk!r}")
+        roles = {r: kwargs.pop(r, d) for r, d in BERT_SPECIALS.items() if r != "unk_token"}
+        roles = {r: (t if t in seen else None) for r, t in roles.items()}
+        tok = cls(vocab_size=len(tokens), unk_token=unk, lowercase=lowercase, **roles, **kwargs)
+        tok._set_vocab(tokens)
+        return tok
+
+    def save_vocab_file(self, path: str | os.PathLike[str]) -> None:
+        from .io import atomic_write_text
+
+        self._require_vocab()
+        atomic_write_text(path, "".join(t + "\n" for t in self._id_to_token))
+
+    # ---- encoding ---------------------------------------------------------------------------------------
+    def encode_word(self, word: str) -> list[str]:
+        """WordPiece of one already pre-tokenized word (guide API)."""
+        self._require_vocab()
+        return wordpiece_tokenize(word, self.vocab, self.unk_token, self.max_input_chars_per_word, self.prefix)
+
+    def tokenize(self, text: str) -> list[str]:
+        self._require_vocab()
+        out: list[str] = []
+        for word in self.basic.tokenize(text):
+            out.extend(wordpiece_tokenize(word, self.vocab, self.unk_token, self.max_input_chars_per_word,
+                                          self.prefix))
+        return out
+
+    def _wrap_special(self, ids: list[int]) -> list[int]:
+        cls_t, sep_t = self.special_tokens.get("cls_token"), self.special_tokens.get("sep_token")
+        return ([self.vocab[cls_t]] if cls_t else []) + ids + ([self.vocab[sep_t]] if sep_t else [])
+
+    def encode_pair(self, text: str, text_pair: str, add_special_tokens: bool = True) -> list[int]:
+        """``[CLS] a [SEP] b [SEP]`` as BERT builds sentence pairs."""
+        a = self.encode(text, add_special_tokens=False)
+        b = self.encode(text_pair, add_special_tokens=False)
+        if not add_special_tokens:
+            return a + b
+        sep = self.special_tokens.get("sep_token")
+        return self._wrap_special(a) + b + ([self.vocab[sep]] if sep else [])
+
+    def _decode_tokens(self, tokens: list[str]) -> str:
+        return " ".join(tokens).replace(" " + self.prefix, "").strip()
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True,
+               clean_up_tokenization_spaces: bool = False) -> str:
+        """Join the pieces (``##`` continuations glued to their word). With ``clean_up_tokenization_spaces``
+        the spaces before ``. , ! ?`` and around apostrophes in contractions are removed."""
+        text = super().decode(ids, skip_special_tokens)
+        if clean_up_tokenization_spaces:
+            for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                         (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+                text = text.replace(a, b)
+        return text
+
+    # ---- persistence ------------------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {"vocab_size": self.vocab_size, "unk_token": self.unk_token, "lowercase": self.lowercase,
+                "strip_accents": self.strip_accents, "tokenize_chinese_chars": self.tokenize_chinese_chars,
+                "max_input_chars_per_word": self.max_input_chars_per_word, "prefix": self.prefix}
+
+    @classmethod
+    def _from_state(cls, path: str, data: dict[str, Any]) -> WordPieceTokenizer:
+        tok = cls(require(path, data, "vocab_size", int, "an int"), require(path, data, "unk_token", str, "a string"),
+                  lowercase=require(path, data, "lowercase", bool, "a bool"),
+                  tokenize_chinese_chars=require(path, data, "tokenize_chinese_chars", bool, "a bool"),
+                  max_input_chars_per_word=require(path, data, "max_input_chars_per_word", int, "an int"),
+                  prefix=require(path, data, "prefix", str, "a string"))
+        sa = data.get("strip_accents")
+        if sa is not None and not isinstance(sa, bool):
+            raise TokenizerFileError(f"{path}: field 'strip_accents' must be a bool or null")
+        tok.strip_accents = sa
+        return tok
+
+
+def _neg(pair: tuple[str, str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    # max() over (..., _neg(pair)) prefers the lexicographically smallest pair on exact ties.
+    return tuple(-ord(c) for c in pair[0]), tuple(-ord(c) for c in pair[1])

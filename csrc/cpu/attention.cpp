@@ -45,20 +45,28 @@ inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 // ---- small GEMM: C[m x n] (=|+=) A[m x k] * B[k x n]; row-major, n a multiple of 8 -------------------
 #ifdef FA_AVX2
 template <int MR, int NV>
-inline void micro(int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
-                  bool acc) {
+__attribute__((always_inline)) inline void micro(int64_t k, const float* A, int64_t lda, const float* B,
+                                                 int64_t ldb, float* C, int64_t ldc, bool acc) {
+  // The unroll pragmas make GCC keep the MR x NV accumulators in registers (without them it spills).
   __m256 c[MR][NV];
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) c[r][v] = acc ? _mm256_loadu_ps(C + r * ldc + 8 * v) : _mm256_setzero_ps();
   for (int64_t p = 0; p < k; ++p) {
     __m256 b[NV];
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) b[v] = _mm256_loadu_ps(B + p * ldb + 8 * v);
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      __m256 a = _mm256_broadcast_ss(A + r * lda + p);
+      const __m256 a = _mm256_broadcast_ss(A + r * lda + p);
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) c[r][v] = _mm256_fmadd_ps(a, b[v], c[r][v]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) _mm256_storeu_ps(C + r * ldc + 8 * v, c[r][v]);
 }
 
@@ -148,6 +156,29 @@ inline float exp2_sub_sum(float* x, int64_t n, float m) {
     sum += p;
   }
   return sum;
+}
+
+inline float row_max(const float* x, int64_t n) {
+  int64_t j = 0;
+  float mx = kNegInf;
+#ifdef FA_AVX2
+  __m256 vm = _mm256_set1_ps(kNegInf);
+  for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + j));
+  alignas(32) float t[8];
+  _mm256_store_ps(t, vm);
+  for (int q = 0; q < 8; ++q) mx = std::max(mx, t[q]);
+#endif
+  for (; j < n; ++j) mx = std::max(mx, x[j]);
+  return mx;
+}
+
+// Once per call: (B,H,L,D) -> (B,H,D,L+16) and (B,H,L+16,Dp), zero padded, so that every tile a task
+// needs is a plain strided view (no per-task transposes; tiles may run up to 15 columns/rows past L).
+at::Tensor transposed_padded(const at::Tensor& x) {
+  return at::constant_pad_nd(x.transpose(2, 3), {0, 16}).contiguous();
+}
+at::Tensor rows_padded(const at::Tensor& x, int64_t Dp) {
+  return at::constant_pad_nd(x, {0, Dp - x.size(3), 0, 16}).contiguous();
 }
 
 // ---- dropout hash (SHARED_APIS.md) -------------------------------------------------------------------
@@ -255,15 +286,20 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t nqb = (P.Lq + BQ - 1) / BQ;
   const int64_t D = P.D, Dp = P.Dp;
   const float qscale = P.scale * kLog2e;
+  const at::Tensor KT = transposed_padded(k);                  // (B, Hk, D, Lk+16)
+  const at::Tensor VP = D == Dp ? v : rows_padded(v, Dp);      // (B, Hk, Lk[+16], Dp)
+  const float* KTp = KT.data_ptr<float>();
+  const float* VPp = VP.data_ptr<float>();
+  const int64_t LkT = P.Lk + 16, Lv = VP.size(2), G = P.H / P.Hk;
 
   at::parallel_for(0, P.B * P.H * nqb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Qs(BQ * D), Kt, S, Vp, acc(BQ * Dp), mrow(BQ), lrow(BQ);
+    std::vector<float> Qs(BQ * D), S, acc(BQ * Dp), mrow(BQ), lrow(BQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
       const int64_t i0 = qb * BQ, m = std::min(BQ, P.Lq - i0);
       const float* qp = P.qh(b, h) + i0 * D;
-      const float* kp = P.kh(b, h);
-      const float* vp = P.vh(b, h);
+      const float* kt = KTp + (b * P.Hk + h / G) * D * LkT;
+      const float* vp = VPp + (b * P.Hk + h / G) * Lv * Dp;
       float* op = O + ((b * P.H + h) * P.Lq + i0) * D;
       float* lp = LSE + (b * P.H + h) * P.Lq + i0;
       const int64_t span_lo = P.lo(i0), span_hi = P.hi(i0 + m - 1);
@@ -277,19 +313,12 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
         const uint32_t hkey = P.drop.on ? P.drop.head_key(b, P.H, h) : 0;
         for (int64_t c0 = span_lo; c0 <= span_hi; c0 += csz) {
           const int64_t n = std::min(csz, span_hi + 1 - c0), np = round16(n);
-          Kt.resize(D * np);
           S.resize(m * np);
-          for (int64_t d = 0; d < D; ++d) {
-            float* kt = Kt.data() + d * np;
-            for (int64_t j = 0; j < n; ++j) kt[j] = kp[(c0 + j) * D + d];
-            for (int64_t j = n; j < np; ++j) kt[j] = 0.f;
-          }
-          gemm(m, np, D, Qs.data(), D, Kt.data(), np, S.data(), np, false);
+          gemm(m, np, D, Qs.data(), D, kt + c0, LkT, S.data(), np, false);
           mask_scores(P, b, h, i0, m, c0, n, S.data(), np);
           for (int64_t r = 0; r < m; ++r) {
             float* s = S.data() + r * np;
-            float mx = kNegInf;
-            for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+            const float mx = row_max(s, n);
             const float mnew = std::max(mrow[r], mx);
             if (mnew == kNegInf) {  // nothing visible yet in this row
               std::fill(s, s + np, 0.f);
@@ -309,21 +338,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
                 s[j] = (s[j] != 0.f && P.drop.keep(hkey, i, c0 + j)) ? s[j] * P.drop.inv_keep : 0.f;
             }
           }
-          const float* Bv;
-          int64_t ldb;
-          if (D == Dp) {
-            Bv = vp + c0 * D;
-            ldb = D;
-          } else {
-            Vp.resize(n * Dp);
-            for (int64_t j = 0; j < n; ++j) {
-              std::memcpy(Vp.data() + j * Dp, vp + (c0 + j) * D, D * sizeof(float));
-              std::fill(Vp.data() + j * Dp + D, Vp.data() + (j + 1) * Dp, 0.f);
-            }
-            Bv = Vp.data();
-            ldb = Dp;
-          }
-          gemm(m, Dp, n, S.data(), np, Bv, ldb, acc.data(), Dp, true);
+          gemm(m, Dp, n, S.data(), np, vp + c0 * Dp, Dp, acc.data(), Dp, true);
         }
       }
       for (int64_t r = 0; r < m; ++r) {
@@ -346,9 +361,10 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   TORCH_CHECK(dout.is_contiguous() && out.is_contiguous() && lse.is_contiguous(), "attention cpp: contiguous");
   TORCH_CHECK(dout.dtype() == at::kFloat && out.dtype() == at::kFloat, "attention cpp: do/o float32");
   const int64_t D = P.D, Dp = P.Dp, G = P.H / P.Hk;
-  const float* dO = dout.data_ptr<float>();
-  // lse2 = lse * log2(e) (natural -> log2 units); Di = rowsum(dO * O).
-  at::Tensor lse2t = lse * kLog2e;
+  // lse2 = lse * log2(e) (natural -> log2 units), with -inf rows mapped to +inf so that exp2(s - lse2) = 0;
+  // Di = rowsum(dO * O).
+  at::Tensor lse2t = at::where(at::isinf(lse), at::full({}, std::numeric_limits<float>::infinity(), lse.options()),
+                               lse * kLog2e);
   at::Tensor Dit = (dout * out).sum(-1);
   const float* lse2 = lse2t.data_ptr<float>();
   const float* Di = Dit.data_ptr<float>();
@@ -359,188 +375,154 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     dbias = at::zeros({P.B, P.H, P.Lq, P.Lk}, q.options());
     DB = dbias.data_ptr<float>();
   }
+  const float* dO = dout.data_ptr<float>();
   const float qscale = P.scale * kLog2e;
 
-  // pass 1: dK, dV per (b, kv head, key block)
-  const int64_t nkb = (P.Lk + BK - 1) / BK;
-  float* DK = dk.data_ptr<float>();
-  float* DV = dv.data_ptr<float>();
-  at::parallel_for(0, P.B * P.Hk * nkb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Ks(BK * D), dKa(BK * Dp), dVa(BK * Dp), Qt, dOt, Qp, dOp, St, dPt;
-    std::vector<int64_t> lo, hi;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t kb = task % nkb, bhk = task / nkb, hk = bhk % P.Hk, b = bhk / P.Hk;
-      const int64_t j0 = kb * BK, nk = std::min(BK, P.Lk - j0);
-      const float* kp = P.k + ((b * P.Hk + hk) * P.Lk + j0) * D;
-      const float* vp = P.v + ((b * P.Hk + hk) * P.Lk + j0) * D;
-      for (int64_t r = 0; r < nk * D; ++r) Ks[r] = kp[r] * qscale;
-      std::fill(dKa.begin(), dKa.end(), 0.f);
-      std::fill(dVa.begin(), dVa.end(), 0.f);
-      // query rows that can see a key of [j0, j0+nk): lo(i) <= j0+nk-1 and hi(i) >= j0
-      int64_t a_lo = 0, a_hi = P.Lq - 1;
-      if (P.wr >= 0) a_lo = std::max<int64_t>(a_lo, j0 - P.off - P.wr);
-      if (P.wl >= 0) a_hi = std::min<int64_t>(a_hi, j0 + nk - 1 - P.off + P.wl);
-      for (int64_t g = 0; g < G && a_lo <= a_hi; ++g) {
-        const int64_t h = hk * G + g;
-        const float* qh = P.qh(b, h);
-        const float* doh = dO + ((b * P.H + h) * P.Lq) * D;
-        const float* l2 = lse2 + (b * P.H + h) * P.Lq;
-        const float* dih = Di + (b * P.H + h) * P.Lq;
-        const uint32_t hkey = P.drop.on ? P.drop.head_key(b, P.H, h) : 0;
-        const int64_t total = a_hi - a_lo + 1;
-        const int64_t csz = total <= ONE_CHUNK ? total : CHUNK;
-        for (int64_t a0 = a_lo; a0 <= a_hi; a0 += csz) {
-          const int64_t nq = std::min(csz, a_hi + 1 - a0), nqp = round16(nq);
-          Qt.resize(D * nqp); dOt.resize(D * nqp); Qp.resize(nqp * Dp); dOp.resize(nqp * Dp);
-          St.resize(nk * nqp); dPt.resize(nk * nqp);
-          lo.resize(nq); hi.resize(nq);
+  // pass 1: dK, dV per (b, kv head, key block), over the group's query heads and the rows that see the block
+  {
+    const at::Tensor QT = transposed_padded(q), dOT = transposed_padded(dout);  // (B, H, D, Lq+16)
+    const at::Tensor QP = rows_padded(q, Dp), dOP = rows_padded(dout, Dp);      // (B, H, Lq+16, Dp)
+    const float *QTp = QT.data_ptr<float>(), *dOTp = dOT.data_ptr<float>();
+    const float *QPp = QP.data_ptr<float>(), *dOPp = dOP.data_ptr<float>();
+    const int64_t LqT = P.Lq + 16;
+    const int64_t nkb = (P.Lk + BK - 1) / BK;
+    float* DK = dk.data_ptr<float>();
+    float* DV = dv.data_ptr<float>();
+    at::parallel_for(0, P.B * P.Hk * nkb, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> Ks(BK * D), dKa(BK * Dp), dVa(BK * Dp), St, dPt;
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t kb = task % nkb, bhk = task / nkb, hk = bhk % P.Hk, b = bhk / P.Hk;
+        const int64_t j0 = kb * BK, nk = std::min(BK, P.Lk - j0);
+        const float* kp = P.k + ((b * P.Hk + hk) * P.Lk + j0) * D;
+        const float* vp = P.v + ((b * P.Hk + hk) * P.Lk + j0) * D;
+        for (int64_t r = 0; r < nk * D; ++r) Ks[r] = kp[r] * qscale;
+        std::fill(dKa.begin(), dKa.end(), 0.f);
+        std::fill(dVa.begin(), dVa.end(), 0.f);
+        // query i sees key j iff j - off - wr <= i <= j - off + wl (each side only when limited)
+        int64_t a_lo = 0, a_hi = P.Lq - 1;
+        if (P.wr >= 0) a_lo = std::max<int64_t>(a_lo, j0 - P.off - P.wr);
+        if (P.wl >= 0) a_hi = std::min<int64_t>(a_hi, j0 + nk - 1 - P.off + P.wl);
+        const bool* kpb = P.kpm ? P.kpm + b * P.Lk : nullptr;
+        for (int64_t g = 0; g < G && a_lo <= a_hi; ++g) {
+          const int64_t h = hk * G + g;
+          const int64_t bh = b * P.H + h;
+          const float* l2 = lse2 + bh * P.Lq;
+          const float* dih = Di + bh * P.Lq;
+          const uint32_t hkey = P.drop.on ? P.drop.head_key(b, P.H, h) : 0;
+          const int64_t total = a_hi - a_lo + 1;
+          const int64_t csz = total <= ONE_CHUNK ? total : CHUNK;
+          for (int64_t a0 = a_lo; a0 <= a_hi; a0 += csz) {
+            const int64_t nq = std::min(csz, a_hi + 1 - a0), nqp = round16(nq);
+            St.resize(nk * nqp);
+            dPt.resize(nk * nqp);
+            gemm(nk, nqp, D, Ks.data(), D, QTp + bh * D * LqT + a0, LqT, St.data(), nqp, false);   // S^T
+            gemm(nk, nqp, D, vp, D, dOTp + bh * D * LqT + a0, LqT, dPt.data(), nqp, false);       // dPd^T
+            for (int64_t jr = 0; jr < nk; ++jr) {
+              const int64_t j = j0 + jr;
+              float* s = St.data() + jr * nqp;
+              float* dp = dPt.data() + jr * nqp;
+              int64_t cA = 0, cB = nq;  // the columns (query rows) that see key j
+              if (P.wr >= 0) cA = std::max<int64_t>(cA, j - P.off - P.wr - a0);
+              if (P.wl >= 0) cB = std::min<int64_t>(cB, j - P.off + P.wl + 1 - a0);
+              if (kpb && !kpb[j]) cB = cA;
+              cB = std::max(cB, cA);
+              for (int64_t c = 0; c < cA; ++c) s[c] = kNegInf;
+              if (P.bias) {
+                const float* bb = P.bias + b * P.sb0 + h * P.sb1 + a0 * P.sb2 + j * P.sb3;
+                for (int64_t c = cA; c < cB; ++c) s[c] += bb[c * P.sb2] * kLog2e;
+              }
+#pragma omp simd
+              for (int64_t c = cA; c < cB; ++c) s[c] -= l2[a0 + c];
+              for (int64_t c = cB; c < nqp; ++c) s[c] = kNegInf;
+              exp2_sub_sum(s + cA, cB - cA, 0.f);  // P^T (pre-dropout); the rest is set to 0 below
+              std::fill(s, s + cA, 0.f);
+              std::fill(s + cB, s + nqp, 0.f);
+              if (P.drop.on) {
+                for (int64_t c = cA; c < cB; ++c)
+                  dp[c] = (s[c] != 0.f && P.drop.keep(hkey, a0 + c, j)) ? dp[c] * P.drop.inv_keep : 0.f;
+              }
+              // dS^T = P * (dP - Di), kept in dp; P stays in s for dV below.
+#pragma omp simd
+              for (int64_t c = cA; c < cB; ++c) dp[c] = s[c] * (dp[c] - dih[a0 + c]);
+              std::fill(dp, dp + cA, 0.f);
+              std::fill(dp + cB, dp + nqp, 0.f);
+              if (DB) {
+                float* db = DB + (bh * P.Lq + a0) * P.Lk + j;
+                for (int64_t c = cA; c < cB; ++c) db[c * P.Lk] = dp[c];
+              }
+              if (P.drop.on) {  // dV uses the dropped probabilities
+                for (int64_t c = cA; c < cB; ++c)
+                  if (s[c] != 0.f) s[c] = P.drop.keep(hkey, a0 + c, j) ? s[c] * P.drop.inv_keep : 0.f;
+              }
+            }
+            gemm(nk, Dp, nqp, St.data(), nqp, dOPp + (bh * LqT + a0) * Dp, Dp, dVa.data(), Dp, true);
+            gemm(nk, Dp, nqp, dPt.data(), nqp, QPp + (bh * LqT + a0) * Dp, Dp, dKa.data(), Dp, true);
+          }
+        }
+        float* dkp = DK + ((b * P.Hk + hk) * P.Lk + j0) * D;
+        float* dvp = DV + ((b * P.Hk + hk) * P.Lk + j0) * D;
+        for (int64_t r = 0; r < nk; ++r)
           for (int64_t d = 0; d < D; ++d) {
-            float* qt = Qt.data() + d * nqp;
-            float* ot = dOt.data() + d * nqp;
-            for (int64_t c = 0; c < nq; ++c) {
-              qt[c] = qh[(a0 + c) * D + d];
-              ot[c] = doh[(a0 + c) * D + d];
-            }
-            for (int64_t c = nq; c < nqp; ++c) qt[c] = ot[c] = 0.f;
+            dkp[r * D + d] = dKa[r * Dp + d] * P.scale;
+            dvp[r * D + d] = dVa[r * Dp + d];
           }
-          for (int64_t c = 0; c < nqp; ++c) {
-            float* qr = Qp.data() + c * Dp;
-            float* orow = dOp.data() + c * Dp;
-            if (c < nq) {
-              std::memcpy(qr, qh + (a0 + c) * D, D * sizeof(float));
-              std::memcpy(orow, doh + (a0 + c) * D, D * sizeof(float));
-              std::fill(qr + D, qr + Dp, 0.f);
-              std::fill(orow + D, orow + Dp, 0.f);
-            } else {
-              std::fill(qr, qr + Dp, 0.f);
-              std::fill(orow, orow + Dp, 0.f);
-            }
-          }
-          for (int64_t c = 0; c < nq; ++c) {
-            lo[c] = P.lo(a0 + c);
-            hi[c] = P.hi(a0 + c);
-          }
-          gemm(nk, nqp, D, Ks.data(), D, Qt.data(), nqp, St.data(), nqp, false);   // S^T
-          gemm(nk, nqp, D, vp, D, dOt.data(), nqp, dPt.data(), nqp, false);        // dP^T (pre-dropout)
-          const bool* kpb = P.kpm ? P.kpm + b * P.Lk : nullptr;
-          for (int64_t jr = 0; jr < nk; ++jr) {
-            const int64_t j = j0 + jr;
-            float* s = St.data() + jr * nqp;
-            float* dp = dPt.data() + jr * nqp;
-            const bool kreal = !kpb || kpb[j];
-            for (int64_t c = 0; c < nqp; ++c) {
-              float pv = 0.f;
-              if (c < nq && kreal && lo[c] <= j && j <= hi[c] && l2[a0 + c] > kNegInf) {
-                float sv = s[c];
-                if (P.bias) sv += P.bias[b * P.sb0 + h * P.sb1 + (a0 + c) * P.sb2 + j * P.sb3] * kLog2e;
-                pv = sv > kNegInf ? std::exp2(sv - l2[a0 + c]) : 0.f;
-              }
-              s[c] = pv;
-            }
-            if (P.drop.on) {
-              for (int64_t c = 0; c < nq; ++c) {
-                const float f = (s[c] != 0.f && P.drop.keep(hkey, a0 + c, j)) ? P.drop.inv_keep : 0.f;
-                dp[c] *= f;
-              }
-            }
-            // dS^T = P * (dP - Di); kept in dp. P (pre-dropout) stays in s for dV below.
-            for (int64_t c = 0; c < nq; ++c) dp[c] = s[c] * (dp[c] - dih[a0 + c]);
-            for (int64_t c = nq; c < nqp; ++c) dp[c] = 0.f;
-            if (DB) {
-              float* db = DB + ((b * P.H + h) * P.Lq + a0) * P.Lk + j;
-              for (int64_t c = 0; c < nq; ++c)
-                if (lo[c] <= j && j <= hi[c]) db[c * P.Lk] = dp[c];
-            }
-            if (P.drop.on) {  // dV uses the dropped probabilities
-              for (int64_t c = 0; c < nq; ++c)
-                if (s[c] != 0.f) s[c] = P.drop.keep(hkey, a0 + c, j) ? s[c] * P.drop.inv_keep : 0.f;
-            }
-          }
-          gemm(nk, Dp, nqp, St.data(), nqp, dOp.data(), Dp, dVa.data(), Dp, true);
-          gemm(nk, Dp, nqp, dPt.data(), nqp, Qp.data(), Dp, dKa.data(), Dp, true);
-        }
       }
-      float* dkp = DK + ((b * P.Hk + hk) * P.Lk + j0) * D;
-      float* dvp = DV + ((b * P.Hk + hk) * P.Lk + j0) * D;
-      for (int64_t r = 0; r < nk; ++r)
-        for (int64_t d = 0; d < D; ++d) {
-          dkp[r * D + d] = dKa[r * Dp + d] * P.scale;
-          dvp[r * D + d] = dVa[r * Dp + d];
-        }
-    }
-  });
+    });
+  }
 
   // pass 2: dQ per (b, h, query block)
-  const int64_t nqb = (P.Lq + BQ - 1) / BQ;
-  float* DQ = dq.data_ptr<float>();
-  at::parallel_for(0, P.B * P.H * nqb, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> Qs(BQ * D), dOb(BQ * D), Kt, Vt, Kp, S, dP, dQa(BQ * Dp);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
-      const int64_t i0 = qb * BQ, m = std::min(BQ, P.Lq - i0);
-      const float* qp = P.qh(b, h) + i0 * D;
-      const float* dop = dO + ((b * P.H + h) * P.Lq + i0) * D;
-      const float* kp = P.kh(b, h);
-      const float* vp = P.vh(b, h);
-      const float* l2 = lse2 + (b * P.H + h) * P.Lq + i0;
-      const float* dih = Di + (b * P.H + h) * P.Lq + i0;
-      const uint32_t hkey = P.drop.on ? P.drop.head_key(b, P.H, h) : 0;
-      std::fill(dQa.begin(), dQa.end(), 0.f);
-      const int64_t span_lo = P.lo(i0), span_hi = P.hi(i0 + m - 1);
-      if (span_lo <= span_hi) {
-        for (int64_t r = 0; r < m * D; ++r) {
-          Qs[r] = qp[r] * qscale;
-          dOb[r] = dop[r];
+  {
+    const at::Tensor KT = transposed_padded(k), VT = transposed_padded(v);  // (B, Hk, D, Lk+16)
+    const at::Tensor KP = rows_padded(k, Dp);                               // (B, Hk, Lk+16, Dp)
+    const float *KTp = KT.data_ptr<float>(), *VTp = VT.data_ptr<float>(), *KPp = KP.data_ptr<float>();
+    const int64_t LkT = P.Lk + 16;
+    const int64_t nqb = (P.Lq + BQ - 1) / BQ;
+    float* DQ = dq.data_ptr<float>();
+    at::parallel_for(0, P.B * P.H * nqb, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> Qs(BQ * D), S, dP, dQa(BQ * Dp);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
+        const int64_t hk = b * P.Hk + h / G;
+        const int64_t i0 = qb * BQ, m = std::min(BQ, P.Lq - i0);
+        const float* qp = P.qh(b, h) + i0 * D;
+        const float* dop = dO + (bh * P.Lq + i0) * D;
+        const float* l2 = lse2 + bh * P.Lq + i0;
+        const float* dih = Di + bh * P.Lq + i0;
+        const uint32_t hkey = P.drop.on ? P.drop.head_key(b, P.H, h) : 0;
+        std::fill(dQa.begin(), dQa.end(), 0.f);
+        const int64_t span_lo = P.lo(i0), span_hi = P.hi(i0 + m - 1);
+        if (span_lo <= span_hi) {
+          for (int64_t r = 0; r < m * D; ++r) Qs[r] = qp[r] * qscale;
+          const int64_t span = span_hi - span_lo + 1;
+          const int64_t csz = span <= ONE_CHUNK ? span : CHUNK;
+          for (int64_t c0 = span_lo; c0 <= span_hi; c0 += csz) {
+            const int64_t n = std::min(csz, span_hi + 1 - c0), np = round16(n);
+            S.resize(m * np);
+            dP.resize(m * np);
+            gemm(m, np, D, Qs.data(), D, KTp + hk * D * LkT + c0, LkT, S.data(), np, false);
+            gemm(m, np, D, dop, D, VTp + hk * D * LkT + c0, LkT, dP.data(), np, false);
+            mask_scores(P, b, h, i0, m, c0, n, S.data(), np);
+            for (int64_t r = 0; r < m; ++r) {
+              float* s = S.data() + r * np;
+              float* dp = dP.data() + r * np;
+              exp2_sub_sum(s, np, l2[r]);  // lse2 = +inf for empty rows gives P = 0
+              if (P.drop.on) {
+                for (int64_t j = 0; j < n; ++j)
+                  dp[j] = (s[j] != 0.f && P.drop.keep(hkey, i0 + r, c0 + j)) ? dp[j] * P.drop.inv_keep : 0.f;
+              }
+              const float di = dih[r];
+#pragma omp simd
+              for (int64_t j = 0; j < np; ++j) dp[j] = s[j] * (dp[j] - di);
+            }
+            gemm(m, Dp, n, dP.data(), np, KPp + (hk * LkT + c0) * Dp, Dp, dQa.data(), Dp, true);
+          }
         }
-        const int64_t span = span_hi - span_lo + 1;
-        const int64_t csz = span <= ONE_CHUNK ? span : CHUNK;
-        for (int64_t c0 = span_lo; c0 <= span_hi; c0 += csz) {
-          const int64_t n = std::min(csz, span_hi + 1 - c0), np = round16(n);
-          Kt.resize(D * np); Vt.resize(D * np); Kp.resize(np * Dp); S.resize(m * np); dP.resize(m * np);
-          for (int64_t d = 0; d < D; ++d) {
-            float* kt = Kt.data() + d * np;
-            float* vt = Vt.data() + d * np;
-            for (int64_t j = 0; j < n; ++j) {
-              kt[j] = kp[(c0 + j) * D + d];
-              vt[j] = vp[(c0 + j) * D + d];
-            }
-            for (int64_t j = n; j < np; ++j) kt[j] = vt[j] = 0.f;
-          }
-          for (int64_t j = 0; j < np; ++j) {
-            float* kr = Kp.data() + j * Dp;
-            if (j < n) {
-              std::memcpy(kr, kp + (c0 + j) * D, D * sizeof(float));
-              std::fill(kr + D, kr + Dp, 0.f);
-            } else {
-              std::fill(kr, kr + Dp, 0.f);
-            }
-          }
-          gemm(m, np, D, Qs.data(), D, Kt.data(), np, S.data(), np, false);
-          gemm(m, np, D, dOb.data(), D, Vt.data(), np, dP.data(), np, false);
-          mask_scores(P, b, h, i0, m, c0, n, S.data(), np);
-          for (int64_t r = 0; r < m; ++r) {
-            float* s = S.data() + r * np;
-            float* dp = dP.data() + r * np;
-            if (!(l2[r] > kNegInf)) {
-              std::fill(dp, dp + np, 0.f);
-              continue;
-            }
-            exp2_sub_sum(s, np, l2[r]);
-            if (P.drop.on) {
-              for (int64_t j = 0; j < n; ++j)
-                dp[j] = (s[j] != 0.f && P.drop.keep(hkey, i0 + r, c0 + j)) ? dp[j] * P.drop.inv_keep : 0.f;
-            }
-            const float di = dih[r];
-            for (int64_t j = 0; j < np; ++j) dp[j] = s[j] * (dp[j] - di);
-          }
-          gemm(m, Dp, np, dP.data(), np, Kp.data(), Dp, dQa.data(), Dp, true);
-        }
+        float* dqp = DQ + (bh * P.Lq + i0) * D;
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t d = 0; d < D; ++d) dqp[r * D + d] = dQa[r * Dp + d] * P.scale;
       }
-      float* dqp = DQ + ((b * P.H + h) * P.Lq + i0) * D;
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t d = 0; d < D; ++d) dqp[r * D + d] = dQa[r * Dp + d] * P.scale;
-    }
-  });
+    });
+  }
   if (need_dbias) return {dq, dk, dv, dbias};
   return {dq, dk, dv};
 }

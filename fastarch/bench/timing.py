@@ -43,10 +43,11 @@ class TimingPolicy:
     min_reps: int = 3
     max_reps: int = 2000
     repeat: int | None = None
+    slow_s: float | None = None  # a warm call slower than this gets a single timed repetition
 
     @classmethod
     def for_mode(cls, quick: bool, repeat: int | None = None, warmup: int | None = None) -> TimingPolicy:
-        p = cls(budget_s=0.25, warmup=1, min_reps=3) if quick else cls(budget_s=1.5, warmup=3, min_reps=10)
+        p = cls(budget_s=0.25, warmup=1, min_reps=3, slow_s=1.0) if quick else cls(budget_s=1.5, warmup=3, min_reps=10)
         if repeat is not None:
             p.repeat = repeat
         if warmup is not None:
@@ -78,6 +79,8 @@ def _time_cpu(fn: Callable[[], Any], policy: TimingPolicy) -> TimingResult:
     est = max(warm[-1], 1e-7)
     if policy.repeat is not None:
         reps = max(1, policy.repeat)
+    elif policy.slow_s is not None and est > policy.slow_s:
+        reps = 1  # quick mode: one more call of a multi-second op says enough
     else:
         reps = int(min(policy.max_reps, max(policy.min_reps, policy.budget_s / est)))
     times = []

@@ -29,18 +29,6 @@ __all__ = ["BPETokenizer"]
 EOW = "</w>"
 
 
-class _Rev:
-    """Wraps a pair so that heapq (a min-heap) pops the lexicographically *smallest* pair among equal counts."""
-
-    __slots__ = ("p",)
-
-    def __init__(self, p: tuple[str, str]) -> None:
-        self.p = p
-
-    def __lt__(self, other: _Rev) -> bool:
-        return self.p < other.p
-
-
 class BPETokenizer(BaseTokenizer):
     """BPE tokenizer (see the module docstring).
 
@@ -103,13 +91,13 @@ class BPETokenizer(BaseTokenizer):
             for p in zip(w, w[1:]):
                 pair_count[p] += c
                 where[p].add(i)
-        heap = [(-c, _Rev(p)) for p, c in pair_count.items()]
+        # heapq is a min-heap: (-count, pair) pops the highest count, then the smallest pair.
+        heap = [(-c, p) for p, c in pair_count.items()]
         heapq.heapify(heap)
         merges: list[tuple[str, str]] = []
         learned: list[str] = []
         while len(merges) < num_merges and heap:
-            negc, rp = heapq.heappop(heap)
-            pair = rp.p
+            negc, pair = heapq.heappop(heap)
             cur = pair_count.get(pair, 0)
             if cur != -negc or cur <= 0:
                 continue  # stale entry: the pair's count changed after it was pushed
@@ -151,7 +139,7 @@ class BPETokenizer(BaseTokenizer):
             for p in changed:
                 c = pair_count[p]
                 if c > 0:
-                    heapq.heappush(heap, (-c, _Rev(p)))
+                    heapq.heappush(heap, (-c, p))
                 else:
                     del pair_count[p]
             merges.append(pair)

@@ -20,7 +20,7 @@ from .sampling import (
     top_p_decode,
     top_p_filter,
 )
-from .streaming import CallbackStreamer, TokenIteratorStreamer
+from .streaming import CallbackStreamer, TextStreamer, TokenIteratorStreamer
 
 __all__ = [
     "BeamSearch",
@@ -28,6 +28,7 @@ __all__ = [
     "KVCache",
     "LMAdapter",
     "RepetitionPenaltyController",
+    "TextStreamer",
     "TokenIteratorStreamer",
     "apply_penalties",
     "beam_search",

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CallbackStreamer", "TokenIteratorStreamer", "notify_end", "notify_put"]
+__all__ = ["CallbackStreamer", "TextStreamer", "TokenIteratorStreamer", "notify_end", "notify_put"]
 
 
 class CallbackStreamer:
@@ -25,6 +25,36 @@ class CallbackStreamer:
     def end(self) -> None:
         if self.on_end is not None:
             self.on_end()
+
+
+class TextStreamer:
+    """Decode a single sequence incrementally with ``tokenizer.decode`` and pass each new piece of text to
+    ``on_text`` (default: print without newline). Text is emitted only up to the last space, so a word is
+    never shown half-decoded; the rest is flushed at ``end``."""
+
+    def __init__(self, tokenizer: Any, on_text: Callable[[str], Any] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.on_text = on_text or (lambda s: print(s, end="", flush=True))
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._shown = 0
+
+    def put(self, tokens: torch.Tensor) -> None:
+        if tokens.numel() != 1:
+            raise ValueError(f"TextStreamer: streams one sequence, got {tokens.numel()} tokens per step")
+        self.ids.append(int(tokens.reshape(-1)[0]))
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        cut = text.rfind(" ") + 1
+        if cut > self._shown:
+            self.on_text(text[self._shown:cut])
+            self._shown = cut
+
+    def end(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+        if len(text) > self._shown:
+            self.on_text(text[self._shown:])
+        self._shown = len(text)
 
 
 class TokenIteratorStreamer:

@@ -188,3 +188,21 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="eos_token_id"):
         generate(model, ids, 3, eos_token_id="x")
     assert torch.equal(generate(model, ids, 0), ids)
+
+
+def test_text_streamer_decodes_incrementally():
+    from fastarch.generation import TextStreamer
+    from fastarch.tokenizers import BPETokenizer
+
+    tok = BPETokenizer(40)
+    tok.train(["low lower lowest new newer newest"] * 3)
+    pieces = []
+    streamer = TextStreamer(tok, pieces.append)
+    ids = tok.encode("lower newest low", add_special_tokens=False)
+    for i in ids:
+        streamer.put(torch.tensor([i]))
+    streamer.end()
+    assert "".join(pieces) == tok.decode(ids) == "lower newest low"
+    assert len(pieces) >= 2  # emitted word by word, not only at the end
+    with pytest.raises(ValueError, match="one sequence"):
+        streamer.put(torch.tensor([1, 2]))

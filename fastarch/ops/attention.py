@@ -120,8 +120,10 @@ def _softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     e = torch.exp(s - m)
     z = e.sum(-1, keepdim=True)
-    p = e / torch.where(z > 0, z, torch.ones_like(z))
-    lse = (m + torch.log(z.detach())).squeeze(-1)
+    zs = torch.where(z > 0, z, torch.ones_like(z))
+    p = e / zs
+    # d lse / d s = p through log(z) (m is a detached shift); empty rows get -inf and no gradient.
+    lse = torch.where(z > 0, m + torch.log(zs), torch.full_like(z, float("-inf"))).squeeze(-1)
     return p, lse
 
 
@@ -290,12 +292,24 @@ def _reduce_to(g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return g.sum(dim=dims, keepdim=True) if dims else g
 
 
-def _backward(ctx, do, _dlse):
+def _backward(ctx, do, dlse):
     q, k, v, o, lse, kpm, bias = ctx.saved_tensors
     wl, wr, p, seed, scale, backend = ctx.args
     need_dbias = bias is not None and ctx.needs_input_grad[4]
+    if do is None:
+        do = torch.zeros_like(o)
+    D = q.shape[-1]
+    if dlse is not None and bool((dlse != 0).any()):
+        # The lse gradient adds P * dlse to dS, i.e. it lowers Di = rowsum(dO * O) by dlse. Every backend
+        # computes Di from (dO, O), so append one head-dim column: O' = [O, 1], dO' = [dO, -dlse], with zero
+        # columns on q, k, v (scores and dP unchanged); the extra output columns are dropped.
+        pad = (0, 1)
+        q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
+        o = torch.cat([o, torch.ones_like(o[..., :1])], -1)
+        do = torch.cat([do, (-dlse).unsqueeze(-1).to(do.dtype)], -1)
     dq, dk, dv, dbias = _attention_bwd(do.contiguous(), q, k, v, o, lse, kpm, bias, wl, wr, p, seed, scale,
                                        need_dbias, backend)
+    dq, dk, dv = dq[..., :D], dk[..., :D], dv[..., :D]
     gb = None
     if need_dbias:
         gb = _reduce_to(dbias, bias.shape).to(bias.dtype)
@@ -399,7 +413,9 @@ class TorchAttention(Implementation):
             else:
                 dvx += torch.matmul(pr.transpose(-2, -1), doc)
                 dp = dpd
-            ds = pr * (dp - (pr * dp).sum(-1, keepdim=True))
+            # Di = rowsum(dO * O), as every backend computes it (the lse gradient relies on this).
+            di = (doc * o[:, :, r0:r0 + lq].float()).sum(-1, keepdim=True)
+            ds = pr * (dp - di)
             dq_parts.append(torch.matmul(ds, kx) * scale)
             dkx += torch.matmul(ds.transpose(-2, -1), qc) * scale
             if need_dbias:

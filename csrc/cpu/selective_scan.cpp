@@ -1,0 +1,516 @@
+// Mamba's selective scan on CPU (forward and backward) and the depthwise causal conv1d that precedes it.
+//
+// Layout the Python glue hands us (all fp32, contiguous):
+//   u, delta, z, out: (batch, D, L)     A: (D, N)     D, delta_bias: (D,)
+//   B, C: constant (D, N) when groups == 0, else (batch, G, L, N) -- time-major so one step's N values are
+//         contiguous; channel d reads group d / (D / G).
+//   ckpt: (batch, D, n_chunks, N), the state entering each chunk of `chunk` steps.
+//
+// Vectorisation: a task owns a block of W=16 channels that share the same B/C group. The state of the
+// block lives as h[n][c] (N x 16 floats, L1-resident); every time step loops over n and, innermost, over the
+// 16 channels, which the compiler turns into two AVX2 vectors: exp, the recurrence and the C-contraction
+// are all lane-parallel, and a variable B_t[n] / C_t[n] is one broadcast. y needs no horizontal sum.
+//
+// Backward: the forward stores the state only at chunk boundaries. Walking the chunks from last to first,
+// each is re-run forward from its checkpoint (states and decay factors kept for that chunk only, chunk x N
+// x 16 floats), then walked backward. Variable dB/dC get contributions from every channel of their group;
+// each (batch, segment, slice) task writes its own partial row, summed afterwards (memory batch*L*N*slices,
+// no D factor).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+constexpr int W = 16;
+
+// e^x by range reduction x = k ln2 + r (|r| <= ln2/2) and a degree-6 minimax polynomial for e^r (relative
+// error ~1e-7, fp32 rounding level). Plain arithmetic and a bit cast, so `omp simd` loops vectorise it.
+// Inputs are clamped to [-87.3, 88.3]: below, the result is ~1e-38 instead of 0 (harmless for a decay).
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  float r = x - kf * 0.693359375f;
+  r = r + kf * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(kf) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+inline float softplus_f(float x) { return x <= 20.f ? std::log1p(std::exp(x)) : x; }
+inline float sigmoid_f(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+struct Scan {
+  const float* u;
+  const float* delta;
+  const float* A;
+  const float* B;
+  const float* C;
+  const float* Dp;
+  const float* z;
+  const float* bias;
+  int64_t gB, gC;  // 0 = constant (D, N)
+  bool softplus;
+  int64_t batch, dim, L, N, chunk, nck;
+  int64_t seg, nseg, nblk;  // channels per segment (one B group and one C group), segments, blocks/segment
+};
+
+Scan make_scan(const torch::Tensor& u, const torch::Tensor& delta, const torch::Tensor& A, const torch::Tensor& B,
+               int64_t gB, const torch::Tensor& C, int64_t gC, const c10::optional<torch::Tensor>& Dp,
+               const c10::optional<torch::Tensor>& z, const c10::optional<torch::Tensor>& bias, bool softplus,
+               int64_t chunk) {
+  Scan s;
+  s.u = u.data_ptr<float>();
+  s.delta = delta.data_ptr<float>();
+  s.A = A.data_ptr<float>();
+  s.B = B.data_ptr<float>();
+  s.C = C.data_ptr<float>();
+  s.Dp = Dp ? Dp->data_ptr<float>() : nullptr;
+  s.z = z ? z->data_ptr<float>() : nullptr;
+  s.bias = bias ? bias->data_ptr<float>() : nullptr;
+  s.gB = gB;
+  s.gC = gC;
+  s.softplus = softplus;
+  s.batch = u.size(0);
+  s.dim = u.size(1);
+  s.L = u.size(2);
+  s.N = A.size(1);
+  s.chunk = chunk;
+  s.nck = (s.L + chunk - 1) / chunk;
+  int64_t seg = s.dim;
+  if (gB) seg = std::gcd(seg, s.dim / gB);
+  if (gC) seg = std::gcd(seg, s.dim / gC);
+  s.seg = seg;
+  s.nseg = s.dim / seg;
+  s.nblk = (seg + W - 1) / W;
+  return s;
+}
+
+// Per-block constants: A (and constant B/C) transposed to [n][lane], zero in unused lanes.
+void load_lanes(const float* src, int64_t d0, int nc, int64_t N, float* dst) {
+  for (int64_t n = 0; n < N; ++n)
+    for (int c = 0; c < W; ++c) dst[n * W + c] = c < nc ? src[(d0 + c) * N + n] : 0.f;
+}
+
+// dt (after bias and softplus), u and, for the backward, the softplus derivative, for one chunk, [t][lane].
+void load_chunk(const Scan& s, int64_t b, int64_t d0, int nc, int64_t t0, int64_t tl, float* dtb, float* ub,
+                float* dsp) {
+  for (int c = 0; c < W; ++c) {
+    if (c >= nc) {
+      for (int64_t t = 0; t < tl; ++t) dtb[t * W + c] = ub[t * W + c] = 0.f;
+      if (dsp)
+        for (int64_t t = 0; t < tl; ++t) dsp[t * W + c] = 0.f;
+      continue;
+    }
+    const int64_t row = ((b * s.dim) + d0 + c) * s.L + t0;
+    const float bv = s.bias ? s.bias[d0 + c] : 0.f;
+    for (int64_t t = 0; t < tl; ++t) {
+      const float pre = s.delta[row + t] + bv;
+      dtb[t * W + c] = s.softplus ? softplus_f(pre) : pre;
+      ub[t * W + c] = s.u[row + t];
+      if (dsp) dsp[t * W + c] = (s.softplus && pre <= 20.f) ? sigmoid_f(pre) : 1.f;
+    }
+  }
+}
+
+// One chunk of the recurrence for a block. Writes y[t][lane]; when hs/es are given also every state
+// (hs[(t+1)][n][lane], hs[0] = entry state) and decay factor (es[t][n][lane]) for the backward.
+template <bool VB, bool VC>
+void run_chunk(const Scan& s, const float* Bbase, const float* Cbase, int64_t t0, int64_t tl, const float* Al,
+               const float* Bl, const float* Cl, const float* dtb, const float* ub, float* h, float* yb, float* hs,
+               float* es) {
+  const int64_t N = s.N;
+  for (int64_t t = 0; t < tl; ++t) {
+    const float* dt = dtb + t * W;
+    float dtu[W], y[W];
+#pragma omp simd
+    for (int c = 0; c < W; ++c) {
+      dtu[c] = dt[c] * ub[t * W + c];
+      y[c] = 0.f;
+    }
+    const float* Bt = VB ? Bbase + (t0 + t) * N : nullptr;
+    const float* Ct = VC ? Cbase + (t0 + t) * N : nullptr;
+    float* hout = hs ? hs + (t + 1) * N * W : h;
+    for (int64_t n = 0; n < N; ++n) {
+      const float* a = Al + n * W;
+      const float* hp = h + n * W;
+      float* hn = hout + n * W;
+      float* e = es ? es + (t * N + n) * W : nullptr;
+      const float bs = VB ? Bt[n] : 0.f;
+      const float cs = VC ? Ct[n] : 0.f;
+      const float* bl = Bl + n * W;
+      const float* cl = Cl + n * W;
+#pragma omp simd
+      for (int c = 0; c < W; ++c) {
+        const float dA = fast_exp(dt[c] * a[c]);
+        const float hv = dA * hp[c] + dtu[c] * (VB ? bs : bl[c]);
+        hn[c] = hv;
+        y[c] += hv * (VC ? cs : cl[c]);
+        if (e) e[c] = dA;
+      }
+    }
+    if (hs) h = hout;  // the next step reads the state just written
+#pragma omp simd
+    for (int c = 0; c < W; ++c) yb[t * W + c] = y[c];
+  }
+}
+
+template <bool VB, bool VC>
+void fwd_task(const Scan& s, int64_t task, float* out, float* last, float* ckpt) {
+  const int64_t N = s.N;
+  const int64_t blk = task % s.nblk;
+  const int64_t sg = (task / s.nblk) % s.nseg;
+  const int64_t b = task / (s.nblk * s.nseg);
+  const int64_t d0 = sg * s.seg + blk * W;
+  const int nc = static_cast<int>(std::min<int64_t>(W, s.seg - blk * W));
+  std::vector<float> Al(N * W), Bl(VB ? 0 : N * W), Cl(VC ? 0 : N * W), h(N * W, 0.f);
+  std::vector<float> dtb(s.chunk * W), ub(s.chunk * W), yb(s.chunk * W);
+  load_lanes(s.A, d0, nc, N, Al.data());
+  if (!VB) load_lanes(s.B, d0, nc, N, Bl.data());
+  if (!VC) load_lanes(s.C, d0, nc, N, Cl.data());
+  const float* Bbase = VB ? s.B + (b * s.gB + d0 / (s.dim / s.gB)) * s.L * N : nullptr;
+  const float* Cbase = VC ? s.C + (b * s.gC + d0 / (s.dim / s.gC)) * s.L * N : nullptr;
+  for (int64_t k = 0; k < s.nck; ++k) {
+    const int64_t t0 = k * s.chunk, tl = std::min(s.chunk, s.L - t0);
+    if (ckpt)
+      for (int c = 0; c < nc; ++c)
+        for (int64_t n = 0; n < N; ++n) ckpt[((b * s.dim + d0 + c) * s.nck + k) * N + n] = h[n * W + c];
+    load_chunk(s, b, d0, nc, t0, tl, dtb.data(), ub.data(), nullptr);
+    run_chunk<VB, VC>(s, Bbase, Cbase, t0, tl, Al.data(), Bl.data(), Cl.data(), dtb.data(), ub.data(), h.data(),
+                      yb.data(), nullptr, nullptr);
+    for (int c = 0; c < nc; ++c) {
+      const int64_t row = (b * s.dim + d0 + c) * s.L + t0;
+      const float Dv = s.Dp ? s.Dp[d0 + c] : 0.f;
+      for (int64_t t = 0; t < tl; ++t) {
+        float v = yb[t * W + c] + Dv * ub[t * W + c];
+        if (s.z) {
+          const float zv = s.z[row + t];
+          v *= zv * sigmoid_f(zv);
+        }
+        out[row + t] = v;
+      }
+    }
+  }
+  for (int c = 0; c < nc; ++c)
+    for (int64_t n = 0; n < N; ++n) last[(b * s.dim + d0 + c) * N + n] = h[n * W + c];
+}
+
+template <bool VB, bool VC>
+void bwd_task(const Scan& s, int64_t b, int64_t sg, int64_t slice, int64_t nslice, const float* dout,
+              const float* dlast, const float* ckpt, float* du, float* ddelta, float* dz, float* dA, float* dBc,
+              float* dCc, float* dBpart, float* dCpart, float* dD, float* dbias) {
+  const int64_t N = s.N, NW = N * W, T = s.chunk;
+  std::vector<float> Al(NW), Bl(VB ? 0 : NW), Cl(VC ? 0 : NW), dh(NW);
+  std::vector<float> hs((T + 1) * NW), es(T * NW);
+  std::vector<float> dtb(T * W), ub(T * W), dsp(T * W), yb(T * W), gb(T * W), dub(T * W), ddb(T * W);
+  std::vector<float> dAacc(NW), dBl(NW), dCl(NW);
+  // Partial rows of variable dB/dC owned by this task: layout (nseg, nslice, batch, L, N).
+  float* dBrow = VB ? dBpart + ((sg * nslice + slice) * s.batch + b) * s.L * N : nullptr;
+  float* dCrow = VC ? dCpart + ((sg * nslice + slice) * s.batch + b) * s.L * N : nullptr;
+  for (int64_t blk = slice; blk < s.nblk; blk += nslice) {
+    const int64_t d0 = sg * s.seg + blk * W;
+    const int nc = static_cast<int>(std::min<int64_t>(W, s.seg - blk * W));
+    load_lanes(s.A, d0, nc, N, Al.data());
+    if (!VB) load_lanes(s.B, d0, nc, N, Bl.data());
+    if (!VC) load_lanes(s.C, d0, nc, N, Cl.data());
+    const float* Bbase = VB ? s.B + (b * s.gB + d0 / (s.dim / s.gB)) * s.L * N : nullptr;
+    const float* Cbase = VC ? s.C + (b * s.gC + d0 / (s.dim / s.gC)) * s.L * N : nullptr;
+    std::fill(dAacc.begin(), dAacc.end(), 0.f);
+    std::fill(dBl.begin(), dBl.end(), 0.f);
+    std::fill(dCl.begin(), dCl.end(), 0.f);
+    float dDacc[W] = {0}, dbacc[W] = {0}, Dv[W];
+    for (int c = 0; c < W; ++c) Dv[c] = (s.Dp && c < nc) ? s.Dp[d0 + c] : 0.f;
+    for (int64_t n = 0; n < N; ++n)
+      for (int c = 0; c < W; ++c)
+        dh[n * W + c] = (dlast && c < nc) ? dlast[(b * s.dim + d0 + c) * N + n] : 0.f;
+    for (int64_t k = s.nck - 1; k >= 0; --k) {
+      const int64_t t0 = k * T, tl = std::min(T, s.L - t0);
+      for (int64_t n = 0; n < N; ++n)
+        for (int c = 0; c < W; ++c)
+          hs[n * W + c] = c < nc ? ckpt[((b * s.dim + d0 + c) * s.nck + k) * N + n] : 0.f;
+      load_chunk(s, b, d0, nc, t0, tl, dtb.data(), ub.data(), dsp.data());
+      run_chunk<VB, VC>(s, Bbase, Cbase, t0, tl, Al.data(), Bl.data(), Cl.data(), dtb.data(), ub.data(),
+                        hs.data(), yb.data(), hs.data(), es.data());
+      // Output side: g = dL/dy, and the direct gradients of D, u (through D) and z.
+      for (int c = 0; c < W; ++c) {
+        const int64_t row = (b * s.dim + d0 + c) * s.L + t0;
+        for (int64_t t = 0; t < tl; ++t) {
+          const int i = t * W + c;
+          if (c >= nc) {
+            gb[i] = 0.f;
+            continue;
+          }
+          const float go = dout[row + t];
+          float g = go;
+          if (s.z) {
+            const float zv = s.z[row + t];
+            const float sz = sigmoid_f(zv);
+            const float pre = yb[i] + Dv[c] * ub[i];
+            dz[row + t] = go * pre * sz * (1.f + zv * (1.f - sz));
+            g = go * zv * sz;
+          }
+          gb[i] = g;
+          dDacc[c] += g * ub[i];
+          dub[i] = g * Dv[c];
+        }
+      }
+      for (int64_t t = tl - 1; t >= 0; --t) {
+        const float* dt = dtb.data() + t * W;
+        const float* uu = ub.data() + t * W;
+        const float* g = gb.data() + t * W;
+        const float* Bt = VB ? Bbase + (t0 + t) * N : nullptr;
+        const float* Ct = VC ? Cbase + (t0 + t) * N : nullptr;
+        const float* hcur = hs.data() + (t + 1) * NW;
+        const float* hprev = hs.data() + t * NW;
+        const float* e = es.data() + t * NW;
+        float ddt[W], dsb[W], dtu[W];
+#pragma omp simd
+        for (int c = 0; c < W; ++c) {
+          ddt[c] = 0.f;
+          dsb[c] = 0.f;
+          dtu[c] = dt[c] * uu[c];
+        }
+        for (int64_t n = 0; n < N; ++n) {
+          const int64_t o = n * W;
+          const float bs = VB ? Bt[n] : 0.f;
+          const float cs = VC ? Ct[n] : 0.f;
+          float sumC = 0.f, sumB = 0.f;
+#pragma omp simd reduction(+ : sumC, sumB)
+          for (int c = 0; c < W; ++c) {
+            const float cv = VC ? cs : Cl[o + c];
+            const float bv = VB ? bs : Bl[o + c];
+            const float gh = g[c] * hcur[o + c];
+            if (VC) sumC += gh; else dCl[o + c] += gh;
+            const float d = dh[o + c] + g[c] * cv;
+            const float hp_e = hprev[o + c] * e[o + c];
+            dAacc[o + c] += d * hp_e * dt[c];
+            ddt[c] += d * (hp_e * Al[o + c] + uu[c] * bv);
+            dsb[c] += d * bv;
+            const float db = d * dtu[c];
+            if (VB) sumB += db; else dBl[o + c] += db;
+            dh[o + c] = d * e[o + c];
+          }
+          if (VC) dCrow[(t0 + t) * N + n] += sumC;
+          if (VB) dBrow[(t0 + t) * N + n] += sumB;
+        }
+        for (int c = 0; c < W; ++c) {
+          const int i = t * W + c;
+          dub[i] += dt[c] * dsb[c];
+          const float dd = ddt[c] * dsp[i];
+          ddb[i] = dd;
+          dbacc[c] += dd;
+        }
+      }
+      for (int c = 0; c < nc; ++c) {
+        const int64_t row = (b * s.dim + d0 + c) * s.L + t0;
+        for (int64_t t = 0; t < tl; ++t) {
+          du[row + t] = dub[t * W + c];
+          ddelta[row + t] = ddb[t * W + c];
+        }
+      }
+    }
+    // Per-channel parameter gradients: this (batch) row, summed over batch by the caller.
+    for (int c = 0; c < nc; ++c) {
+      const int64_t d = d0 + c;
+      for (int64_t n = 0; n < N; ++n) {
+        dA[(b * s.dim + d) * N + n] = dAacc[n * W + c];
+        if (!VB) dBc[(b * s.dim + d) * N + n] = dBl[n * W + c];
+        if (!VC) dCc[(b * s.dim + d) * N + n] = dCl[n * W + c];
+      }
+      dD[b * s.dim + d] = dDacc[c];
+      dbias[b * s.dim + d] = dbacc[c];
+    }
+  }
+}
+
+void check_inputs(const torch::Tensor& u, const torch::Tensor& A) {
+  TORCH_CHECK(u.is_contiguous() && u.scalar_type() == torch::kFloat, "selective_scan cpp: u must be fp32 contiguous");
+  TORCH_CHECK(A.size(1) <= 256, "selective_scan cpp: d_state must be <= 256, got ", A.size(1));
+}
+
+std::vector<torch::Tensor> scan_fwd(torch::Tensor u, torch::Tensor delta, torch::Tensor A, torch::Tensor B,
+                                    int64_t gB, torch::Tensor C, int64_t gC, c10::optional<torch::Tensor> Dp,
+                                    c10::optional<torch::Tensor> z, c10::optional<torch::Tensor> bias,
+                                    bool softplus, bool need_ckpt, int64_t chunk) {
+  check_inputs(u, A);
+  Scan s = make_scan(u, delta, A, B, gB, C, gC, Dp, z, bias, softplus, chunk);
+  auto out = torch::empty_like(u);
+  auto last = torch::empty({s.batch, s.dim, s.N}, u.options());
+  auto ckpt = need_ckpt ? torch::empty({s.batch, s.dim, s.nck, s.N}, u.options()) : torch::empty({0}, u.options());
+  float* po = out.data_ptr<float>();
+  float* pl = last.data_ptr<float>();
+  float* pc = need_ckpt ? ckpt.data_ptr<float>() : nullptr;
+  const int64_t ntask = s.batch * s.nseg * s.nblk;
+  at::parallel_for(0, ntask, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      if (gB && gC) fwd_task<true, true>(s, task, po, pl, pc);
+      else if (gB) fwd_task<true, false>(s, task, po, pl, pc);
+      else if (gC) fwd_task<false, true>(s, task, po, pl, pc);
+      else fwd_task<false, false>(s, task, po, pl, pc);
+    }
+  });
+  return {out, last, ckpt};
+}
+
+// Sum the per-task partials of a variable dB/dC, (nseg, nslice, batch, L, N) -> (batch, G, L, N).
+torch::Tensor reduce_partial(const torch::Tensor& part, int64_t nseg, int64_t nslice, int64_t G, int64_t batch,
+                             int64_t L, int64_t N) {
+  auto r = part.view({nseg, nslice, batch, L, N}).sum(1);  // (nseg, batch, L, N)
+  r = r.view({G, nseg / G, batch, L, N}).sum(1);            // (G, batch, L, N)
+  return r.permute({1, 0, 2, 3}).contiguous();
+}
+
+std::vector<torch::Tensor> scan_bwd(torch::Tensor dout, c10::optional<torch::Tensor> dlast, torch::Tensor u,
+                                    torch::Tensor delta, torch::Tensor A, torch::Tensor B, int64_t gB, torch::Tensor C,
+                                    int64_t gC, c10::optional<torch::Tensor> Dp, c10::optional<torch::Tensor> z,
+                                    c10::optional<torch::Tensor> bias, torch::Tensor ckpt, bool softplus,
+                                    int64_t chunk) {
+  check_inputs(u, A);
+  Scan s = make_scan(u, delta, A, B, gB, C, gC, Dp, z, bias, softplus, chunk);
+  TORCH_CHECK(ckpt.numel() == s.batch * s.dim * s.nck * s.N, "selective_scan cpp: checkpoints have the wrong size");
+  const auto opt = u.options();
+  auto du = torch::empty_like(u);
+  auto ddelta = torch::empty_like(u);
+  auto dz = z ? torch::empty_like(u) : torch::empty({0}, opt);
+  // Per-batch rows of the per-channel gradients, summed over batch at the end (no write conflicts).
+  auto dA = torch::empty({s.batch, s.dim, s.N}, opt);
+  auto dBc = gB ? torch::empty({0}, opt) : torch::empty({s.batch, s.dim, s.N}, opt);
+  auto dCc = gC ? torch::empty({0}, opt) : torch::empty({s.batch, s.dim, s.N}, opt);
+  auto dD = torch::empty({s.batch, s.dim}, opt);
+  auto dbias = torch::empty({s.batch, s.dim}, opt);
+  // Enough slices per segment to feed every thread; each slice owns a partial dB/dC row.
+  const int64_t want = 2 * at::get_num_threads();
+  const int64_t base = s.batch * s.nseg;
+  const int64_t nslice = (gB || gC) ? std::max<int64_t>(1, std::min(s.nblk, (want + base - 1) / base)) : s.nblk;
+  auto dBp = gB ? torch::zeros({s.nseg, nslice, s.batch, s.L, s.N}, opt) : torch::empty({0}, opt);
+  auto dCp = gC ? torch::zeros({s.nseg, nslice, s.batch, s.L, s.N}, opt) : torch::empty({0}, opt);
+  const float* pdl = dlast ? dlast->data_ptr<float>() : nullptr;
+  float* pdz = z ? dz.data_ptr<float>() : nullptr;
+  float* pdBc = gB ? nullptr : dBc.data_ptr<float>();
+  float* pdCc = gC ? nullptr : dCc.data_ptr<float>();
+  float* pdBp = gB ? dBp.data_ptr<float>() : nullptr;
+  float* pdCp = gC ? dCp.data_ptr<float>() : nullptr;
+  const int64_t ntask = base * nslice;
+  at::parallel_for(0, ntask, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t slice = task % nslice;
+      const int64_t sg = (task / nslice) % s.nseg;
+      const int64_t b = task / (nslice * s.nseg);
+      auto call = [&](auto fn) {
+        fn(s, b, sg, slice, nslice, dout.data_ptr<float>(), pdl, ckpt.data_ptr<float>(), du.data_ptr<float>(),
+           ddelta.data_ptr<float>(), pdz, dA.data_ptr<float>(), pdBc, pdCc, pdBp, pdCp, dD.data_ptr<float>(),
+           dbias.data_ptr<float>());
+      };
+      if (gB && gC) call(bwd_task<true, true>);
+      else if (gB) call(bwd_task<true, false>);
+      else if (gC) call(bwd_task<false, true>);
+      else call(bwd_task<false, false>);
+    }
+  });
+  auto dB = gB ? reduce_partial(dBp, s.nseg, nslice, gB, s.batch, s.L, s.N) : dBc.sum(0);
+  auto dC = gC ? reduce_partial(dCp, s.nseg, nslice, gC, s.batch, s.L, s.N) : dCc.sum(0);
+  return {du, ddelta, dA.sum(0), dB, dC, dD.sum(0), dz, dbias.sum(0)};
+}
+
+// ---- causal conv1d: out[b, d, t] = bias[d] + sum_k w[d, k] * x[b, d, t - (W-1) + k], optional SiLU ----------
+torch::Tensor conv_fwd(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool silu) {
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat, "causal_conv1d cpp: x must be fp32 contiguous");
+  const int64_t batch = x.size(0), dim = x.size(1), L = x.size(2), K = w.size(1);
+  auto out = torch::empty_like(x);
+  const float* px = x.data_ptr<float>();
+  const float* pw = w.data_ptr<float>();
+  const float* pb = bias ? bias->data_ptr<float>() : nullptr;
+  float* po = out.data_ptr<float>();
+  at::parallel_for(0, batch * dim, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t d = r % dim;
+      const float* xr = px + r * L;
+      float* orow = po + r * L;
+      const float bv = pb ? pb[d] : 0.f;
+      for (int64_t t = 0; t < L; ++t) orow[t] = bv;
+      for (int64_t k = 0; k < K; ++k) {
+        const float wk = pw[d * K + k];
+        const int64_t shift = K - 1 - k;
+#pragma omp simd
+        for (int64_t t = shift; t < L; ++t) orow[t] += wk * xr[t - shift];
+      }
+      if (silu)
+        for (int64_t t = 0; t < L; ++t) orow[t] = orow[t] / (1.f + std::exp(-orow[t]));
+    }
+  });
+  return out;
+}
+
+std::vector<torch::Tensor> conv_bwd(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
+                                    torch::Tensor dout, bool silu) {
+  const int64_t batch = x.size(0), dim = x.size(1), L = x.size(2), K = w.size(1);
+  auto g = silu ? torch::empty_like(x) : dout;
+  if (silu) {
+    auto pre = conv_fwd(x, w, bias, false);
+    const float* pp = pre.data_ptr<float>();
+    const float* pd = dout.data_ptr<float>();
+    float* pg = g.data_ptr<float>();
+    at::parallel_for(0, x.numel(), 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float sg = 1.f / (1.f + std::exp(-pp[i]));
+        pg[i] = pd[i] * sg * (1.f + pp[i] * (1.f - sg));
+      }
+    });
+  }
+  auto dx = torch::zeros_like(x);
+  auto dw = torch::zeros({dim, K}, x.options());
+  auto db = torch::zeros({dim}, x.options());
+  const float* px = x.data_ptr<float>();
+  const float* pw = w.data_ptr<float>();
+  const float* pg = g.data_ptr<float>();
+  float* pdx = dx.data_ptr<float>();
+  float* pdw = dw.data_ptr<float>();
+  float* pdb = db.data_ptr<float>();
+  // Parallel over channels: dw/db of a channel sum over batch inside one task.
+  at::parallel_for(0, dim, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t d = begin; d < end; ++d) {
+      for (int64_t b = 0; b < batch; ++b) {
+        const int64_t r = b * dim + d;
+        const float* xr = px + r * L;
+        const float* gr = pg + r * L;
+        float* dxr = pdx + r * L;
+        float sb = 0.f;
+        for (int64_t t = 0; t < L; ++t) sb += gr[t];
+        pdb[d] += sb;
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t shift = K - 1 - k;
+          const float wk = pw[d * K + k];
+          float sw = 0.f;
+#pragma omp simd reduction(+ : sw)
+          for (int64_t t = shift; t < L; ++t) {
+            sw += gr[t] * xr[t - shift];
+            dxr[t - shift] += wk * gr[t];
+          }
+          pdw[d * K + k] += sw;
+        }
+      }
+    }
+  });
+  return {dx, dw, db};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fastarch: selective scan (Mamba) and causal conv1d on CPU";
+  m.def("fwd", &scan_fwd, "selective scan forward -> (out, last_state, ckpt)");
+  m.def("bwd", &scan_bwd, "selective scan backward -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)");
+  m.def("conv_fwd", &conv_fwd, "causal conv1d forward");
+  m.def("conv_bwd", &conv_bwd, "causal conv1d backward -> (dx, dw, dbias)");
+}

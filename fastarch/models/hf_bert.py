@@ -1,0 +1,149 @@
+"""Load a Hugging Face BERT checkpoint into fastarch's ``BERT`` (no ``transformers`` needed).
+
+``bert_from_hf(path_or_state_dict)`` accepts a state dict, a ``.safetensors`` / ``.bin`` / ``.pt`` file, or a
+directory holding ``config.json`` and ``model.safetensors`` (or ``pytorch_model.bin``). Keys of ``BertModel``
+and of the heads-wrapping classes (``bert.`` prefix, e.g. ``BertForPreTraining``) are understood; head weights
+are ignored. Without a config the sizes are read off the tensors (heads default to hidden / 64).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import torch
+
+from ..nn.bert import BERT
+
+__all__ = ["bert_from_hf", "hf_bert_state_dict_to_fastarch"]
+
+_LAYER = re.compile(r"^encoder\.layer\.(\d+)\.(.+)$")
+_LAYER_MAP = {
+    "attention.output.dense": "attention.out_proj",
+    "attention.output.LayerNorm": "norm1",
+    "intermediate.dense": "ffn.0",
+    "output.dense": "ffn.3",
+    "output.LayerNorm": "norm2",
+}
+_TOP_MAP = {
+    "embeddings.word_embeddings": "token_embedding",
+    "embeddings.position_embeddings": "position_embedding",
+    "embeddings.token_type_embeddings": "segment_embedding",
+    "embeddings.LayerNorm": "norm",
+    "pooler.dense": "pooler",
+}
+
+
+def _load_file(path: str) -> dict[str, torch.Tensor]:
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    obj = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(obj, dict):
+        raise ValueError(f"bert_from_hf: {path!r} does not hold a state dict")
+    return obj
+
+
+def _read(path_or_state_dict: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    if isinstance(path_or_state_dict, dict):
+        return dict(path_or_state_dict), {}
+    if not isinstance(path_or_state_dict, (str, os.PathLike)):
+        raise TypeError("bert_from_hf: argument 'path_or_state_dict' must be a state dict, a file or a directory, "
+                        f"got {type(path_or_state_dict).__name__}")
+    path = os.fspath(path_or_state_dict)
+    config: dict[str, Any] = {}
+    if os.path.isdir(path):
+        cfg = os.path.join(path, "config.json")
+        if os.path.exists(cfg):
+            with open(cfg) as f:
+                config = json.load(f)
+        for name in ("model.safetensors", "pytorch_model.bin"):
+            if os.path.exists(os.path.join(path, name)):
+                return _load_file(os.path.join(path, name)), config
+        raise FileNotFoundError(f"bert_from_hf: no model.safetensors or pytorch_model.bin in {path!r}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"bert_from_hf: {path!r} does not exist")
+    cfg = os.path.join(os.path.dirname(path), "config.json")
+    if os.path.exists(cfg):
+        with open(cfg) as f:
+            config = json.load(f)
+    return _load_file(path), config
+
+
+def hf_bert_state_dict_to_fastarch(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename (and fuse q/k/v of) a Hugging Face ``BertModel`` state dict into ``fastarch.nn.BERT`` keys."""
+    src: dict[str, torch.Tensor] = {}
+    for k, v in sd.items():
+        k = k[len("bert."):] if k.startswith("bert.") else k
+        k = k.replace(".gamma", ".weight").replace(".beta", ".bias")  # very old checkpoints
+        src[k] = v
+    out: dict[str, torch.Tensor] = {}
+    qkv: dict[tuple[int, str, str], torch.Tensor] = {}
+    for k, v in src.items():
+        m = _LAYER.match(k)
+        if m:
+            i, rest = int(m.group(1)), m.group(2)
+            parts = rest.split(".")
+            if rest.startswith("attention.self.") and parts[2] in ("query", "key", "value"):
+                qkv[(i, parts[2], parts[3])] = v
+                continue
+            base, leaf = rest.rsplit(".", 1)
+            if base in _LAYER_MAP:
+                out[f"encoder.{i}.{_LAYER_MAP[base]}.{leaf}"] = v
+            continue
+        if "." in k:
+            base, leaf = k.rsplit(".", 1)
+            if base in _TOP_MAP:
+                out[f"{_TOP_MAP[base]}.{leaf}"] = v
+    layers = sorted({i for i, _, _ in qkv})
+    for i in layers:
+        for leaf in ("weight", "bias"):
+            try:
+                out[f"encoder.{i}.attention.qkv.{leaf}"] = torch.cat([qkv[(i, "query", leaf)], qkv[(i, "key", leaf)],
+                                                                      qkv[(i, "value", leaf)]], 0)
+            except KeyError as e:
+                raise KeyError(f"bert_from_hf: layer {i} lacks attention.self.{e.args[0][1]}.{leaf}") from None
+    return out
+
+
+def bert_from_hf(path_or_state_dict: Any, config: dict[str, Any] | None = None, **overrides: Any) -> BERT:
+    """Build ``fastarch.nn.BERT`` from a Hugging Face BERT checkpoint (eval mode).
+
+    ``config`` (a dict like HF's config.json) overrides the one found next to the weights; ``overrides``
+    (BERT constructor arguments) override both.
+    """
+    sd, found = _read(path_or_state_dict)
+    cfg = dict(found)
+    cfg.update(config or {})
+    mapped = hf_bert_state_dict_to_fastarch(sd)
+    if "token_embedding.weight" not in mapped:
+        raise KeyError("bert_from_hf: no embeddings.word_embeddings.weight: not a BERT checkpoint")
+    act = cfg.get("hidden_act", "gelu")
+    if act != "gelu":
+        raise ValueError(f"bert_from_hf: hidden_act {act!r} is not supported (fastarch's BERT uses exact GELU)")
+    vocab, hidden = mapped["token_embedding.weight"].shape
+    n_layers = len({k.split(".")[1] for k in mapped if k.startswith("encoder.")})
+    kw = dict(
+        vocab_size=cfg.get("vocab_size", vocab),
+        hidden_size=cfg.get("hidden_size", hidden),
+        num_heads=cfg.get("num_attention_heads", max(1, hidden // 64)),
+        num_layers=cfg.get("num_hidden_layers", n_layers),
+        intermediate_size=cfg.get("intermediate_size", mapped["encoder.0.ffn.0.weight"].shape[0]
+                                  if n_layers else 4 * hidden),
+        max_position_embeddings=cfg.get("max_position_embeddings", mapped["position_embedding.weight"].shape[0]),
+        type_vocab_size=cfg.get("type_vocab_size", mapped["segment_embedding.weight"].shape[0]
+                                if "segment_embedding.weight" in mapped else 2),
+        dropout=cfg.get("hidden_dropout_prob", 0.1),
+        layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
+    )
+    kw.update(overrides)
+    model = BERT(**kw)
+    ref = model.state_dict()
+    if "pooler.weight" not in mapped:  # BertModel(add_pooling_layer=False): keep the fresh pooler
+        mapped["pooler.weight"], mapped["pooler.bias"] = ref["pooler.weight"], ref["pooler.bias"]
+    dtype = ref["token_embedding.weight"].dtype
+    model.load_state_dict({k: v.to(dtype) for k, v in mapped.items()}, strict=True)
+    return model.eval()

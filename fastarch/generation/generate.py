@@ -249,6 +249,14 @@ def generate(
             raise ValueError("generate: sampling with num_beams > 1 is not supported; use strategy='beam'")
         if streamer is not None:
             raise ValueError("generate: argument 'streamer' cannot be used with beam search")
+        unsupported = {"temperature": temperature != 1.0, "top_k": top_k is not None, "top_p": top_p is not None,
+                       "min_p": min_p is not None, "repetition_penalty": repetition_penalty != 1.0,
+                       "frequency_penalty": frequency_penalty != 0.0, "presence_penalty": presence_penalty != 0.0,
+                       "generator": generator is not None}
+        bad = [k for k, v in unsupported.items() if v]
+        if bad:
+            raise ValueError(f"generate: beam search scores raw log-probabilities; argument(s) {bad} are not "
+                             "supported with strategy='beam'")
         from .beam_search import beam_search
 
         return beam_search(model, input_ids, max_new_tokens, num_beams=num_beams, eos_token_id=eos_token_id,

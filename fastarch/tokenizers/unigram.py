@@ -195,6 +195,7 @@ class UnigramTokenizer(BaseTokenizer):
             for p in pieces:
                 viterbi_count[p] += f
         loss: dict[str, float] = {}
+        work = dict(logp)
         for t, lp in logp.items():
             if t in chars:
                 continue
@@ -203,9 +204,9 @@ class UnigramTokenizer(BaseTokenizer):
                 loss[t] = 0.0
                 continue
             # Re-segment the piece itself without it: the cost of replacing each of its occurrences.
-            without = dict(logp)
-            del without[t]
-            _, alt = self._viterbi(t, without)
+            del work[t]
+            _, alt = self._viterbi(t, work)
+            work[t] = lp
             loss[t] = c * (lp - alt) if alt > -math.inf else math.inf
         keep_n = max(target, int(len(logp) * self.shrink_factor))
         n_remove = len(logp) - keep_n

@@ -147,3 +147,11 @@ def test_guide_search_exhaustive_equals_brute_force():
         if s > best:
             best, best_seq = s, seq
     assert res[0][0] == best_seq and abs(res[0][1] - best) < 1e-9
+
+
+def test_beam_rejects_sampling_arguments():
+    model = TableLM(4).eval()
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        generate(model, torch.tensor([[0, 1]]), 3, strategy="beam", num_beams=2, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="streamer"):
+        generate(model, torch.tensor([[0, 1]]), 3, strategy="beam", num_beams=2, streamer=print)

@@ -155,3 +155,39 @@ def test_vocab_file_round_trip(vocab_file, tmp_path):
     back = WordPieceTokenizer.load(js)
     for text in TEXTS:
         assert back.encode(text) == tok.encode(text)
+
+
+def _random_texts(n, seed=0):
+    import random
+
+    rng = random.Random(seed)
+    alphabet = (list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789") * 4
+                + list(string.punctuation) + list("éèêëàâäïîôöùûüçñÉÀÖÜß") + list("中国人日本語") + list("😀€£¥§©°±")
+                + [" "] * 20 + ["\t", "\n", "\r", "\u00a0", "\u3000", "\u200b", "\x00", "\x07", "\ufffd", "\u0301"])
+    words = WORDS + [p[2:] for p in PIECES] + ["Hello", "WORLD", "Café", "unbelievable", "tokenization"]
+    out = []
+    for _ in range(n):
+        parts = []
+        for _ in range(rng.randint(1, 12)):
+            if rng.random() < 0.5:
+                parts.append(rng.choice(words))
+            else:
+                parts.append("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 8))))
+        out.append(rng.choice(["", " ", "  "]).join(parts) if rng.random() < 0.3 else " ".join(parts))
+    return out
+
+
+@pytest.mark.parametrize("lib", ["tokenizers", "transformers"])
+def test_parity_fuzz(vocab_file, lib):
+    mod = pytest.importorskip(lib, reason=f"the `{lib}` package is not installed")
+    tok = WordPieceTokenizer.from_vocab_file(vocab_file, lowercase=True)
+    if lib == "tokenizers":
+        ref = mod.BertWordPieceTokenizer(str(vocab_file), lowercase=True)
+
+        def ref_ids(t):
+            return ref.encode(t).ids
+    else:
+        ref = mod.BertTokenizer(str(vocab_file), do_lower_case=True)
+        ref_ids = ref.encode
+    for text in _random_texts(300):
+        assert tok.encode(text) == ref_ids(text), repr(text)

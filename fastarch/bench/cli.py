@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return _list(sel, opts)
 
     from .plots import plot_suites
-    from .report import format_table, machine_info, result_rows, write_csv, write_json
+    from .report import format_summary, format_table, machine_info, result_rows, write_csv, write_json
 
     broken = [e for e in sel if e.suite is None]
     for e in broken:
@@ -155,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "results.csv", rows)
     write_json(out / "results.json", run, meta, rows)
-    print(format_table(run))
+    table = format_table(run)
+    (out / "table.txt").write_text(table + "\n")
+    (out / "summary.md").write_text(format_summary(run, meta))
+    print(table)
     msg = "plots skipped (--no-plot)"
     if not args.no_plot:
         try:
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{meta['timestamp'][:10]}")
         except Exception as exc:  # a plotting problem never loses the results
             msg = f"plots failed: {type(exc).__name__}: {exc}"
-    print(f"results: {out / 'results.csv'}, {out / 'results.json'}; {msg}")
+    print(f"results: {out / 'results.csv'}, {out / 'results.json'}, table.txt, summary.md; {msg}")
     errors = [r for r in run.results if r.status == "error"]
     return 1 if (args.strict and errors) else 0
 

@@ -18,7 +18,8 @@ import torch
 
 from .runner import ProviderResult, RunResult
 
-__all__ = ["METRICS", "CSV_COLUMNS", "machine_info", "result_rows", "write_csv", "write_json", "format_table"]
+__all__ = ["METRICS", "CSV_COLUMNS", "machine_info", "result_rows", "write_csv", "write_json", "format_table",
+           "format_summary"]
 
 # metric name -> (unit, getter)
 METRICS: dict[str, tuple[str, Any]] = {
@@ -215,3 +216,27 @@ def format_table(run: RunResult) -> str:
         lines.append(f"matmul peak (measured): {run.matmul_peak_gflops:.1f} GFLOP/s; "
                      f"wall time {run.wall_s:.1f} s")
     return "\n".join(lines)
+
+
+def format_summary(run: RunResult, meta: dict[str, Any]) -> str:
+    """Markdown headline table: per case, the fastest fastarch provider and its speedups."""
+    out = [f"Machine: {meta.get('device_name', '')}; torch {meta.get('torch', '')}, dtype {meta.get('dtype', '')}, "
+           f"{meta.get('mode', '')} mode, {meta.get('timestamp', '')[:10]}.", "",
+           "| suite | case | fastest fastarch | median ms | reference ms | vs reference | best peer | vs best peer |",
+           "|---|---|---|---:|---:|---:|---|---:|"]
+    cases: dict[tuple[str, str], list[ProviderResult]] = {}
+    for r in run.results:
+        cases.setdefault((r.suite, r.case), []).append(r)
+    for (suite, case), rs in cases.items():
+        ok = [r for r in rs if r.status == "ok" and r.timing is not None]
+        fa = [r for r in ok if r.kind == "fastarch"]
+        if not fa:
+            continue
+        best = min(fa, key=lambda r: r.timing.median_ms)
+        ref = next((r for r in ok if r.reference), None)
+        out.append(
+            f"| {suite} | {case} | {best.provider} | {_fmt(best.timing.median_ms)} | "
+            f"{_fmt(ref.timing.median_ms) if ref else '-'} | {_x(best.speedup_vs_reference)} | "
+            f"{best.best_peer or '-'} | {_x(best.speedup_vs_best_peer)} |"
+        )
+    return "\n".join(out) + "\n"

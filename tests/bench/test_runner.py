@@ -230,6 +230,9 @@ def test_cli_end_to_end_toy(suite_dir, tmp_path, capsys):
     assert doc["suites"]["zz_broken_suite"]["status"] == "error"
     norms_ok = [r for r in doc["rows"] if r["suite"] == "norms" and r["status"] == "ok"]
     assert {r["provider"] for r in norms_ok} >= {"reference", "torch", "fastarch-torch"}
+    summary = (out / "summary.md").read_text()
+    assert summary.count("| zz_toy_suite | mm n=") == 3 and "| fast |" in summary
+    assert "== zz_toy_suite" in (out / "table.txt").read_text()
     for name in ("zz_toy_suite.png", "norms.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

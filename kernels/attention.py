@@ -158,7 +158,8 @@ def _scores(q, k, offs_m, offs_n, qk_scale, bias_base, stride_biasm, stride_bias
     """
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
     if HAS_BIAS:
-        bptrs = bias_base + offs_m[:, None] * stride_biasm + offs_n[None, :] * stride_biasn
+        # int64 row offsets: Lq * Lk elements per head can pass 2**31 for long sequences.
+        bptrs = bias_base + offs_m.to(tl.int64)[:, None] * stride_biasm + offs_n[None, :] * stride_biasn
         if MASK:
             bias = tl.load(bptrs, mask=(offs_m < Lq)[:, None] & (offs_n < Lk)[None, :], other=0.0)
         else:
@@ -226,7 +227,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base
 
 @triton.autotune(configs=_FWD_CONFIGS, key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "SPLIT"],
                  prune_configs_by={"early_config_prune": _prune_fwd})
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "thresh"])
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, BIAS, KPM,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -256,7 +257,9 @@ def _attn_fwd_kernel(
     v_base = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
     bias_base = BIAS + b64 * stride_biasb + h.to(tl.int64) * stride_biash
     kpm_base = KPM + b64 * stride_kpmb
-    dkey = _dropout_key(seed, b, h, H) if HAS_DROPOUT else 0
+    dkey = 0
+    if HAS_DROPOUT:
+        dkey = _dropout_key(seed, b, h, H)
 
     q = _load_rows(q_base, offs_m, stride_qm, offs_d, Lq, D, True, EVEN_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -356,7 +359,7 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm
 
 @triton.autotune(configs=_BWD_KV_CONFIGS, key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT"],
                  prune_configs_by={"early_config_prune": _prune_bwd})
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "thresh"])
 def _attn_bwd_kv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, KPM,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -407,7 +410,9 @@ def _attn_bwd_kv_kernel(
         lse_base = LSE + bh.to(tl.int64) * Lq
         delta_base = DELTA + bh.to(tl.int64) * Lq
         bias_base = BIAS + b64 * stride_biasb + h.to(tl.int64) * stride_biash
-        dkey = _dropout_key(seed, b, h, H) if HAS_DROPOUT else 0
+        dkey = 0
+        if HAS_DROPOUT:
+            dkey = _dropout_key(seed, b, h, H)
         dk, dv = _bwd_kv_inner(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, bias_base, stride_biasm,
             stride_biasn, kpm_base, stride_kpmn, offs_n, offs_d, m_lo, tl.minimum(full_lo, i_hi), Lq, Lk, D, off,
@@ -453,7 +458,7 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, b
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if NEED_DBIAS:
-            db_ptrs = dbias_base + offs_m[:, None] * stride_dbm + offs_n[None, :]
+            db_ptrs = dbias_base + offs_m.to(tl.int64)[:, None] * stride_dbm + offs_n[None, :]
             if MASK:
                 tl.store(db_ptrs, ds, mask=(offs_m < Lq)[:, None] & (offs_n < Lk)[None, :])
             else:
@@ -465,7 +470,7 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, b
 @triton.autotune(configs=_BWD_Q_CONFIGS,
                  key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "NEED_DBIAS"],
                  prune_configs_by={"early_config_prune": _prune_bwd})
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "thresh"])
 def _attn_bwd_q_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, BIAS, KPM, DBIAS,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -499,7 +504,9 @@ def _attn_bwd_q_kernel(
     bias_base = BIAS + b64 * stride_biasb + h.to(tl.int64) * stride_biash
     kpm_base = KPM + b64 * stride_kpmb
     dbias_base = DBIAS + bh.to(tl.int64) * Lq * Lk
-    dkey = _dropout_key(seed, b, h, H) if HAS_DROPOUT else 0
+    dkey = 0
+    if HAS_DROPOUT:
+        dkey = _dropout_key(seed, b, h, H)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     rows_end = tl.minimum(m0 + BLOCK_M, Lq)

@@ -24,6 +24,7 @@ with wrapping uint32 arithmetic; the backward regenerates it instead of storing 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -621,12 +622,17 @@ def _side_args(q: torch.Tensor, key_padding_mask: torch.Tensor | None, attn_bias
     return bias, bstr, kpm, kstr
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _auto_splits(q: torch.Tensor, B: int, H: int, Lq: int, Lk: int) -> int:
     """Split-K (flash-decoding) factor: for few query rows and long keys, when B*H programs would leave
     most SMs idle, split the keys into chunks whose partial results are merged through their lse."""
     if Lq > _DECODE_MAX_LQ or Lk < 2 * _SPLIT_ALIGN or q.device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
     programs = B * H
     if programs >= sms:
         return 1

@@ -6,7 +6,8 @@ Model protocols (see SHARED_APIS.md):
   ``allocate_kv_cache(batch_size, max_seq_len, dtype=None, device=None) -> KVCache``; with a cache the
   prompt is run once (prefill) and then one token per step;
 - recurrent LMs (MambaLM): ``allocate_inference_cache(batch_size, dtype=None, device=None)`` and
-  ``step(input_ids (B,), cache) -> logits (B, V)``; the prompt is fed through ``step`` token by token;
+  ``step(input_ids (B,), cache) -> logits (B, V)``; the prompt is prefilled by ``forward(ids, cache=cache)``
+  when the model's forward takes a ``cache`` argument, else fed through ``step`` token by token;
 - anything else callable as ``model(input_ids) -> logits (B, L, V)`` decodes without a cache (the whole
   sequence is re-run every step), as does ``use_cache=False``.
 
@@ -15,6 +16,7 @@ A model output may be a tensor, a tuple whose first item is the logits, or an ob
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -39,6 +41,13 @@ def _as_logits(out: Any) -> torch.Tensor:
         return logits
     raise TypeError(f"generate: the model returned {type(out).__name__}; expected logits (a tensor, a tuple "
                     "starting with one, or an object with .logits)")
+
+
+def _accepts_kwarg(fn: Any, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def reorder_cache(cache: Any, index: torch.Tensor) -> None:
@@ -100,6 +109,9 @@ class LMAdapter:
             return _as_logits(self.model(input_ids, kv_cache=self.cache))[:, -1]
         if self.kind == "recurrent":
             self.cache = self.model.allocate_inference_cache(B, dtype=self._dtype(), device=input_ids.device)
+            if _accepts_kwarg(self.model.forward, "cache"):
+                # forward(ids, cache=) prefills the state in one parallel pass (MambaLM does).
+                return _as_logits(self.model(input_ids, cache=self.cache))[:, -1]
             logits = None
             for t in range(input_ids.shape[1]):
                 logits = _as_logits(self.model.step(input_ids[:, t], self.cache))

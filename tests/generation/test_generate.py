@@ -99,7 +99,11 @@ def test_cached_equals_uncached_real_mamba():
     if not hasattr(model, "step"):
         pytest.skip("MambaLM has no step() yet")
     ids = torch.randint(0, 29, (2, 5))
-    assert torch.equal(generate(model, ids, 8), generate(model, ids, 8, use_cache=False))
+    cached = generate(model, ids, 8)
+    assert torch.equal(cached, generate(model, ids, 8, use_cache=False))
+    assert torch.equal(cached, _greedy_reference(model, ids, 8))
+    beams = generate(model, ids, 5, strategy="beam", num_beams=3)
+    assert torch.equal(beams, generate(model, ids, 5, strategy="beam", num_beams=3, use_cache=False))
 
 
 def test_eos_stops_and_pads():

@@ -236,6 +236,13 @@ def test_cli_end_to_end_toy(suite_dir, tmp_path, capsys):
     for name in ("zz_toy_suite.png", "norms.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    from fastarch.bench.readme import render
+
+    md = render([out], tmp_path)
+    assert "## `zz_toy_suite`" in md and "![zz_toy_suite (out)](out/zz_toy_suite.png)" in md
+    assert "- `mm`: n=256, n=512 — providers: fast, reference, torch-peer" in md  # the --full cases
+    assert "## `zz_broken_suite`\n\nNot available: failed to import" in md
+
 
 def test_plots_skip_without_matplotlib(monkeypatch, tmp_path):
     import builtins

@@ -310,25 +310,72 @@ class TorchSelectiveScan(Implementation):
         return _scan_loop(u, delta, A, B, C, D, z, delta_bias, softplus, need_ckpt)
 
     def backward(self, dout, dlast, u, delta, A, B, C, D, z, delta_bias, ckpt, softplus):
-        inputs = [t if t is None else t.detach().float().requires_grad_(True)
-                  for t in (u, delta, A, B, C, D, z, delta_bias)]
-        with torch.enable_grad():
-            out, last = selective_scan_ref(*inputs, delta_softplus=softplus, return_last_state=True)
-            outs, gouts = [out], [dout.float()]
-            if dlast is not None:
-                outs.append(last)
-                gouts.append(dlast.float())
-            want = [t for t in inputs if t is not None]
-            got = torch.autograd.grad(outs, want, gouts, allow_unused=True)
-        it = iter(got)
-        res = []
-        for t in inputs:
-            if t is None:
-                res.append(None)
-            else:
-                g = next(it)
-                res.append(torch.zeros_like(t) if g is None else g)
-        return tuple(res)
+        return _scan_loop_backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, softplus)
+
+
+def _scan_loop_backward(dout, dlast, u, delta, A, B, C, D, z, delta_bias, softplus):
+    """Analytic backward of the recurrence as a reverse step loop in fp32 (keeps every state: the torch
+    backend is the simple reference path, the compiled backends recompute from checkpoints instead)."""
+    batch, dim, L = u.shape
+    uf, pre = u.float(), delta.float()
+    if delta_bias is not None:
+        pre = pre + delta_bias.float()[:, None]
+    dt = F.softplus(pre) if softplus else pre
+    Af = A.float()
+    Bv, Cv = _bc_step_view(B, batch, dim), _bc_step_view(C, batch, dim)
+    hs = [uf.new_zeros(batch, dim, A.shape[1])]
+    for t in range(L):
+        bt = Bv[..., min(t, Bv.shape[-1] - 1)]
+        hs.append(torch.exp(dt[:, :, t, None] * Af) * hs[-1] + (dt * uf)[:, :, t, None] * bt)
+    g = dout.float()
+    dz = None
+    if z is not None:
+        zf = z.float()
+        y = torch.stack([(hs[t + 1] * Cv[..., min(t, Cv.shape[-1] - 1)]).sum(-1) for t in range(L)], dim=2)
+        if D is not None:
+            y = y + uf * D.float()[:, None]
+        sz = torch.sigmoid(zf)
+        dz = g * y * sz * (1 + zf * (1 - sz))
+        g = g * zf * sz
+    du = g * D.float()[:, None] if D is not None else torch.zeros_like(uf)
+    dD = (g * uf).sum((0, 2)) if D is not None else None
+    ddt = torch.zeros_like(uf)
+    dA = torch.zeros_like(Af)
+    dBv = uf.new_zeros(Bv.shape[:-1] + (L,))
+    dCv = uf.new_zeros(Cv.shape[:-1] + (L,))
+    dh = dlast.float().clone() if dlast is not None else torch.zeros_like(hs[0])
+    for t in range(L - 1, -1, -1):
+        bt, ct = Bv[..., min(t, Bv.shape[-1] - 1)], Cv[..., min(t, Cv.shape[-1] - 1)]
+        gt = g[:, :, t, None]
+        dCv[..., t] = _reduce_to(gt * hs[t + 1], Cv)
+        dh = dh + gt * ct
+        e = torch.exp(dt[:, :, t, None] * Af)
+        hp_e = hs[t] * e
+        dA += (dh * hp_e * dt[:, :, t, None]).sum(0)
+        ddt[:, :, t] = (dh * (hp_e * Af + uf[:, :, t, None] * bt)).sum(-1)
+        du[:, :, t] += dt[:, :, t] * (dh * bt).sum(-1)
+        dBv[..., t] = _reduce_to(dh * (dt * uf)[:, :, t, None], Bv)
+        dh = dh * e
+    if softplus:
+        ddt = ddt * torch.where(pre <= 20, torch.sigmoid(pre), torch.ones_like(pre))
+    dbias = ddt.sum((0, 2)) if delta_bias is not None else None
+    return (du, ddt, dA, _bc_grad_back(dBv, B), _bc_grad_back(dCv, C), dD, dz, dbias)
+
+
+def _reduce_to(x: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """Sum a (B, D, N) product over the dims where ``view`` (B|1, D|1, N, .) broadcasts."""
+    dims = tuple(i for i in range(2) if view.shape[i] == 1)
+    return x.sum(dims, keepdim=True) if dims else x
+
+
+def _bc_grad_back(g: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """Gradient in the step-view shape (B|1, D|1, N, L) back to the input form of B/C."""
+    if M.dim() == 2:
+        return g.sum(-1)[0]
+    if M.dim() == 3:
+        return g[:, 0]
+    grp = M.shape[1]
+    return g.view(g.shape[0], grp, g.shape[1] // grp, *g.shape[2:]).sum(2)
 
 
 # -- compiled backends --------------------------------------------------------------------------------

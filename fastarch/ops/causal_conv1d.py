@@ -1,0 +1,194 @@
+"""Depthwise causal conv1d, compatible with the ``causal_conv1d`` package (used by Mamba).
+
+``causal_conv1d(x, weight, bias=None, activation=None)``: ``x`` ``(B, D, L)``, ``weight`` ``(D, W)``,
+``bias`` ``(D,)``; ``out[b, d, t] = bias[d] + sum_k weight[d, k] * x[b, d, t - W + 1 + k]`` (zeros before
+the start), then SiLU when ``activation`` is ``"silu"`` or ``"swish"``. Output in ``x.dtype``.
+
+``causal_conv1d_update(x, conv_state, weight, bias=None, activation=None)``: one decode step (or a few).
+``x`` is ``(B, D)`` or ``(B, D, T)``; ``conv_state`` ``(B, D, S)`` with ``S >= W - 1`` holds the last S
+inputs and is shifted in place; returns the output in ``x``'s shape. Everything is validated first.
+
+Backends: ``torch`` (``F.conv1d``; backward through autograd) and ``cpp`` (a C++ loop, parallel over
+channels; it lives in the selective_scan extension).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..backend import AUTO, Implementation, register
+from ..extensions import load_extension
+from ._checks import check_same_device, check_tensor, fail
+from ._dispatch import call_of, run
+
+__all__ = ["causal_conv1d", "causal_conv1d_fn", "causal_conv1d_ref", "causal_conv1d_update",
+           "causal_conv1d_update_ref"]
+
+OP = "causal_conv1d"
+
+
+def _check_activation(op: str, activation: str | None) -> bool:
+    if activation not in (None, "silu", "swish"):
+        fail(op, f"argument 'activation' must be None, 'silu' or 'swish', got {activation!r}", NotImplementedError)
+    return activation is not None
+
+
+def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      activation: str | None = None) -> torch.Tensor:
+    """The oracle: a left-padded grouped ``F.conv1d`` in the weight's dtype (fp32), cast back to ``x.dtype``."""
+    silu = _check_activation(OP, activation)
+    dim, width = weight.shape
+    xf = x.to(weight.dtype)
+    out = F.conv1d(xf, weight.unsqueeze(1), bias, padding=width - 1, groups=dim)[..., : x.shape[-1]]
+    return (F.silu(out) if silu else out).to(x.dtype)
+
+
+def _validate(x, weight, bias) -> None:
+    check_tensor(OP, "x", x, ndim=3)
+    check_tensor(OP, "weight", weight, ndim=2)
+    if weight.shape[0] != x.shape[1]:
+        fail(OP, f"argument 'weight' must have shape ({x.shape[1]}, width) for x with {x.shape[1]} channels, "
+                 f"got {tuple(weight.shape)}")
+    if not 1 <= weight.shape[1] <= 64:
+        fail(OP, f"argument 'weight' must have a width between 1 and 64, got {weight.shape[1]}")
+    if bias is not None:
+        check_tensor(OP, "bias", bias, shape=(weight.shape[0],))
+    check_same_device(OP, "x", x, weight=weight, bias=bias)
+
+
+@torch.library.custom_op("fastarch::causal_conv1d_fwd", mutates_args=())
+def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool, backend: str
+              ) -> torch.Tensor:
+    return run(OP, "forward", call_of(x, width=weight.shape[1]), backend, x, weight, bias, silu)
+
+
+@_conv_fwd.register_fake
+def _(x, weight, bias, silu, backend):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fastarch::causal_conv1d_bwd", mutates_args=())
+def _conv_bwd(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
+              backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return run(OP, "backward", call_of(x, width=weight.shape[1]), backend, dout, x, weight, bias, silu)
+
+
+@_conv_bwd.register_fake
+def _(dout, x, weight, bias, silu, backend):
+    return (torch.empty_like(x, dtype=torch.float32), torch.empty_like(weight, dtype=torch.float32),
+            weight.new_empty(weight.shape[0], dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, silu, backend = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.silu, ctx.backend = silu, backend
+
+
+def _backward(ctx, dout):
+    x, weight, bias = ctx.saved_tensors
+    dx, dw, db = _conv_bwd(dout.contiguous(), x, weight, bias, ctx.silu, ctx.backend)
+    return dx.to(x.dtype), dw.to(weight.dtype), (db.to(bias.dtype) if bias is not None else None), None, None
+
+
+_conv_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  activation: str | None = None, *, backend: str | None = None) -> torch.Tensor:
+    """Depthwise causal conv1d (see the module docstring); differentiable in ``x``, ``weight`` and ``bias``."""
+    silu = _check_activation(OP, activation)
+    _validate(x, weight, bias)
+    if x.numel() == 0:
+        return causal_conv1d_ref(x, weight, bias, activation)
+    return _conv_fwd(x, weight, bias, silu, backend or AUTO)
+
+
+def causal_conv1d_fn(x, weight, bias=None, activation=None):
+    """The ``causal_conv1d`` package's name for :func:`causal_conv1d`."""
+    return causal_conv1d(x, weight, bias, activation)
+
+
+# -- decode step ------------------------------------------------------------------------------------------
+def causal_conv1d_update_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+    """Reference decode step: append ``x`` to the state window, convolve, shift ``conv_state`` in place."""
+    silu = _check_activation("causal_conv1d_update", activation)
+    squeeze = x.dim() == 2
+    xs = x.unsqueeze(-1) if squeeze else x
+    width, S, T = weight.shape[1], conv_state.shape[-1], xs.shape[-1]
+    full = torch.cat([conv_state.to(weight.dtype), xs.to(weight.dtype)], dim=-1)  # (B, D, S + T)
+    out = F.conv1d(full[..., S + T - (T + width - 1):], weight.unsqueeze(1), bias, groups=weight.shape[0])
+    conv_state.copy_(full[..., -S:])
+    out = F.silu(out) if silu else out
+    return (out.squeeze(-1) if squeeze else out).to(x.dtype)
+
+
+def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+    """One (or T) decode step(s): ``x`` ``(B, D)`` or ``(B, D, T)``, ``conv_state`` ``(B, D, S)``,
+    ``S >= width - 1``, updated in place. Returns ``(B, D)`` or ``(B, D, T)`` in ``x.dtype``."""
+    op = "causal_conv1d_update"
+    _check_activation(op, activation)
+    check_tensor(op, "x", x, ndim=(2, 3))
+    batch, dim = x.shape[:2]
+    check_tensor(op, "weight", weight, ndim=2)
+    if weight.shape[0] != dim:
+        fail(op, f"argument 'weight' must have shape ({dim}, width), got {tuple(weight.shape)}")
+    check_tensor(op, "conv_state", conv_state, shape=(batch, dim, None))
+    if conv_state.shape[-1] < weight.shape[1] - 1:
+        fail(op, f"argument 'conv_state' must hold at least width - 1 = {weight.shape[1] - 1} steps, "
+                 f"got {conv_state.shape[-1]}")
+    if bias is not None:
+        check_tensor(op, "bias", bias, shape=(dim,))
+    check_same_device(op, "x", x, conv_state=conv_state, weight=weight, bias=bias)
+    with torch.no_grad():
+        return causal_conv1d_update_ref(x, conv_state, weight, bias, activation)
+
+
+# -- backends ---------------------------------------------------------------------------------------------
+class TorchCausalConv1d(Implementation):
+    op, backend = OP, "torch"
+    description = "F.conv1d (grouped, left-padded); backward by autograd"
+
+    def forward(self, x, weight, bias, silu):
+        return causal_conv1d_ref(x, weight, bias, "silu" if silu else None)
+
+    def backward(self, dout, x, weight, bias, silu):
+        xf, w = x.float(), weight.float()
+        width = w.shape[1]
+        g = dout.float()
+        if silu:
+            pre = F.conv1d(xf, w.unsqueeze(1), None if bias is None else bias.float(), padding=width - 1,
+                           groups=w.shape[0])[..., : x.shape[-1]]
+            sg = torch.sigmoid(pre)
+            g = g * sg * (1 + pre * (1 - sg))
+        # dx[s] = sum_k w[k] g[s + W - 1 - k]: a correlation of g (right-padded) with the flipped filter.
+        dx = F.conv1d(F.pad(g, (0, width - 1)), w.flip(-1).unsqueeze(1), groups=w.shape[0])
+        windows = F.pad(xf, (width - 1, 0)).unfold(-1, width, 1)  # (B, D, L, W): the inputs each output saw
+        dw = torch.einsum("bdl,bdlw->dw", g, windows)
+        return dx, dw, g.sum((0, 2))
+
+
+class CppCausalConv1d(Implementation):
+    op, backend = OP, "cpp"
+    devices = ("cpu",)
+    description = "C++ loop over (batch, channel), width-unrolled, fp32; part of the selective_scan extension"
+
+    def load(self):
+        return load_extension("selective_scan", "cpu")
+
+    def forward(self, x, weight, bias, silu):
+        b = None if bias is None else bias.float().contiguous()
+        return self.lib.conv_fwd(x.float().contiguous(), weight.float().contiguous(), b, silu).to(x.dtype)
+
+    def backward(self, dout, x, weight, bias, silu):
+        b = None if bias is None else bias.float().contiguous()
+        dx, dw, db = self.lib.conv_bwd(x.float().contiguous(), weight.float().contiguous(), b,
+                                       dout.float().contiguous(), silu)
+        return dx, dw, db
+
+
+for _impl in (TorchCausalConv1d, CppCausalConv1d):
+    register(_impl)

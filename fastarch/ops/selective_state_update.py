@@ -1,0 +1,122 @@
+"""One decode step of the selective scan, compatible with mamba-ssm's ``selective_state_update``.
+
+``selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False)``:
+
+- ``state`` ``(batch, dim, N)`` or ``(batch, nheads, dim, N)``, updated in place (fp32 recommended);
+- ``x``, ``dt``, ``z`` ``(batch, dim)`` or ``(batch, nheads, dim)``;
+- ``A`` ``(dim, N)`` or ``(nheads, dim, N)``; ``D``, ``dt_bias`` ``(dim,)`` or ``(nheads, dim)``;
+- ``B``, ``C`` ``(batch, N)`` or ``(batch, ngroups, N)`` with ``ngroups`` dividing ``nheads``.
+
+``state = state * exp(dt * A) + dt * B * x``; ``out = <state, C> + D * x``, times ``silu(z)``; returns
+``out`` in ``x.dtype`` with ``x``'s shape. Every argument is validated before ``state`` is written.
+Inference only (not differentiable), like mamba-ssm's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..backend import AUTO, Implementation, register
+from ._checks import check_same_device, check_tensor, fail
+from ._dispatch import call_of, run
+
+__all__ = ["selective_state_update", "selective_state_update_ref"]
+
+OP = "selective_state_update"
+
+
+def _to_heads(state, x, dt, A, B, C, D, z, dt_bias):
+    """Bring the no-heads form (state 3-D) to the heads form with nheads = 1."""
+    if state.dim() == 4:
+        return state, x, dt, A, B, C, D, z, dt_bias
+    u1 = (lambda t: None if t is None else t.unsqueeze(1))
+    u0 = (lambda t: None if t is None else t.unsqueeze(0))
+    return (state.unsqueeze(1), u1(x), u1(dt), u0(A), u1(B), u1(C), u0(D), u1(z), u0(dt_bias))
+
+
+def selective_state_update_ref(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    """The oracle (fp32 arithmetic); writes the new state into ``state`` and returns ``out``."""
+    has_heads = state.dim() == 4
+    st, x4, dt4, A4, B4, C4, D4, z4, db4 = _to_heads(state, x, dt, A, B, C, D, z, dt_bias)
+    nheads = st.shape[1]
+    dtf = dt4.float()
+    if db4 is not None:
+        dtf = dtf + db4.float()
+    if dt_softplus:
+        dtf = F.softplus(dtf)
+    rep = nheads // B4.shape[1]
+    Bh = B4.float().repeat_interleave(rep, dim=1)  # (batch, nheads, N)
+    Ch = C4.float().repeat_interleave(nheads // C4.shape[1], dim=1)
+    dA = torch.exp(dtf[..., None] * A4.float())
+    new = st.float() * dA + (dtf * x4.float())[..., None] * Bh[:, :, None, :]
+    st.copy_(new.to(st.dtype))
+    out = (new * Ch[:, :, None, :]).sum(-1)
+    if D4 is not None:
+        out = out + x4.float() * D4.float()
+    if z4 is not None:
+        out = out * F.silu(z4.float())
+    out = out.to(x.dtype)
+    return out if has_heads else out.squeeze(1)
+
+
+def _validate(state, x, dt, A, B, C, D, z, dt_bias) -> None:
+    check_tensor(OP, "state", state, ndim=(3, 4))
+    heads = state.dim() == 4
+    batch = state.shape[0]
+    hd = tuple(state.shape[1:-1])  # (dim,) or (nheads, dim)
+    n = state.shape[-1]
+    check_tensor(OP, "x", x, shape=(batch, *hd))
+    check_tensor(OP, "dt", dt, shape=(batch, *hd))
+    if isinstance(A, torch.Tensor) and A.is_complex():
+        fail(OP, "argument 'A' is complex; only real A is supported", NotImplementedError)
+    check_tensor(OP, "A", A, shape=(*hd, n))
+    for name, t in (("B", B), ("C", C)):
+        check_tensor(OP, name, t, ndim=3 if heads else 2)
+        if heads:
+            check_tensor(OP, name, t, shape=(batch, None, n))
+            if t.shape[1] < 1 or hd[0] % t.shape[1] != 0:
+                fail(OP, f"argument '{name}' has {t.shape[1]} groups but nheads={hd[0]} must be a multiple of it")
+        else:
+            check_tensor(OP, name, t, shape=(batch, n))
+    if D is not None:
+        check_tensor(OP, "D", D, shape=hd)
+    if dt_bias is not None:
+        check_tensor(OP, "dt_bias", dt_bias, shape=hd)
+    if z is not None:
+        check_tensor(OP, "z", z, shape=(batch, *hd))
+    check_same_device(OP, "state", state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+
+
+@torch.library.custom_op("fastarch::selective_state_update", mutates_args=("state",))
+def _ssu(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+         C: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None,
+         dt_softplus: bool, backend: str) -> torch.Tensor:
+    call = call_of(x, dstate=state.shape[-1])
+    return run(OP, "forward", call, backend, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+
+
+@_ssu.register_fake
+def _(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, backend):
+    return torch.empty_like(x)
+
+
+def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
+                           z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                           dt_softplus: bool = False, *, backend: str | None = None) -> torch.Tensor:
+    """mamba-ssm's ``selective_state_update`` (see the module docstring); updates ``state`` in place."""
+    _validate(state, x, dt, A, B, C, D, z, dt_bias)
+    with torch.no_grad():
+        return _ssu(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), backend or AUTO)
+
+
+class TorchSelectiveStateUpdate(Implementation):
+    op, backend = OP, "torch"
+    description = "composed PyTorch, fp32 arithmetic (the reference)"
+
+    def forward(self, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+        return selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
+
+
+register(TorchSelectiveStateUpdate)

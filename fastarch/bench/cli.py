@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="warm-up calls per provider (default 1 quick, 3 full)")
     ap.add_argument("--budget", type=float, default=None,
                     help="seconds of timed repetitions per provider (default 0.25 quick, 1.5 full)")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="soft limit in seconds for the whole run: per-provider repetition budgets shrink to "
+                    "fit (default 150 with --quick, none with --full; 0 disables)")
     ap.add_argument("--memory", choices=("auto", "all", "none"), default="auto",
                     help="peak memory: auto = every case in --full, flagged cases in --quick (default)")
     ap.add_argument("--no-plot", action="store_true", help="do not write PNG plots")
@@ -107,6 +110,12 @@ def _progress(enabled: bool):
     return cb, (bar.close if bar is not None else (lambda: None))
 
 
+def _time_limit(args: argparse.Namespace) -> float | None:
+    if args.time_limit is not None:
+        return args.time_limit if args.time_limit > 0 else None
+    return 150.0 if args.quick else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fastarch bench``; returns the exit status."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
@@ -133,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         policy.budget_s = args.budget
     opts = RunOptions(quick=args.quick, device=device, dtype=dtype, toy=args.toy,
                       providers=_split(args.providers), cases=_split(args.cases), policy=policy,
-                      memory=args.memory)
+                      memory=args.memory, time_limit_s=_time_limit(args))
 
     if args.list:
         return _list(sel, opts)

@@ -11,7 +11,7 @@ import pkgutil
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -78,6 +78,7 @@ class RunOptions:
     policy: TimingPolicy = field(default_factory=TimingPolicy)
     memory: str = "auto"
     measure_peak: bool = True
+    time_limit_s: float | None = None  # soft target for the whole run: shrinks per-provider budgets
 
 
 @dataclass
@@ -210,7 +211,7 @@ def run_benchmarks(
                     provider=prov.name, kind=prov.kind, reference=prov.name == case.reference,
                     status="ok", flops=case.flops, bytes=case.bytes,
                 )
-                _run_one(prov, case, r, opts)
+                _run_one(prov, case, r, opts, _policy_now(opts, t_start, total - done + 1))
                 if progress is not None:
                     progress(done, total, _progress_line(r))
                 suite_results.append((case, r))
@@ -223,14 +224,30 @@ def run_benchmarks(
                      wall_s=time.perf_counter() - t_start)
 
 
-def _run_one(prov: Any, case: Case, r: ProviderResult, opts: RunOptions) -> None:
+def _policy_now(opts: RunOptions, t_start: float, remaining: int) -> TimingPolicy:
+    """The timing policy for the next provider: under a run time limit, each remaining provider's budget
+    of timed repetitions shrinks to its share of the time left (warm-up, setup and memory need the rest);
+    once the time is spent, one timed call per provider."""
+    p = opts.policy
+    if opts.time_limit_s is None or p.repeat is not None:
+        return p
+    left = opts.time_limit_s - (time.perf_counter() - t_start)
+    share = 0.4 * left / max(1, remaining)
+    if share >= p.budget_s:
+        return p
+    if left <= 0:
+        return replace(p, budget_s=0.0, min_reps=1)
+    return replace(p, budget_s=max(0.01, share), min_reps=min(p.min_reps, 2))
+
+
+def _run_one(prov: Any, case: Case, r: ProviderResult, opts: RunOptions, policy: TimingPolicy) -> None:
     if prov.peer_package and importlib.util.find_spec(prov.peer_package) is None:
         r.status, r.note = "skipped", f"not installed ({prov.peer_package})"
         return
     fn = None
     try:
         fn = prov.setup()
-        r.timing = time_callable(fn, opts.device, opts.policy)
+        r.timing = time_callable(fn, opts.device, policy)
         if opts.device.type == "cuda" and _want_memory(case, opts):
             r.mem_bytes, r.mem_method = cuda_peak_bytes(fn, opts.device), "cuda-max-allocated"
     except Skip as exc:

@@ -266,3 +266,21 @@ def test_plots_skip_without_matplotlib(monkeypatch, tmp_path):
 def test_toy_suite_module_source_is_valid():
     # The toy suite above is plain Python: compile it so a syntax slip fails here, not in a subprocess.
     compile(textwrap.dedent(TOY), "zz_toy_suite.py", "exec")
+
+
+def test_time_limit_shrinks_budgets():
+    import time
+
+    from fastarch.bench.runner import _policy_now
+
+    base = TimingPolicy(budget_s=0.25, min_reps=3)
+    now = time.perf_counter()
+    assert _policy_now(RunOptions(policy=base), now, 10) is base
+    assert _policy_now(RunOptions(policy=base, time_limit_s=1000.0), now, 10) is base
+    p = _policy_now(RunOptions(policy=base, time_limit_s=100.0), now, 1000)
+    assert p.budget_s == pytest.approx(0.04, rel=0.05) and p.min_reps == 2
+    p = _policy_now(RunOptions(policy=base, time_limit_s=10.0), now - 20.0, 5)
+    assert (p.budget_s, p.min_reps) == (0.0, 1)
+    calls = []
+    res = time_callable(lambda: calls.append(1), "cpu", p)
+    assert res.reps == 1 and len(calls) == 2  # one warm-up, one timed call

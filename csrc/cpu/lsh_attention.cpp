@@ -57,37 +57,116 @@ inline v8f vexp_nonpos(v8f x) {
   return reinterpret_cast<v8f&>(bits);
 }
 
-// C[m x n] (+)= A[m x k] B[k x n]; row-major with leading dims; m % 4 == 0, n % 16 == 0.
-void gemm_nn(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t m,
-             int64_t n, int64_t k, bool accumulate) {
-  for (int64_t i0 = 0; i0 < m; i0 += 4) {
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {
-      v8f acc[4][2];
-      for (int r = 0; r < 4; ++r) {
-        if (accumulate) {
-          acc[r][0] = load8(C + (i0 + r) * ldc + j0);
-          acc[r][1] = load8(C + (i0 + r) * ldc + j0 + 8);
-        } else {
-          acc[r][0] = splat8(0.0f);
-          acc[r][1] = splat8(0.0f);
-        }
-      }
-      const float* a = A + i0 * lda;
-      for (int64_t p = 0; p < k; ++p) {
-        const v8f b0 = load8(B + p * ldb + j0);
-        const v8f b1 = load8(B + p * ldb + j0 + 8);
-        for (int r = 0; r < 4; ++r) {
-          const v8f ar = splat8(a[r * lda + p]);
-          acc[r][0] += ar * b0;
-          acc[r][1] += ar * b1;
-        }
-      }
-      for (int r = 0; r < 4; ++r) {
-        store8(C + (i0 + r) * ldc + j0, acc[r][0]);
-        store8(C + (i0 + r) * ldc + j0 + 8, acc[r][1]);
+// R rows of C[. x n] (+)= A[. x k] B[k x n]: an R x 16 register block (2R accumulators) per column step.
+template <int R>
+inline void gemm_rows(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+                      int64_t n, int64_t k, bool accumulate) {
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    v8f acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      if (accumulate) {
+        acc[r][0] = load8(C + r * ldc + j0);
+        acc[r][1] = load8(C + r * ldc + j0 + 8);
+      } else {
+        acc[r][0] = splat8(0.0f);
+        acc[r][1] = splat8(0.0f);
       }
     }
+    for (int64_t p = 0; p < k; ++p) {
+      const v8f b0 = load8(B + p * ldb + j0);
+      const v8f b1 = load8(B + p * ldb + j0 + 8);
+      for (int r = 0; r < R; ++r) {
+        const v8f ar = splat8(A[r * lda + p]);
+        acc[r][0] += ar * b0;
+        acc[r][1] += ar * b1;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      store8(C + r * ldc + j0, acc[r][0]);
+      store8(C + r * ldc + j0 + 8, acc[r][1]);
+    }
   }
+}
+
+// C[m x n] (+)= A[m x k] B[k x n]; row-major with leading dims; n % 16 == 0.
+void gemm_nn(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc, int64_t m,
+             int64_t n, int64_t k, bool accumulate) {
+  int64_t i = 0;
+  for (; i + 6 <= m; i += 6) gemm_rows<6>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, n, k, accumulate);
+  for (; i + 2 <= m; i += 2) gemm_rows<2>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, n, k, accumulate);
+  for (; i < m; ++i) gemm_rows<1>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, n, k, accumulate);
+}
+
+// Buckets (B, H, NH, L) int64: argmax(concat[x R_r, -x R_r]) per round, first maximum on ties, as if the
+// projections were exact. Projections go through the fp32 SIMD GEMM in blocks of rows; a (row, round)
+// whose top two candidates are closer than the fp32 error bound (4 D u |x| max_t |R_{., r, t}|) is
+// recomputed in fp64, so the result matches an fp64 reference up to ties below fp64 rounding.
+at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot) {
+  TORCH_CHECK(qk.scalar_type() == at::kFloat && qk.is_contiguous() && qk.dim() == 4,
+              "lsh_attention (cpp): qk must be contiguous fp32 (B, H, L, D)");
+  TORCH_CHECK(rot.scalar_type() == at::kFloat && rot.is_contiguous() && rot.dim() == 3 &&
+                  rot.size(0) == qk.size(3),
+              "lsh_attention (cpp): rotations must be contiguous fp32 (D, NH, R2)");
+  const int64_t B = qk.size(0), H = qk.size(1), L = qk.size(2), D = qk.size(3);
+  const int64_t NH = rot.size(1), R2 = rot.size(2), NR = NH * R2, NRp = round_up(NR, 16);
+  const int64_t M = B * H * L;
+  std::vector<float> Rp(D * NRp, 0.0f);
+  const float* rp = rot.data_ptr<float>();
+  for (int64_t d = 0; d < D; ++d) std::memcpy(&Rp[d * NRp], rp + d * NR, sizeof(float) * NR);
+  std::vector<double> colmax(NH, 0.0);
+  for (int64_t r = 0; r < NH; ++r)
+    for (int64_t t = 0; t < R2; ++t) {
+      double n2 = 0.0;
+      for (int64_t d = 0; d < D; ++d) n2 += double(rp[d * NR + r * R2 + t]) * rp[d * NR + r * R2 + t];
+      colmax[r] = std::max(colmax[r], std::sqrt(n2));
+    }
+  auto out = at::empty({B, H, NH, L}, qk.options().dtype(at::kLong));
+  const float* xp = qk.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t RB = 48;  // rows per block: the projections (RB x NRp) stay in L2
+  const double u = std::ldexp(1.0, -24);
+  at::parallel_for(0, (M + RB - 1) / RB, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> P(RB * NRp);
+    std::vector<double> pd(R2);
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t r0 = blk * RB, rows = std::min(RB, M - r0);
+      gemm_nn(xp + r0 * D, D, Rp.data(), NRp, P.data(), NRp, rows, NRp, D, false);
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t row = r0 + i, bh = row / L, pos = row % L;
+        const float* x = xp + row * D;
+        double xn = 0.0;
+        for (int64_t d = 0; d < D; ++d) xn += double(x[d]) * x[d];
+        xn = std::sqrt(xn);
+        for (int64_t r = 0; r < NH; ++r) {
+          const float* p = &P[i * NRp + r * R2];
+          float best = p[0], second = -std::numeric_limits<float>::infinity();
+          int64_t ib = 0;
+          for (int64_t t = 1; t < R2; ++t) {  // +p first, then -p: strict > keeps the first maximum
+            if (p[t] > best) { second = best; best = p[t]; ib = t; }
+            else second = std::max(second, p[t]);
+          }
+          for (int64_t t = 0; t < R2; ++t) {
+            if (-p[t] > best) { second = best; best = -p[t]; ib = R2 + t; }
+            else second = std::max(second, -p[t]);
+          }
+          const double bound = 4.0 * double(D) * u * xn * colmax[r];
+          if (double(best) - double(second) <= 2.0 * bound) {
+            for (int64_t t = 0; t < R2; ++t) {
+              double acc = 0.0;
+              for (int64_t d = 0; d < D; ++d) acc += double(x[d]) * double(rp[d * NR + r * R2 + t]);
+              pd[t] = acc;
+            }
+            double bd = pd[0];
+            ib = 0;
+            for (int64_t t = 1; t < R2; ++t) if (pd[t] > bd) { bd = pd[t]; ib = t; }
+            for (int64_t t = 0; t < R2; ++t) if (-pd[t] > bd) { bd = -pd[t]; ib = R2 + t; }
+          }
+          op[(bh * NH + r) * L + pos] = ib;
+        }
+      }
+    }
+  });
+  return out;
 }
 
 // dst[n x m] = src[m x n]^T (leading dims given).
@@ -142,39 +221,50 @@ void check_inputs(const at::Tensor& q, const at::Tensor& kn, const at::Tensor& v
 }
 
 // The packed inputs of one task (bh, chunk c): positions, key validity, and Q / K^T / V buffers.
+// Key columns [0, bs) hold chunk c-1, [bs, 2 bs) chunk c. A thread walks consecutive chunks, so the
+// previous task's own keys become this task's previous keys without a second gather.
 struct Tile {
   std::vector<int32_t> qpos, kpos;
   std::vector<uint8_t> kval;
   std::vector<float> Qb, Kt, Vb, Sb;
+  int64_t last_bh = -1, last_c = -1;
   explicit Tile(const Geometry& g)
-      : qpos(g.bsp), kpos(g.NKp), kval(g.NKp), Qb(g.bsp * g.Dp), Kt(g.Dp * g.NKp), Vb(g.NKp * g.Dp),
-        Sb(g.bsp * g.NKp) {}
+      : qpos(g.bsp, static_cast<int32_t>(g.L)), kpos(g.NKp, static_cast<int32_t>(g.L)), kval(g.NKp, 0),
+        Qb(g.bsp * g.Dp, 0.0f), Kt(g.Dp * g.NKp, 0.0f), Vb(g.NKp * g.Dp, 0.0f), Sb(g.bsp * g.NKp) {}
 
-  // Gather queries of chunk c and keys of chunks c-1 (columns [0, bs)) and c (columns [bs, 2 bs)).
+  void key(const Geometry& g, const float* kn, const float* v, const bool* kpm_b, int64_t j, int64_t p) {
+    kpos[j] = static_cast<int32_t>(p);
+    kval[j] = p < g.L && (kpm_b == nullptr || kpm_b[p]);
+    if (p < g.L) {
+      const float* kr = kn + p * g.D;
+      for (int64_t d = 0; d < g.D; ++d) Kt[d * g.NKp + j] = kr[d];
+      std::memcpy(&Vb[j * g.Dp], v + p * g.D, sizeof(float) * g.D);
+    } else {
+      for (int64_t d = 0; d < g.D; ++d) Kt[d * g.NKp + j] = 0.0f;
+      std::fill(&Vb[j * g.Dp], &Vb[j * g.Dp] + g.D, 0.0f);
+    }
+  }
+
   void load(const Geometry& g, const float* q, const float* kn, const float* v, const int64_t* perm,
-            const bool* kpm_b, int64_t c) {
+            const bool* kpm_b, int64_t bh, int64_t c) {
     const int64_t cprev = (c + g.C - 1) % g.C;
-    std::fill(Qb.begin(), Qb.end(), 0.0f);
-    for (int64_t i = 0; i < g.bsp; ++i) {
-      const int64_t p = i < g.bs ? perm[c * g.bs + i] : g.L;
+    for (int64_t i = 0; i < g.bs; ++i) {
+      const int64_t p = perm[c * g.bs + i];
       qpos[i] = static_cast<int32_t>(p);
       if (p < g.L) std::memcpy(&Qb[i * g.Dp], q + p * g.D, sizeof(float) * g.D);
+      else std::fill(&Qb[i * g.Dp], &Qb[i * g.Dp] + g.D, 0.0f);
     }
-    std::fill(Vb.begin(), Vb.end(), 0.0f);
-    std::fill(Kt.begin(), Kt.end(), 0.0f);
-    for (int64_t j = 0; j < g.NKp; ++j) {
-      int64_t p = g.L;
-      if (j < g.bs) p = perm[cprev * g.bs + j];
-      else if (j < g.NK) p = perm[c * g.bs + (j - g.bs)];
-      const bool ok = p < g.L && (kpm_b == nullptr || kpm_b[p]);
-      kpos[j] = static_cast<int32_t>(p);
-      kval[j] = ok;
-      if (p < g.L) {
-        const float* kr = kn + p * g.D;
-        for (int64_t d = 0; d < g.D; ++d) Kt[d * g.NKp + j] = kr[d];
-        std::memcpy(&Vb[j * g.Dp], v + p * g.D, sizeof(float) * g.D);
-      }
+    if (bh == last_bh && c == last_c + 1) {
+      for (int64_t d = 0; d < g.D; ++d) std::memcpy(&Kt[d * g.NKp], &Kt[d * g.NKp + g.bs], sizeof(float) * g.bs);
+      std::memcpy(&Vb[0], &Vb[g.bs * g.Dp], sizeof(float) * g.bs * g.Dp);
+      std::memcpy(&kpos[0], &kpos[g.bs], sizeof(int32_t) * g.bs);
+      std::memcpy(&kval[0], &kval[g.bs], g.bs);
+    } else {
+      for (int64_t j = 0; j < g.bs; ++j) key(g, kn, v, kpm_b, j, perm[cprev * g.bs + j]);
     }
+    for (int64_t j = 0; j < g.bs; ++j) key(g, kn, v, kpm_b, g.bs + j, perm[c * g.bs + j]);
+    last_bh = bh;
+    last_c = c;
   }
 
   // Scores of row i after masking; returns the row max (-inf when no valid key but itself).
@@ -214,11 +304,11 @@ std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& kn, const
 
   at::parallel_for(0, BH * g.C, 1, [&](int64_t begin, int64_t end) {
     Tile t(g);
-    std::vector<float> Ob(g.bsp * g.Dp);
+    std::vector<float> Ob(g.bsp * g.Dp), rinv(g.bsp);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / g.C, c = task % g.C, b = bh / g.H;
       const int64_t off = bh * g.L * g.D;
-      t.load(g, qp + off, kp + off, vp + off, pp + bh * g.S, mp ? mp + b * g.L : nullptr, c);
+      t.load(g, qp + off, kp + off, vp + off, pp + bh * g.S, mp ? mp + b * g.L : nullptr, bh, c);
       gemm_nn(t.Qb.data(), g.Dp, t.Kt.data(), g.NKp, t.Sb.data(), g.NKp, g.bsp, g.NKp, g.D, false);
       for (int64_t i = 0; i < g.bsp; ++i) {
         const float mx = t.mask_row(g, i, causal);
@@ -237,12 +327,14 @@ std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& kn, const
           for (int l = 0; l < 8; ++l) sum += acc[l];
         }
         if (i < g.bs) lp[bh * g.S + c * g.bs + i] = mx == ninf ? ninf : mx + std::log(sum);
-        const float inv_sum = mx == ninf ? 0.0f : 1.0f / sum;
-        for (int64_t j = 0; j < g.NKp; ++j) s[j] *= inv_sum;
+        rinv[i] = mx == ninf ? 0.0f : 1.0f / sum;  // applied to O rather than to every P entry
       }
       gemm_nn(t.Sb.data(), g.NKp, t.Vb.data(), g.Dp, Ob.data(), g.Dp, g.bsp, g.Dp, g.NKp, false);
-      for (int64_t i = 0; i < g.bs; ++i)
-        std::memcpy(op + (bh * g.S + c * g.bs + i) * g.D, &Ob[i * g.Dp], sizeof(float) * g.D);
+      for (int64_t i = 0; i < g.bs; ++i) {
+        float* dst = op + (bh * g.S + c * g.bs + i) * g.D;
+        const float* src = &Ob[i * g.Dp];
+        for (int64_t d = 0; d < g.D; ++d) dst[d] = src[d] * rinv[i];
+      }
     }
   });
 
@@ -327,7 +419,7 @@ std::vector<at::Tensor> lsh_bwd(const at::Tensor& dout, const at::Tensor& q, con
       const int64_t bh = task / g.C, c = task % g.C, b = bh / g.H;
       const int64_t cprev = (c + g.C - 1) % g.C;
       const int64_t off = bh * g.L * g.D;
-      t.load(g, qp + off, kp + off, vp + off, pp + bh * g.S, mp ? mp + b * g.L : nullptr, c);
+      t.load(g, qp + off, kp + off, vp + off, pp + bh * g.S, mp ? mp + b * g.L : nullptr, bh, c);
       std::fill(Gb.begin(), Gb.end(), 0.0f);
       for (int64_t i = 0; i < g.bsp; ++i) {
         const int64_t p = t.qpos[i];
@@ -452,6 +544,7 @@ std::vector<at::Tensor> lsh_sort(const at::Tensor& buckets, int64_t bucket_size,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("lsh_hash", &lsh_hash, "buckets (B, H, NH, L): argmax(concat[xR, -xR]) per round");
   m.def("lsh_sort", &lsh_sort, "stable counting sort of the hash rounds: (perm, inv)");
   m.def("lsh_fwd", &lsh_fwd, "LSH attention forward: (out, lse)");
   m.def("lsh_bwd", &lsh_bwd, "LSH attention backward: (dq, dkn, dv)");

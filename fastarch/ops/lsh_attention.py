@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import AUTO, Implementation, register
+from ..backend import AUTO, Implementation, register, select
 from ..extensions import load_extension
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
 from ._dispatch import call_of, run
@@ -61,18 +61,19 @@ def lsh_rotations(
 
 
 def lsh_hash(qk: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
-    """Buckets ``(B, H, n_hashes, L)`` int64: ``argmax(concat[x R, -x R])`` per round.
+    """Buckets ``(B, H, n_hashes, L)`` int64: ``argmax(concat[x R, -x R])`` per round, first maximum on ties.
 
-    Computed without materialising the concatenation: the argmax is the argmax of ``x R`` when
-    ``max(x R) >= -min(x R)`` (ties go to the first half, as argmax takes the first maximum), else
-    ``n_buckets/2 + argmin(x R)``. Rows go in blocks so the projections stay in cache.
+    The projections are computed in fp64 (so near-ties are decided the same way by every backend; the C++
+    one computes in fp32 and redoes near-ties in fp64) and without materialising the concatenation:
+    ``argmax(p)`` when ``max(p) >= -min(p)``, else ``R2 + argmin(p)``. Rows go in blocks so that memory
+    stays bounded.
     """
     B, H, L, D = qk.shape
     NH, R2 = rotations.shape[1], rotations.shape[2]
-    x = qk.detach().float().reshape(B * H * L, D)
-    rm = rotations.detach().float().reshape(D, NH * R2)
+    x = qk.detach().reshape(B * H * L, D).double()
+    rm = rotations.detach().double().reshape(D, NH * R2)
     out = torch.empty(B * H * L, NH, dtype=torch.long, device=qk.device)
-    step = max(1, (1 << 21) // max(1, NH * R2))
+    step = max(1, (1 << 22) // (NH * R2))
     for s in range(0, B * H * L, step):
         p = (x[s : s + step] @ rm).view(-1, NH, R2)
         mx, imx = p.max(-1)
@@ -260,8 +261,9 @@ def _prepare(
     with torch.no_grad():
         if rotations is None:
             rotations = lsh_rotations(D, n_hashes, nb, seed, qk.device)
-        buckets = lsh_hash(qk, rotations)
-        perm, inv = run(OP, "sort", _call(qk, bucket_size, False), backend, buckets, L, bucket_size, nb)
+        impl = select(OP, _call(qk, bucket_size, False), None if backend == AUTO else backend)
+        buckets = impl.hash(qk, rotations)
+        perm, inv = impl.sort(buckets, L, bucket_size, nb)
     return rotations, buckets, perm, inv
 
 
@@ -403,6 +405,9 @@ class TorchLSHAttention(Implementation):
     op, backend = OP, "torch"
     description = "gathers and dense chunk matmuls in fp32 (the reference); backward by recomputation"
 
+    def hash(self, qk, rotations):
+        return lsh_hash(qk, rotations)
+
     def sort(self, buckets, seq_len, bucket_size, n_buckets):
         return _sort(buckets, seq_len, bucket_size, n_buckets)
 
@@ -484,6 +489,9 @@ class CppLSHAttention(Implementation):
     def load(self):
         return load_extension("lsh_attention", "cpu")
 
+    def hash(self, qk, rotations):
+        return self.lib.lsh_hash(qk.detach().float().contiguous(), rotations.float().contiguous())
+
     def sort(self, buckets, seq_len, bucket_size, n_buckets):
         # a stable counting sort by bucket, O(L) per round
         return tuple(self.lib.lsh_sort(buckets.contiguous(), bucket_size, n_buckets))
@@ -535,6 +543,9 @@ class TritonLSHAttention(Implementation):
         from ..kernels import lsh_attention
 
         return lsh_attention
+
+    def hash(self, qk, rotations):
+        return lsh_hash(qk, rotations)
 
     def sort(self, buckets, seq_len, bucket_size, n_buckets):
         return _sort(buckets, seq_len, bucket_size, n_buckets)

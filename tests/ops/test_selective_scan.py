@@ -1,0 +1,193 @@
+"""selective_scan / selective_state_update: every backend against the mamba-ssm-semantics reference."""
+
+import pytest
+import torch
+
+from fastarch.ops.selective_scan import selective_scan, selective_scan_fn, selective_scan_ref
+from fastarch.ops.selective_state_update import selective_state_update, selective_state_update_ref
+from tests._tolerance import assert_fa_close
+
+BACKENDS = ["torch", "cpp", "triton"]
+NAMES = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias"]
+
+
+def make(batch, dim, L, N, bform, cform, groups=1, has_D=True, has_z=True, has_bias=True, dtype=torch.float32):
+    """u/delta/z/variable B,C in ``dtype``; A, D, delta_bias and constant B/C in fp32 (mamba's weights)."""
+    def bc(form):
+        if form == "const":
+            return torch.randn(dim, N)
+        if form == "var":
+            return torch.randn(batch, N, L, dtype=dtype)
+        return torch.randn(batch, groups, N, L, dtype=dtype)
+
+    u = torch.randn(batch, dim, L, dtype=dtype)
+    delta = (torch.randn(batch, dim, L) * 0.5).to(dtype)
+    A = -(torch.rand(dim, N) + 0.2)
+    return [u, delta, A, bc(bform), bc(cform), torch.randn(dim) if has_D else None,
+            torch.randn(batch, dim, L, dtype=dtype) if has_z else None,
+            torch.randn(dim) * 0.2 if has_bias else None]
+
+
+def run(inputs, backend, softplus, need_grad=True, seed=1):
+    xs = [None if t is None else t.clone().requires_grad_(need_grad) for t in inputs]
+    if backend == "ref":
+        xs32 = [None if t is None else t.float() for t in xs]
+        out, last = selective_scan_ref(*xs32, delta_softplus=softplus, return_last_state=True)
+    else:
+        out, last = selective_scan(*xs, delta_softplus=softplus, return_last_state=True, backend=backend)
+    if not need_grad:
+        return out, last, []
+    g = torch.Generator().manual_seed(seed)
+    go = torch.randn(out.shape, generator=g)
+    gl = torch.randn(last.shape, generator=g)
+    ((out.float() * go).sum() + (last * gl).sum()).backward()
+    return out, last, [None if t is None else t.grad for t in xs]
+
+
+def check_close(inputs, backend, softplus, rtol=2e-5, atol=2e-5):
+    out, last, grads = run(inputs, backend, softplus)
+    rout, rlast, rgrads = run(inputs, "ref", softplus)
+    torch.testing.assert_close(out.float(), rout, rtol=rtol, atol=atol, msg=lambda m: f"out: {m}")
+    torch.testing.assert_close(last, rlast, rtol=rtol, atol=atol, msg=lambda m: f"last_state: {m}")
+    for name, g, r in zip(NAMES, grads, rgrads):
+        if r is None:
+            assert g is None
+            continue
+        scale = max(r.abs().max().item(), 1.0)  # sums over L of products: compare relative to the magnitude
+        torch.testing.assert_close(g.float(), r.float(), rtol=rtol * 10, atol=atol * 10 * scale,
+                                   msg=lambda m, name=name: f"grad {name}: {m}")
+
+
+FORMS = [("const", "const"), ("var", "var"), ("grouped", "grouped"), ("const", "var"), ("var", "grouped"),
+         ("grouped", "const")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bform,cform", FORMS)
+@pytest.mark.parametrize("flags", [(True, True, True, True), (False, False, False, False)],
+                         ids=["D-z-bias-softplus", "bare"])
+def test_matches_reference(backend, bform, cform, flags):
+    if backend == "triton" and (bform, cform) not in FORMS[:3] and flags[0]:
+        pytest.skip("mixed B/C forms are covered on triton by the 'bare' flags (the interpreter is slow)")
+    has_D, has_z, has_bias, softplus = flags
+    inputs = make(2, 6, 37 if backend != "triton" else 19, 3, bform, cform, groups=3, has_D=has_D, has_z=has_z,
+                  has_bias=has_bias)
+    check_close(inputs, backend, softplus)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 5, 7, 3), (1, 64, 257, 16), (2, 5, 37, 16),
+                                   (1, 5, 2049, 3)])
+def test_odd_shapes(backend, shape):
+    batch, dim, L, N = shape
+    if backend == "torch" and L > 300:
+        pytest.skip("long sequences only for the compiled backend (the torch loop is slow)")
+    inputs = make(batch, dim, L, N, "var", "const", has_bias=True)
+    check_close(inputs, backend, True, rtol=5e-5, atol=5e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (1, 5, 7, 16), (2, 64, 9, 3), (1, 3, 70, 1)])
+def test_odd_shapes_triton(shape):
+    batch, dim, L, N = shape
+    check_close(make(batch, dim, L, N, "grouped", "var", groups=1), "triton", True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp16_inputs_fp32_weights(backend):
+    inputs = make(2, 8, 33, 4, "var", "var", dtype=torch.float16)
+    out, last, grads = run(inputs, backend, True)
+    ref16, rlast16, rgrads16 = run(inputs, "torch", True)  # PyTorch's own result in the same dtypes
+    up = [None if t is None else t.float() for t in inputs]
+    ref32, rlast32, rgrads32 = run(up, "ref", True)
+    assert out.dtype == torch.float16
+    assert_fa_close(out, ref32, ref16, 2.0, what="out")
+    assert_fa_close(last, rlast32, rlast16, 2.0, atol=1e-4, what="last_state")
+    for name, g, g16, g32 in zip(NAMES, grads, rgrads16, rgrads32):
+        if g32 is not None:
+            assert g.dtype == inputs[NAMES.index(name)].dtype
+            assert_fa_close(g, g32, g16, 3.0, atol=1e-3 * max(g32.abs().max().item(), 1), what=f"grad {name}")
+
+
+def test_return_values_and_alias():
+    u, delta, A, B, C, D, z, bias = make(1, 4, 10, 2, "var", "var")
+    out = selective_scan(u, delta, A, B, C, D, z, bias, True, backend="cpp")
+    assert isinstance(out, torch.Tensor) and out.shape == u.shape
+    out2, last = selective_scan_fn(u, delta, A, B, C, D, z, bias, True, True)
+    torch.testing.assert_close(out2, out)
+    assert last.shape == (1, 4, 2) and last.dtype == torch.float32
+
+
+def test_backends_agree_on_checkpoints():
+    # The checkpoint format is shared: a cpp forward's checkpoints drive the torch/triton forward's shapes.
+    from fastarch.ops.selective_scan import CppSelectiveScan, TorchSelectiveScan
+
+    inputs = make(1, 3, 150, 4, "var", "var")
+    _, _, ck1 = TorchSelectiveScan().forward(*inputs, True, True)
+    _, _, ck2 = CppSelectiveScan().forward(*inputs, True, True)
+    assert ck1.shape == ck2.shape == (1, 3, 3, 4)
+    torch.testing.assert_close(ck1, ck2, rtol=1e-5, atol=1e-5)
+
+
+def test_errors():
+    u, delta, A, B, C, D, z, bias = make(2, 4, 5, 3, "var", "var")
+    with pytest.raises(NotImplementedError, match="complex"):
+        selective_scan(u, delta, A.to(torch.complex64), B, C)
+    with pytest.raises(ValueError, match="'delta'"):
+        selective_scan(u, delta[:, :, :4], A, B, C)
+    with pytest.raises(ValueError, match="'A'"):
+        selective_scan(u, delta, A[:3], B, C)
+    with pytest.raises(ValueError, match="'B'"):
+        selective_scan(u, delta, A, B[:, :2], C)
+    with pytest.raises(ValueError, match="groups"):
+        selective_scan(u, delta, A, torch.randn(2, 3, 3, 5), C)
+    with pytest.raises(ValueError, match="'C'"):
+        selective_scan(u, delta, A, B, torch.randn(4, 2))
+    with pytest.raises(ValueError, match="'D'"):
+        selective_scan(u, delta, A, B, C, D=torch.randn(5))
+    with pytest.raises(ValueError, match="'z'"):
+        selective_scan(u, delta, A, B, C, z=z[:1])
+    with pytest.raises(TypeError, match="'u'"):
+        selective_scan(u.long(), delta, A, B, C)
+    with pytest.raises(ValueError, match="'u'"):
+        selective_scan(u[0], delta, A, B, C)
+
+
+# -- selective_state_update ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("heads", [False, True])
+def test_state_update_matches_scan_steps(heads):
+    batch, dim, N, L = 2, 6, 4, 5
+    u, delta, A, B, C, D, z, bias = make(batch, dim, L, N, "var", "var")
+    ref = selective_scan_ref(u, delta, A, B, C, D, z, bias, True)
+    state = torch.zeros(batch, dim, N)
+    outs = []
+    for t in range(L):
+        if heads:  # the same problem as 2 heads x 3 channels, one group
+            st = state.view(batch, 2, 3, N)
+            o = selective_state_update(st, u[:, :, t].view(batch, 2, 3), delta[:, :, t].view(batch, 2, 3),
+                                       A.view(2, 3, N), B[:, None, :, t], C[:, None, :, t], D.view(2, 3),
+                                       z[:, :, t].view(batch, 2, 3), bias.view(2, 3), True)
+            outs.append(o.reshape(batch, dim))
+        else:
+            outs.append(selective_state_update(state, u[:, :, t], delta[:, :, t], A, B[:, :, t], C[:, :, t], D,
+                                               z[:, :, t], bias, True))
+    torch.testing.assert_close(torch.stack(outs, -1), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_state_update_validates_before_mutating():
+    state = torch.randn(2, 3, 4)
+    before = state.clone()
+    x, dt = torch.randn(2, 3), torch.rand(2, 3)
+    A, B, C = -torch.rand(3, 4), torch.randn(2, 4), torch.randn(2, 4)
+    with pytest.raises(ValueError, match="'C'"):
+        selective_state_update(state, x, dt, A, B, torch.randn(2, 5))
+    with pytest.raises(ValueError, match="'dt_bias'"):
+        selective_state_update(state, x, dt, A, B, C, dt_bias=torch.randn(4))
+    with pytest.raises(NotImplementedError, match="complex"):
+        selective_state_update(state, x, dt, A.to(torch.complex64), B, C)
+    assert torch.equal(state, before)
+    out = selective_state_update(state, x, dt, A, B, C)
+    ref_state = before.clone()
+    ref = selective_state_update_ref(ref_state, x, dt, A, B, C)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(state, ref_state)
+    assert not torch.equal(state, before)

@@ -114,7 +114,7 @@ class RefHFBert(nn.Module):
             b, _, d = h.shape
             dh = d // self.heads
 
-            def heads(t):
+            def heads(t, b=b, dh=dh):
                 return t.view(b, n, self.heads, dh).transpose(1, 2)
 
             q, k, v = heads(lin(h, "attention.self.query")), heads(lin(h, "attention.self.key")), heads(

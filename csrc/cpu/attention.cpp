@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -181,6 +182,20 @@ at::Tensor rows_padded(const at::Tensor& x, int64_t Dp) {
   return at::constant_pad_nd(x, {0, Dp - x.size(3), 0, 16}).contiguous();
 }
 
+// Dynamic scheduling over tasks: threads pull task indices from an atomic counter, heaviest first (for
+// causal and banded problems the later query blocks see more keys). A static split would leave one thread
+// idle when tasks are uneven (causal) or when a core is shared with other processes.
+template <class Body>
+void run_tasks(int64_t n, const Body& body) {
+  std::atomic<int64_t> next{0};
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
+  at::parallel_for(0, std::max<int64_t>(nt, 1), 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) body(n - 1 - i, n - i);
+    }
+  });
+}
+
 // ---- dropout hash (SHARED_APIS.md) -------------------------------------------------------------------
 inline uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
@@ -292,7 +307,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   const float* VPp = VP.data_ptr<float>();
   const int64_t LkT = P.Lk + 16, Lv = VP.size(2), G = P.H / P.Hk;
 
-  at::parallel_for(0, P.B * P.H * nqb, 1, [&](int64_t begin, int64_t end) {
+  run_tasks(P.B * P.H * nqb, [&](int64_t begin, int64_t end) {
     std::vector<float> Qs(BQ * D), S, acc(BQ * Dp), mrow(BQ), lrow(BQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
@@ -388,7 +403,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     const int64_t nkb = (P.Lk + BK - 1) / BK;
     float* DK = dk.data_ptr<float>();
     float* DV = dv.data_ptr<float>();
-    at::parallel_for(0, P.B * P.Hk * nkb, 1, [&](int64_t begin, int64_t end) {
+    run_tasks(P.B * P.Hk * nkb, [&](int64_t begin, int64_t end) {
       std::vector<float> Ks(BK * D), dKa(BK * Dp), dVa(BK * Dp), St, dPt;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t kb = task % nkb, bhk = task / nkb, hk = bhk % P.Hk, b = bhk / P.Hk;
@@ -478,7 +493,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     const int64_t LkT = P.Lk + 16;
     const int64_t nqb = (P.Lq + BQ - 1) / BQ;
     float* DQ = dq.data_ptr<float>();
-    at::parallel_for(0, P.B * P.H * nqb, 1, [&](int64_t begin, int64_t end) {
+    run_tasks(P.B * P.H * nqb, [&](int64_t begin, int64_t end) {
       std::vector<float> Qs(BQ * D), S, dP, dQa(BQ * Dp);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;

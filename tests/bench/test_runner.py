@@ -284,3 +284,17 @@ def test_time_limit_shrinks_budgets():
     calls = []
     res = time_callable(lambda: calls.append(1), "cpu", p)
     assert res.reps == 1 and len(calls) == 2  # one warm-up, one timed call
+
+
+@pytest.mark.gpu
+def test_cuda_timing_and_memory(suite_dir, tmp_path):
+    entries = discover_suites()
+    opts = RunOptions(device=torch.device("cuda"), toy=True, memory="all",
+                      policy=TimingPolicy(budget_s=0.02))
+    run = run_benchmarks([entries["zz_toy_suite"]], opts)
+    by = {(r.case, r.provider): r for r in run.results}
+    ref = by[("mm n=128", "reference")]
+    assert ref.status == "ok" and ref.timing.method in ("triton.do_bench", "cuda-events")
+    assert ref.mem_method == "cuda-max-allocated"
+    assert 7.5 <= ref.mem_bytes / 2**20 <= 16.5  # the (128, 128, 128) fp32 temporary
+    assert run.matmul_peak_gflops > 0

@@ -276,3 +276,20 @@ def test_gpu_fwd_bwd(dtype, L, D, win):
     assert_fa_close(o, r32[0], r16[0], 2.0, what="o")
     for name, got, g32, g16 in zip(("dq", "dk", "dv"), (dq, dk, dv), r32[2], r16[2]):
         assert_fa_close(got, g32, g16, 3.0, what=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("Lq,win", [(1, (-1, 0)), (7, (1000, 0))])
+def test_gpu_decode_auto_split(Lq, win):
+    """Few query rows, long cache, B*H far below the SM count: the heuristic picks the split-K path."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, Lq, 128, device="cuda", dtype=torch.float16)
+    k = torch.randn(1, 1, 5000, 128, device="cuda", dtype=torch.float16)
+    v = torch.randn(1, 1, 5000, 128, device="cuda", dtype=torch.float16)
+    assert A._auto_splits(q, 1, 4, Lq, 5000) > 1
+    o, lse = A.attention_fwd(q, k, v, window_left=win[0], window_right=win[1], key_padding_mask=None,
+                             attn_bias=None, dropout_p=0.0, seed=0, scale=128 ** -0.5)
+    r32, rl = dense_ref(q.float(), k.float(), v.float(), *win, scale=128 ** -0.5)
+    r16, _ = dense_ref(q, k, v, *win, scale=128 ** -0.5, dtype=torch.float16)
+    assert_fa_close(o, r32, r16, 2.0, what="o")
+    torch.testing.assert_close(lse, rl, atol=1e-3, rtol=1e-3)

@@ -1,0 +1,149 @@
+"""S4 (S4D): the fused Vandermonde kernel generation and the whole layer in convolution mode.
+
+Cases:
+
+- ``s4_kernel fwd`` / ``fwd+bwd`` (H channels, N = d_state/2 complex states, length L):
+  :func:`fastarch.ops.s4_kernel` per backend; ``reference`` builds the explicit (H, N, L) Vandermonde
+  matrix (:func:`s4_kernel_ref`, complex128; skipped when that exceeds 2^25 elements);
+- ``S4Layer fwd`` (B=1, d_model=H, d_state=64): :class:`fastarch.nn.S4Layer` in convolution mode (kernel +
+  FFT convolution) against the seed guide's ``S4Layer`` (a Python loop over time, the reference).
+  Issue 6's bar: at L=16384, at least 20x faster than the guide's loop (``--full``; quick runs L=2048).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..core import BenchConfig, Case, Provider, Skip, Suite
+from ..helpers import fastarch_op, randn, require_backend
+
+BACKENDS = ("cpp", "triton", "torch")
+
+
+class GuideS4Layer(nn.Module):
+    """The seed guide's S4Layer (000_..., cluster 6.1): Euler step at the mean dt, one shared state,
+    a Python loop over time. Same parameters, initialisation and arithmetic."""
+
+    def __init__(self, d_model: int, d_state: int = 64, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.d_model, self.d_state = d_model, d_state
+        self.A = nn.Parameter(torch.randn(d_state, d_state))
+        self.B = nn.Parameter(torch.randn(d_state, d_model))
+        self.C = nn.Parameter(torch.randn(d_model, d_state))
+        self.D = nn.Parameter(torch.randn(d_model))
+        self.log_dt = nn.Parameter(torch.randn(d_model))
+        self.dropout = nn.Dropout(dropout)
+        nn.init.xavier_uniform_(self.A)
+        nn.init.xavier_uniform_(self.B)
+        nn.init.xavier_uniform_(self.C)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch_size, seq_len, _ = x.size()
+        dt = torch.exp(self.log_dt)
+        a_bar = torch.eye(self.d_state, device=self.A.device) + dt.mean() * self.A
+        b_bar = dt.mean() * self.B
+        h = torch.zeros(batch_size, self.d_state, device=x.device)
+        outputs = []
+        for t in range(seq_len):
+            x_t = x[:, t, :]
+            h = torch.matmul(h, a_bar.T) + torch.matmul(x_t, b_bar.T)
+            outputs.append(torch.matmul(h, self.C.T) + x_t * self.D)
+        return self.dropout(torch.stack(outputs, dim=1))
+
+
+def _system(cfg: BenchConfig, h: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(cfg.seed + 11)
+    dt = torch.exp(torch.rand(h, 1, generator=g) * math.log(100) + math.log(1e-3))
+    a = torch.complex(-0.5 * torch.ones(h, n), math.pi * torch.arange(n, dtype=torch.float32).expand(h, n))
+    coef = torch.complex(torch.randn(h, n, generator=g), torch.randn(h, n, generator=g))
+    return (a * dt).to(cfg.device), coef.to(cfg.device)
+
+
+def _kernel_case(cfg: BenchConfig, h: int, n: int, L: int, backward: bool) -> Case:
+    mode = "fwd+bwd" if backward else "fwd"
+
+    def timed(fn: Callable[..., torch.Tensor]) -> Callable[[], Any]:
+        dta, coef = _system(cfg, h, n)
+        if not backward:
+            def fwd() -> Any:
+                with torch.no_grad():
+                    return fn(dta, coef)
+            return fwd
+        dta.requires_grad_()
+        coef.requires_grad_()
+        g = torch.randn(h, L, generator=torch.Generator().manual_seed(3)).to(cfg.device)
+        return lambda: torch.autograd.grad(fn(dta, coef), [dta, coef], g)
+
+    def ours(backend: str) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            op = fastarch_op("s4_kernel")
+            require_backend("s4_kernel", backend, cfg.device, torch.float32, n=n, L=L)
+            return timed(lambda a, c: op(a, c, L, backend=backend))
+        return setup
+
+    def reference() -> Callable[[], Any]:
+        if h * n * L > 1 << 25:
+            raise Skip("explicit (H, N, L) complex128 Vandermonde too large (> 2^25 elements)")
+        from fastarch.ops.s4_kernel import s4_kernel_ref
+
+        return timed(lambda a, c: s4_kernel_ref(a, c, L))
+
+    providers = [Provider(f"fastarch-{b}", "fastarch", ours(b)) for b in BACKENDS]
+    providers.append(Provider("reference", "reference", reference))
+    return Case(name=f"s4_kernel {mode} H={h},N={n},L={L}", params={"H": h, "N": n, "L": L, "mode": mode},
+                flops=8.0 * h * n * L * (3 if backward else 1), providers=providers,
+                group=f"s4_kernel {mode}", x="L")
+
+
+def _layer_case(cfg: BenchConfig, h: int, L: int, b: int = 1, d_state: int = 64) -> Case:
+    def x() -> torch.Tensor:
+        return randn(b, L, h, cfg=cfg, seed=1)
+
+    def ours(backend: str) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            require_backend("s4_kernel", backend, cfg.device, torch.float32, n=d_state // 2, L=L)
+            from fastarch.nn import S4Layer
+
+            layer = S4Layer(h, d_state, dropout=0.0, backend=backend).to(cfg.device, cfg.dtype).eval()
+            inp = x()
+
+            def run() -> Any:
+                with torch.no_grad():
+                    return layer(inp)
+            return run
+        return setup
+
+    def guide() -> Callable[[], Any]:
+        layer = GuideS4Layer(h, d_state, dropout=0.0).to(cfg.device, cfg.dtype).eval()
+        inp = x()
+
+        def run() -> Any:
+            with torch.no_grad():
+                return layer(inp)
+        return run
+
+    providers = [Provider(f"fastarch-{bk}", "fastarch", ours(bk)) for bk in BACKENDS]
+    providers.append(Provider("reference", "reference", guide))
+    return Case(name=f"S4Layer fwd B={b},d_model={h},d_state={d_state},L={L}",
+                params={"B": b, "H": h, "N": d_state, "L": L, "mode": "layer fwd"}, flops=None,
+                providers=providers, group=f"S4Layer fwd d_model={h}", x="L")
+
+
+def cases(cfg: BenchConfig) -> list[Case]:
+    if cfg.toy:
+        return [_kernel_case(cfg, 4, 8, 256, False), _layer_case(cfg, 8, 128)]
+    if cfg.quick:
+        return [_kernel_case(cfg, 256, 32, 4096, False), _kernel_case(cfg, 64, 32, 1024, True),
+                _layer_case(cfg, 64, 2048)]
+    out = [_kernel_case(cfg, 256, 32, L, bw) for L in (1024, 4096, 16384) for bw in (False, True)]
+    out += [_layer_case(cfg, h, L) for h in (64, 256) for L in (1024, 4096, 16384)]
+    return out
+
+
+SUITE = Suite(name="s4", description="S4D: fused Vandermonde kernel generation and the conv-mode layer vs "
+              "the guide's recurrent loop", cases=cases)

@@ -72,9 +72,9 @@ def full_causal(L: int, reps: int) -> None:
     q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
     with torch.no_grad():
         for causal in (False, True):
-            t_sdpa = timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
-            t_cpp = timeit(lambda: attention(q, k, v, causal=causal, backend="cpp"), reps)
-            t_auto = timeit(lambda: attention(q, k, v, causal=causal), reps)
+            t_sdpa = timeit(lambda c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c), reps)
+            t_cpp = timeit(lambda c=causal: attention(q, k, v, causal=c, backend="cpp"), reps)
+            t_auto = timeit(lambda c=causal: attention(q, k, v, causal=c), reps)
             name = "causal" if causal else "full"
             print(f"{name:6s} L={L}: SDPA {t_sdpa * 1e3:7.1f} ms | cpp kernel {t_cpp * 1e3:7.1f} ms "
                   f"(x{t_sdpa / t_cpp:.2f} vs SDPA) | auto {t_auto * 1e3:7.1f} ms (x{t_sdpa / t_auto:.2f})")
@@ -113,7 +113,10 @@ def main() -> None:
     ap.add_argument("--skip-flex", action="store_true")
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpus {os.cpu_count()}")
     L = 2048 if args.quick else 8192
     memory(65536 if not args.quick else 16384, 128)

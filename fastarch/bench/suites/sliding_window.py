@@ -136,9 +136,8 @@ def cases(cfg: BenchConfig) -> list[Case]:
         return [_case(cfg, 1, 2, 128, 32, 16, g) for g in (False, True)]
     if cfg.quick:
         return [
-            _case(cfg, 1, 4, 1024, 64, 64, False),
-            _case(cfg, 1, 4, 2048, 64, 128, False, memory=True),
-            _case(cfg, 1, 4, 512, 64, 64, True),
+            _case(cfg, 1, 2, 1024, 64, 64, False, memory=True),
+            _case(cfg, 1, 2, 256, 64, 32, True),
         ]
     H = 8
     out = [_case(cfg, 1, H, L, 64, 256, False, memory=True) for L in (2048, 4096, 8192)]

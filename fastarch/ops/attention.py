@@ -455,6 +455,11 @@ class CppAttention(Implementation):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
 
 
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    # The Triton launchers take any strides as long as the last dim is unit-stride.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 class TritonAttention(Implementation):
     op, backend = OP, "triton"
     description = "Triton FlashAttention-2 style kernels (kernels/attention.py), fp32 accumulation"
@@ -485,6 +490,7 @@ class TritonAttention(Implementation):
         return bias.expand(B, H, Lq, k.shape[2])
 
     def forward(self, q, k, v, kpm, bias, wl, wr, p, seed, scale):
+        q, k, v = (_unit_last_stride(t) for t in (q, k, v))
         o, lse = self.lib.attention_fwd(
             q, k, v, window_left=wl, window_right=wr, key_padding_mask=kpm,
             attn_bias=self._bias_full(bias, q, k), dropout_p=p, seed=seed, scale=scale,
@@ -492,6 +498,7 @@ class TritonAttention(Implementation):
         return o, lse
 
     def backward(self, do, q, k, v, o, lse, kpm, bias, wl, wr, p, seed, scale, need_dbias):
+        do, q, k, v, o = (_unit_last_stride(t) for t in (do, q, k, v, o))
         dq, dk, dv, dbias = self.lib.attention_bwd(
             do, q, k, v, o, lse, window_left=wl, window_right=wr, key_padding_mask=kpm,
             attn_bias=self._bias_full(bias, q, k), dropout_p=p, seed=seed, scale=scale, need_dbias=need_dbias,

@@ -190,6 +190,8 @@ def format_table(run: RunResult) -> str:
         for r in by_suite.get(name, []):
             t = r.timing
             note = r.note if r.status != "ok" else ("reference" if r.reference else r.note)
+            if t is not None and t.method == "wall-warmup-only":
+                note = (note + "; " if note else "") + "one call (>5 s), incl. warm-up"
             if r.status != "ok":
                 note = f"{r.status}: {r.note}"
             body.append([

@@ -77,6 +77,10 @@ def _time_cpu(fn: Callable[[], Any], policy: TimingPolicy) -> TimingResult:
         warm.append(time.perf_counter() - t0)
     # The last warm-up call is the best estimate of a steady-state call (the first may have compiled).
     est = max(warm[-1], 1e-7)
+    if policy.repeat is None and policy.slow_s is not None and est > 5 * policy.slow_s:
+        # Quick mode and a call of many seconds: the warm-up call is the only sample (it may include
+        # one-time work, so it is an upper bound); the table's note says so via the method.
+        return _summary([est * 1e3], "wall-warmup-only")
     if policy.repeat is not None:
         reps = max(1, policy.repeat)
     elif policy.slow_s is not None and est > policy.slow_s:

@@ -298,3 +298,13 @@ def test_cuda_timing_and_memory(suite_dir, tmp_path):
     assert ref.mem_method == "cuda-max-allocated"
     assert 7.5 <= ref.mem_bytes / 2**20 <= 16.5  # the (128, 128, 128) fp32 temporary
     assert run.matmul_peak_gflops > 0
+
+
+def test_very_slow_call_is_not_repeated_in_quick_mode():
+    import time
+
+    calls = []
+    res = time_callable(lambda: (calls.append(1), time.sleep(0.06)), "cpu",
+                        TimingPolicy(budget_s=0.25, warmup=1, min_reps=3, slow_s=0.01))
+    assert len(calls) == 1 and res.reps == 1 and res.method == "wall-warmup-only"
+    assert res.median_ms >= 60

@@ -294,28 +294,41 @@ class KVCache:
         S = max(self._lens[layer_idx])
         return kb[:, :, :S], vb[:, :, :S]
 
-    def attention_kwargs(self, layer_idx: int) -> dict[str, Any]:
+    def attention_kwargs(self, layer_idx: int, window: int | None = None) -> dict[str, Any]:
         """Keyword arguments for ``fastarch.ops.attention`` matching the keys the last ``update`` of
-        ``layer_idx`` returned: masks padding, per-sequence offsets and the ring window."""
+        ``layer_idx`` returned: masks padding, per-sequence offsets and the ring window.
+
+        ``window``: the model's own sliding window (each query sees itself and ``window`` earlier positions),
+        folded in correctly also when sequences have different offsets; defaults to the ring size.
+        """
         self._check_layer(layer_idx)
+        if window is not None and (not isinstance(window, int) or window < 0):
+            raise _err(f"argument 'window' must be an int >= 0 or None, got {window!r}")
+        if window is None:
+            window = self.window
+        elif self.window is not None and window > self.window:
+            raise _err(f"attention window {window} is wider than the ring buffer (window={self.window}): the "
+                       "keys it needs were overwritten")
         last = self._last[layer_idx]
         if last is None:
             raise _err(f"attention_kwargs({layer_idx}) called before any update of that layer", RuntimeError)
         starts, T = last
         kw: dict[str, Any] = {}
         pad = self._last_pad[layer_idx] if self._has_invalid else None
-        if self.window is not None:
+        if all(s == starts[0] for s in starts):
             kw["causal"] = True
-            kw["window"] = (self.window, 0)
-        elif all(s == starts[0] for s in starts):
-            kw["causal"] = True
+            if window is not None:
+                kw["window"] = (window, 0)
         else:
             # Sequence b's query t sits at position starts[b] + t: not one bottom-right offset, so mask
             # explicitly with an additive bias (B, 1, T, S).
             S = max(s + T for s in starts)
             dev = self._k[layer_idx].device
             qpos = torch.tensor(starts, device=dev).view(-1, 1, 1) + torch.arange(T, device=dev).view(1, -1, 1)
-            allowed = torch.arange(S, device=dev).view(1, 1, -1) <= qpos
+            kpos = torch.arange(S, device=dev).view(1, 1, -1)
+            allowed = kpos <= qpos
+            if window is not None:
+                allowed = allowed & (kpos >= qpos - window)
             if pad is not None:
                 allowed = allowed & pad.view(pad.shape[0], 1, -1)
                 pad = None

@@ -76,9 +76,7 @@ class MultiHeadAttentionWithKVCache(nn.Module):
         v = self.w_v(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.update(layer_idx, k, v)
-            kw = kv_cache.attention_kwargs(layer_idx)
-            if self.window is not None and "window" not in kw:
-                kw["window"] = (self.window, 0)
+            kw = kv_cache.attention_kwargs(layer_idx, window=self.window)
         else:
             kw = {"causal": True}
             if self.window is not None:

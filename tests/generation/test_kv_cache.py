@@ -244,3 +244,37 @@ def test_multihead_attention_with_kv_cache_dropin():
         assert cache.window == 2 and cache.n_heads == 2
         parts = [mw(x[:, :4], kv_cache=cache)] + [mw(x[:, t:t + 1], kv_cache=cache) for t in range(4, 7)]
         torch.testing.assert_close(torch.cat(parts, 1), fullw, atol=1e-5, rtol=1e-5)
+
+
+def test_window_with_per_sequence_lengths():
+    """A windowed model decoding sequences of different lengths: the window follows each row's offset."""
+    Hk, D, w = 1, 4, 2
+    lens, steps = [2, 4], 2
+    q = [torch.randn(1, Hk, n + steps, D) for n in lens]
+    k = [torch.randn(1, Hk, n + steps, D) for n in lens]
+    ref = [ref_attention(q[b], k[b], k[b], causal=True, window=(w, 0)) for b in range(2)]
+    cache = KVCache(8, Hk, D, 1, batch_size=2, dtype=torch.float32, device="cpu")
+    P = max(lens)
+
+    def pad(t, n):
+        return torch.cat([t[:, :, :n], torch.zeros(1, Hk, P - n, D)], 2)
+
+    kp = torch.cat([pad(k[b], lens[b]) for b in range(2)])
+    ka, va = cache.update(0, kp, kp, lengths=lens)
+    out = ref_attention(torch.cat([pad(q[b], lens[b]) for b in range(2)]), ka, va,
+                        **cache.attention_kwargs(0, window=w))
+    for b in range(2):
+        torch.testing.assert_close(out[b:b + 1, :, :lens[b]], ref[b][:, :, :lens[b]])
+    for t in range(steps):
+        kn = torch.cat([k[b][:, :, lens[b] + t:lens[b] + t + 1] for b in range(2)])
+        qn = torch.cat([q[b][:, :, lens[b] + t:lens[b] + t + 1] for b in range(2)])
+        ka, va = cache.update(0, kn, kn)
+        out = ref_attention(qn, ka, va, **cache.attention_kwargs(0, window=w))
+        for b in range(2):
+            torch.testing.assert_close(out[b:b + 1], ref[b][:, :, lens[b] + t:lens[b] + t + 1])
+    with pytest.raises(ValueError, match="window"):
+        cache.attention_kwargs(0, window=-2)
+    ring = KVCache(8, Hk, D, 1, window=2)
+    ring.update(0, *_kv(1, Hk, 1, D))
+    with pytest.raises(ValueError, match="wider than the ring"):
+        ring.attention_kwargs(0, window=3)

@@ -70,6 +70,43 @@ class BPETokenizer(BaseTokenizer):
     def _symbols(word: str) -> list[str]:
         return list(word[:-1]) + [word[-1] + EOW]
 
+    def get_character_vocab(self, word_freq: dict[str, int]) -> set[str]:
+        """Initial symbols of the guide-format words (``'low</w>'`` gives ``l``, ``o``, ``w</w>``)."""
+        out: set[str] = set()
+        for w in word_freq:
+            base = w[: -len(EOW)] if w.endswith(EOW) else w
+            if base:
+                out.update(self._symbols(base))
+        return out
+
+    @staticmethod
+    def get_pairs(word_freq: dict[str, int]) -> dict[tuple[str, str], int]:
+        """Adjacent symbol pairs and their counts for space-separated words (guide API)."""
+        pairs: defaultdict[tuple[str, str], int] = defaultdict(int)
+        for w, c in word_freq.items():
+            syms = w.split(" ")
+            for p in zip(syms, syms[1:]):
+                pairs[p] += c
+        return dict(pairs)
+
+    @staticmethod
+    def merge_vocab(pair: tuple[str, str], word_freq: dict[str, int]) -> dict[str, int]:
+        """Merge ``pair`` in space-separated words (guide API; whole symbols only, unlike a substring replace)."""
+        a, b = pair
+        out: dict[str, int] = {}
+        for w, c in word_freq.items():
+            syms, merged, j = w.split(" "), [], 0
+            while j < len(syms):
+                if j + 1 < len(syms) and syms[j] == a and syms[j + 1] == b:
+                    merged.append(a + b)
+                    j += 2
+                else:
+                    merged.append(syms[j])
+                    j += 1
+            key = " ".join(merged)
+            out[key] = out.get(key, 0) + c
+        return out
+
     # ---- training ---------------------------------------------------------------------------------------
     def train(self, texts: Sequence[str] | Iterable[str], num_merges: int | None = None, verbose: bool = False) -> None:
         """Learn merges from ``texts``; ``num_merges`` overrides the count implied by ``vocab_size``."""

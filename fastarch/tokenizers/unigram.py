@@ -67,6 +67,16 @@ class UnigramTokenizer(BaseTokenizer):
     def _words(self, text: str) -> list[str]:
         return [SPACE + w for w in (text.lower() if self.lowercase else text).split()]
 
+    def get_initial_vocab(self, texts: Iterable[str]) -> dict[str, int]:
+        """Guide API: every substring (up to ``max_piece_length``) of every word, with its count."""
+        freq: Counter[str] = Counter()
+        for text in texts:
+            for w in self._words(text):
+                for i in range(len(w)):
+                    for j in range(i + 1, min(len(w), i + self.max_piece_length) + 1):
+                        freq[w[i:j]] += 1
+        return dict(freq)
+
     # ---- lattice algorithms -----------------------------------------------------------------------------
     def _viterbi(self, word: str, logp: dict[str, float]) -> tuple[list[str], float]:
         n, L = len(word), self.max_piece_length

@@ -78,6 +78,15 @@ class WordPieceTokenizer(BaseTokenizer):
             freq.update(self.basic.tokenize(text))
         return dict(freq)
 
+    def get_initial_vocab(self, word_freq: dict[str, int]) -> set[str]:
+        """Guide API: the unknown token, word-initial characters and ``##`` continuation characters."""
+        out = {self.unk_token}
+        for w in word_freq:
+            if w:
+                out.add(w[0])
+                out.update(self.prefix + c for c in w[1:])
+        return out
+
     # ---- training ---------------------------------------------------------------------------------------
     def train(self, texts: Sequence[str] | Iterable[str], verbose: bool = False) -> None:
         """Learn a vocabulary of ``vocab_size`` tokens from ``texts`` by likelihood-ratio merges."""

@@ -240,3 +240,17 @@ def test_malformed_files(kind, tmp_path):
         bad(lambda d: d["log_probs"].update({next(iter(d["log_probs"])): 1.5}), "number <= 0")
     if kind == "wordpiece":
         bad(lambda d: d.update(lowercase="yes"), "'lowercase' must be a bool")
+
+
+def test_guide_helper_methods():
+    tok = BPETokenizer()
+    wf = tok.get_word_frequencies(["low lower low"])
+    assert wf == {"low</w>": 2, "lower</w>": 1}
+    assert tok.get_character_vocab(wf) == {"l", "o", "w</w>", "w", "e", "r</w>"}
+    spaced = {"l o w</w>": 2, "l o w e r</w>": 1, "a aa": 1}
+    assert tok.get_pairs(spaced)[("l", "o")] == 3
+    # whole symbols only: ("a", "a") must not match inside "aa"
+    assert tok.merge_vocab(("a", "a"), {"a aa": 1, "a a a": 2}) == {"a aa": 1, "aa a": 2}
+    assert WordPieceTokenizer().get_initial_vocab({"ab": 1}) == {"[UNK]", "a", "##b"}
+    assert UnigramTokenizer().get_initial_vocab(["ab"]) == {"\u2581": 1, "a": 1, "b": 1, "\u2581a": 1, "ab": 1,
+                                                            "\u2581ab": 1}

@@ -38,6 +38,46 @@ def timeit(fn, reps: int = 5, warmup: int = 1) -> float:
     return statistics.median(ts)
 
 
+def interleaved(fns: dict, reps: int) -> dict:
+    """Round-robin timing of several callables (one warm-up each): {name: (min s, median s)}.
+
+    On a machine shared with other jobs the load drifts; interleaving exposes every provider to the same
+    drift, and the minimum is the least disturbed run."""
+    for f in fns.values():
+        f()
+    ts: dict = {n: [] for n in fns}
+    for _ in range(reps):
+        for n, f in fns.items():
+            t = time.perf_counter()
+            f()
+            ts[n].append(time.perf_counter() - t)
+    return {n: (min(v), statistics.median(v)) for n, v in ts.items()}
+
+
+def sliding_vs_flex(L: int, w: int, reps: int) -> None:
+    """fastarch cpp and compiled flex_attention, interleaved in one loop."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, H, D = 1, 8, 64
+    q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
+
+    def win(b, h, qi, kj):
+        return (qi - kj <= w) & (kj - qi <= w)
+
+    bm = create_block_mask(win, None, None, L, L, device="cpu")
+    flex = torch.compile(flex_attention)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        flex(q, k, v, block_mask=bm)
+        print(f"  (flex compile + first call {time.perf_counter() - t0:.1f} s)")
+        r = interleaved({"cpp": lambda: attention(q, k, v, window=(w, w), backend="cpp"),
+                         "flex": lambda: flex(q, k, v, block_mask=bm)}, reps)
+    (c_min, c_med), (f_min, f_med) = r["cpp"], r["flex"]
+    print(f"interleaved L={L} w={w}: fastarch cpp min {c_min * 1e3:.1f} / median {c_med * 1e3:.1f} ms; "
+          f"flex min {f_min * 1e3:.1f} / median {f_med * 1e3:.1f} ms; speed-up x{f_min / c_min:.2f} (min), "
+          f"x{f_med / c_med:.2f} (median)")
+
+
 def sliding(L: int, w: int, reps: int, skip_flex: bool, skip_dense: bool) -> None:
     B, H, D = 1, 8, 64
     q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
@@ -113,14 +153,20 @@ def main() -> None:
     ap.add_argument("--skip-flex", action="store_true")
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--only-flex", action="store_true", help="just the interleaved cpp vs flex comparison")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpus {os.cpu_count()}")
     L = 2048 if args.quick else 8192
+    if args.only_flex:
+        sliding_vs_flex(L, 256, args.reps)
+        return
     memory(65536 if not args.quick else 16384, 128)
     sliding(L, 256, args.reps, args.skip_flex, args.skip_dense)
+    if not args.skip_flex:
+        sliding_vs_flex(L, 256, args.reps)
     full_causal(2048 if args.quick else 4096, args.reps)
     backward(L, 256, max(1, args.reps // 2))
 

@@ -79,7 +79,8 @@ def render(result_dirs: list[Path], readme_dir: Path) -> str:
             f"{meta.get('mode', '?')} mode, torch {meta.get('torch', '?')}, triton {meta.get('triton', '?')}, "
             f"fastarch {meta.get('fastarch', '?')} ({meta.get('fastarch_commit', '')}), "
             f"{meta.get('timestamp', '?')}; wall time {meta.get('wall_time_s', '?')} s; "
-            f"measured matmul peak {_num(meta.get('matmul_peak_gflops'))} GFLOP/s. "
+            f"measured matmul peak {_num(meta.get('matmul_peak_gflops'))} GFLOP/s"
+            f"{_load(meta)}. "
             f"Files: `results.csv`, `results.json`, `table.txt` (the full table), `summary.md`."
         )
         summary = d / "summary.md"
@@ -117,6 +118,15 @@ def _rel(p: Path, base: Path) -> str:
         return str(p.resolve().relative_to(base.resolve()))
     except ValueError:
         return str(p)
+
+
+def _load(meta: dict) -> str:
+    la = meta.get("load_avg")
+    if not la:
+        return ""
+    return (f"; machine load average at the end {la[0]:.1f} / {la[1]:.1f} / {la[2]:.1f} (1/5/15 min) on "
+            f"{meta.get('cpu_count', '?')} cores — other jobs were sharing the CPU" if la[1] > 1.5 * (
+                meta.get("cpu_count") or 1) else f"; load average {la[0]:.1f}")
 
 
 def _num(v) -> str:

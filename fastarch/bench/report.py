@@ -95,6 +95,8 @@ def machine_info(device: torch.device, dtype: torch.dtype, quick: bool) -> dict[
         "fastarch_commit": _git_commit(),
         "python": platform.python_version(),
         "argv": sys.argv[1:],
+        # Other processes on a shared machine slow every provider; the 1/5/15-minute load says how much.
+        "load_avg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
 
 

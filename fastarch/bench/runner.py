@@ -198,30 +198,46 @@ def run_benchmarks(
 
     results: list[ProviderResult] = []
     done = 0
+    interrupted = False
     for entry, cases in plan:
+        if interrupted:
+            suites[entry.name].update(status="skipped", note="interrupted before this suite")
+            continue
         suite_results: list[tuple[Case, ProviderResult]] = []
-        for case in cases:
-            x_name = default_x(case)
-            x_val = case.params.get(x_name) if x_name else None
-            for prov in case.providers:
-                done += 1
-                r = ProviderResult(
-                    suite=entry.name, case=case.name, group=default_group(case), params=dict(case.params),
-                    x_name=x_name, x=float(x_val) if isinstance(x_val, (int, float)) else None,
-                    provider=prov.name, kind=prov.kind, reference=prov.name == case.reference,
-                    status="ok", flops=case.flops, bytes=case.bytes,
-                )
-                _run_one(prov, case, r, opts, _policy_now(opts, t_start, total - done + 1))
-                if progress is not None:
-                    progress(done, total, _progress_line(r))
-                suite_results.append((case, r))
-        if opts.device.type == "cpu":
+        try:
+            done = _run_cases(entry, cases, opts, progress, t_start, total, done, suite_results)
+        except KeyboardInterrupt:  # Ctrl-C: keep and write what was measured so far
+            interrupted = True
+            suites[entry.name]["note"] += "; interrupted (partial)"
+        if opts.device.type == "cpu" and not interrupted:
             _cpu_memory(entry, cases, suite_results, opts)
         for case in cases:
             _derive([r for c, r in suite_results if c is case], case, peak)
         results.extend(r for _, r in suite_results)
     return RunResult(results=results, suites=suites, matmul_peak_gflops=peak,
                      wall_s=time.perf_counter() - t_start)
+
+
+def _run_cases(entry: SuiteEntry, cases: list[Case], opts: RunOptions,
+               progress: Callable[[int, int, str], None] | None, t_start: float, total: int, done: int,
+               suite_results: list[tuple[Case, ProviderResult]]) -> int:
+    """Run every provider of ``cases``, appending to ``suite_results``; returns the running count."""
+    for case in cases:
+        x_name = default_x(case)
+        x_val = case.params.get(x_name) if x_name else None
+        for prov in case.providers:
+            done += 1
+            r = ProviderResult(
+                suite=entry.name, case=case.name, group=default_group(case), params=dict(case.params),
+                x_name=x_name, x=float(x_val) if isinstance(x_val, (int, float)) else None,
+                provider=prov.name, kind=prov.kind, reference=prov.name == case.reference,
+                status="ok", flops=case.flops, bytes=case.bytes,
+            )
+            _run_one(prov, case, r, opts, _policy_now(opts, t_start, total - done + 1))
+            if progress is not None:
+                progress(done, total, _progress_line(r))
+            suite_results.append((case, r))
+    return done
 
 
 def _policy_now(opts: RunOptions, t_start: float, remaining: int) -> TimingPolicy:

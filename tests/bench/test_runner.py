@@ -308,3 +308,22 @@ def test_very_slow_call_is_not_repeated_in_quick_mode():
                         TimingPolicy(budget_s=0.25, warmup=1, min_reps=3, slow_s=0.01))
     assert len(calls) == 1 and res.reps == 1 and res.method == "wall-warmup-only"
     assert res.median_ms >= 60
+
+
+def test_interrupt_keeps_partial_results():
+    def ok():
+        return lambda: None
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    def cases(cfg):
+        return [Case("a n=1", {"n": 1}, None, [Provider("reference", "reference", ok),
+                                               Provider("stop", "fastarch", ctrl_c),
+                                               Provider("never", "fastarch", ok)])]
+
+    entries = [SuiteEntry("s1", "x", Suite("s1", "d", cases)), SuiteEntry("s2", "x", Suite("s2", "d", cases))]
+    run = run_benchmarks(entries, RunOptions(memory="none", measure_peak=False, policy=TimingPolicy(repeat=1)))
+    assert [r.provider for r in run.results] == ["reference"]
+    assert "interrupted" in run.suites["s1"]["note"]
+    assert run.suites["s2"]["status"] == "skipped"

@@ -660,10 +660,12 @@ def _attention_fwd(q, k, v, *, window_left, window_right, key_padding_mask, attn
     q, k, v = _rows(q), _rows(k), _rows(v)
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
-    o = torch.zeros((B, H, Lq, D), dtype=q.dtype, device=q.device)
-    lse = torch.full((B, H, Lq), float("-inf"), dtype=torch.float32, device=q.device)
     if B * H * Lq == 0 or Lk == 0:
-        return o, lse
+        return (torch.zeros((B, H, Lq, D), dtype=q.dtype, device=q.device),
+                torch.full((B, H, Lq), float("-inf"), dtype=torch.float32, device=q.device))
+    # Every row of o and lse is stored by some program (also rows that see no key), so no memset.
+    o = torch.empty((B, H, Lq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     left, right = _limit(window_left, Lq + Lk), _limit(window_right, Lq + Lk)
     block_d = max(16, triton.next_power_of_2(D))
     has_drop, seed_u, thresh, drop_scale = _dropout_args(dropout_p, seed)
@@ -721,12 +723,16 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     lse = lse.to(torch.float32).contiguous()
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
-    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
-    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    # dbias entries outside the band are never visited: their gradient, 0, comes from the memset.
     dbias = torch.zeros((B, H, Lq, Lk), dtype=torch.float32, device=q.device) if need_dbias else None
     if B * H * Lq == 0 or Lk == 0:
-        return dq, dk, dv, dbias
+        return (torch.zeros_like(q, memory_format=torch.contiguous_format),
+                torch.zeros_like(k, memory_format=torch.contiguous_format),
+                torch.zeros_like(v, memory_format=torch.contiguous_format), dbias)
+    # dq (per query block), dk and dv (per key block, all rows of every kv head) are stored in full.
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     left, right = _limit(window_left, Lq + Lk), _limit(window_right, Lq + Lk)
     block_d = max(16, triton.next_power_of_2(D))
     even_d = block_d == D

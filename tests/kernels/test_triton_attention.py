@@ -293,3 +293,15 @@ def test_gpu_decode_auto_split(Lq, win):
     r16, _ = dense_ref(q, k, v, *win, scale=128 ** -0.5, dtype=torch.float16)
     assert_fa_close(o, r32, r16, 2.0, what="o")
     torch.testing.assert_close(lse, rl, atol=1e-3, rtol=1e-3)
+
+
+def test_empty_keys_and_queries():
+    q, k, v = torch.randn(2, 2, 5, 16), torch.randn(2, 1, 0, 16), torch.randn(2, 1, 0, 16)
+    kw = dict(window_left=-1, window_right=-1, key_padding_mask=None, attn_bias=None, dropout_p=0.0, seed=0,
+              scale=0.25)
+    o, lse = A.attention_fwd(q, k, v, **kw)
+    assert (o == 0).all() and (lse == float("-inf")).all()
+    dq, dk, dv, _ = A.attention_bwd(torch.randn_like(o), q, k, v, o, lse, need_dbias=False, **kw)
+    assert (dq == 0).all() and dk.shape == k.shape and dv.shape == v.shape
+    o, lse = A.attention_fwd(q[:, :, :0], torch.randn(2, 1, 3, 16), torch.randn(2, 1, 3, 16), **kw)
+    assert o.shape == (2, 2, 0, 16) and lse.shape == (2, 2, 0)

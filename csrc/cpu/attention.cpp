@@ -115,6 +115,42 @@ void gemm(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const fl
 #endif
 }
 
+// Banded variants for a block of query rows whose visible columns are [ra[r], re[r]) (both nondecreasing in
+// r): skip the 6x16 tiles of C = A*B that no row of the tile can see, and restrict the k range of
+// C += P*V to the union of the tile rows' columns (P is zero elsewhere). With a window this saves the two
+// masked corner triangles of every block.
+void gemm_skip_cols(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb,
+                    float* C, int64_t ldc, const int64_t* ra, const int64_t* re) {
+#ifdef FA_AVX2
+  for (int64_t j = 0; j + 16 <= n; j += 16)
+    for (int64_t i = 0; i < m; i += 6) {
+      const int64_t mr = std::min<int64_t>(6, m - i);
+      if (j >= re[i + mr - 1] || j + 16 <= ra[i]) continue;  // masked later by mask_scores
+      micro_rows<2>(mr, k, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, false);
+    }
+  for (int64_t j = n / 16 * 16; j < n; ++j)
+    for (int64_t i = 0; i < m; ++i) {
+      float acc = 0.f;
+      for (int64_t p = 0; p < k; ++p) acc += A[i * lda + p] * B[p * ldb + j];
+      C[i * ldc + j] = acc;
+    }
+#else
+  (void)ra;
+  (void)re;
+  gemm(m, n, k, A, lda, B, ldb, C, ldc, false);
+#endif
+}
+
+void gemm_band_k(int64_t m, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                 int64_t ldc, const int64_t* ra, const int64_t* re) {
+  for (int64_t i = 0; i < m; i += 6) {
+    const int64_t mr = std::min<int64_t>(6, m - i);
+    const int64_t k0 = ra[i], k1 = re[i + mr - 1];
+    if (k1 <= k0) continue;
+    gemm(mr, n, k1 - k0, A + i * lda + k0, lda, B + k0 * ldb, ldb, C + i * ldc, ldc, true);
+  }
+}
+
 // ---- vectorised exp2 (|rel err| < 2e-7 on the range that matters; very negative inputs give ~0) ------
 #ifdef FA_AVX2
 inline __m256 exp2_ps(__m256 x) {
@@ -309,6 +345,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
 
   run_tasks(P.B * P.H * nqb, [&](int64_t begin, int64_t end) {
     std::vector<float> Qs(BQ * D), S, acc(BQ * Dp), mrow(BQ), lrow(BQ);
+    std::vector<int64_t> ra(BQ), re(BQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
       const int64_t i0 = qb * BQ, m = std::min(BQ, P.Lq - i0);
@@ -329,18 +366,24 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
         for (int64_t c0 = span_lo; c0 <= span_hi; c0 += csz) {
           const int64_t n = std::min(csz, span_hi + 1 - c0), np = round16(n);
           S.resize(m * np);
-          gemm(m, np, D, Qs.data(), D, kt + c0, LkT, S.data(), np, false);
+          for (int64_t r = 0; r < m; ++r) {  // visible columns of each row within this tile
+            ra[r] = std::min<int64_t>(std::max<int64_t>(P.lo(i0 + r) - c0, 0), n);
+            re[r] = std::max<int64_t>(std::min<int64_t>(P.hi(i0 + r) - c0 + 1, n), ra[r]);
+          }
+          gemm_skip_cols(m, np, D, Qs.data(), D, kt + c0, LkT, S.data(), np, ra.data(), re.data());
           mask_scores(P, b, h, i0, m, c0, n, S.data(), np);
           for (int64_t r = 0; r < m; ++r) {
             float* s = S.data() + r * np;
-            const float mx = row_max(s, n);
+            const float mx = row_max(s + ra[r], re[r] - ra[r]);
             const float mnew = std::max(mrow[r], mx);
             if (mnew == kNegInf) {  // nothing visible yet in this row
               std::fill(s, s + np, 0.f);
               continue;
             }
             const float alpha = mrow[r] == kNegInf ? 0.f : std::exp2(mrow[r] - mnew);
-            const float rs = exp2_sub_sum(s, np, mnew);
+            const float rs = exp2_sub_sum(s + ra[r], re[r] - ra[r], mnew);
+            std::fill(s, s + ra[r], 0.f);
+            std::fill(s + re[r], s + np, 0.f);
             lrow[r] = lrow[r] * alpha + rs;
             mrow[r] = mnew;
             if (alpha != 1.f) {
@@ -353,7 +396,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
                 s[j] = (s[j] != 0.f && P.drop.keep(hkey, i, c0 + j)) ? s[j] * P.drop.inv_keep : 0.f;
             }
           }
-          gemm(m, Dp, n, S.data(), np, vp + c0 * Dp, Dp, acc.data(), Dp, true);
+          gemm_band_k(m, Dp, S.data(), np, vp + c0 * Dp, Dp, acc.data(), Dp, ra.data(), re.data());
         }
       }
       for (int64_t r = 0; r < m; ++r) {

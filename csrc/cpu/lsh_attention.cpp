@@ -93,6 +93,7 @@ void gemm_nn(const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
              int64_t n, int64_t k, bool accumulate) {
   int64_t i = 0;
   for (; i + 6 <= m; i += 6) gemm_rows<6>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, n, k, accumulate);
+  for (; i + 4 <= m; i += 4) gemm_rows<4>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, n, k, accumulate);
   for (; i + 2 <= m; i += 2) gemm_rows<2>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, n, k, accumulate);
   for (; i < m; ++i) gemm_rows<1>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, n, k, accumulate);
 }
@@ -139,18 +140,43 @@ at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot) {
         xn = std::sqrt(xn);
         for (int64_t r = 0; r < NH; ++r) {
           const float* p = &P[i * NRp + r * R2];
-          float best = p[0], second = -std::numeric_limits<float>::infinity();
+          // max and min of p (vectorised), then best = max(max p, -min p), first index on ties
+          float mx = p[0], mn = p[0];
+          int64_t t = 0;
+          if (R2 >= 8) {
+            v8f a = load8(p), b = a;
+            for (t = 8; t + 8 <= R2; t += 8) {
+              const v8f x = load8(p + t);
+              a = a > x ? a : x;
+              b = b < x ? b : x;
+            }
+            mx = a[0];
+            mn = b[0];
+            for (int l = 1; l < 8; ++l) {
+              mx = std::max(mx, a[l]);
+              mn = std::min(mn, b[l]);
+            }
+          }
+          for (; t < R2; ++t) {
+            mx = std::max(mx, p[t]);
+            mn = std::min(mn, p[t]);
+          }
+          const bool pos_side = mx >= -mn;
+          const float best = pos_side ? mx : -mn;
           int64_t ib = 0;
-          for (int64_t t = 1; t < R2; ++t) {  // +p first, then -p: strict > keeps the first maximum
-            if (p[t] > best) { second = best; best = p[t]; ib = t; }
-            else second = std::max(second, p[t]);
+          if (pos_side) {
+            while (ib < R2 && p[ib] != mx) ++ib;
+          } else {
+            while (ib < R2 && p[ib] != mn) ++ib;
+            ib += R2;
           }
-          for (int64_t t = 0; t < R2; ++t) {
-            if (-p[t] > best) { second = best; best = -p[t]; ib = R2 + t; }
-            else second = std::max(second, -p[t]);
-          }
+          if (ib >= 2 * R2 || ib == R2 && pos_side) ib = 0;  // NaN inputs: any bucket, never out of range
           const double bound = 4.0 * double(D) * u * xn * colmax[r];
-          if (double(best) - double(second) <= 2.0 * bound) {
+          // another candidate within 2 * bound of the best: the fp32 order may be wrong, decide in fp64
+          const float thr = static_cast<float>(double(best) - 2.0 * bound);
+          int64_t close = 0;
+          for (int64_t k = 0; k < R2; ++k) close += (p[k] >= thr) + (-p[k] >= thr);
+          if (close > 1) {
             for (int64_t t = 0; t < R2; ++t) {
               double acc = 0.0;
               for (int64_t d = 0; d < D; ++d) acc += double(x[d]) * double(rp[d * NR + r * R2 + t]);
@@ -221,20 +247,21 @@ void check_inputs(const at::Tensor& q, const at::Tensor& kn, const at::Tensor& v
 }
 
 // The packed inputs of one task (bh, chunk c): positions, key validity, and Q / K^T / V buffers.
-// Key columns [0, bs) hold chunk c-1, [bs, 2 bs) chunk c. A thread walks consecutive chunks, so the
-// previous task's own keys become this task's previous keys without a second gather.
+// Key columns [own*bs, own*bs + bs) hold chunk c, the other half chunk c-1. A thread walks consecutive
+// chunks, so the previous task's own keys become this task's previous keys without a gather or a copy.
 struct Tile {
   std::vector<int32_t> qpos, kpos;
-  std::vector<uint8_t> kval;
+  std::vector<int32_t> kval;  // -1: a valid key (padding, key_padding_mask), 0: masked
   std::vector<float> Qb, Kt, Vb, Sb;
   int64_t last_bh = -1, last_c = -1;
+  int64_t own = 1;  // which half of the key columns holds chunk c (the other holds chunk c-1)
   explicit Tile(const Geometry& g)
       : qpos(g.bsp, static_cast<int32_t>(g.L)), kpos(g.NKp, static_cast<int32_t>(g.L)), kval(g.NKp, 0),
         Qb(g.bsp * g.Dp, 0.0f), Kt(g.Dp * g.NKp, 0.0f), Vb(g.NKp * g.Dp, 0.0f), Sb(g.bsp * g.NKp) {}
 
   void key(const Geometry& g, const float* kn, const float* v, const bool* kpm_b, int64_t j, int64_t p) {
     kpos[j] = static_cast<int32_t>(p);
-    kval[j] = p < g.L && (kpm_b == nullptr || kpm_b[p]);
+    kval[j] = (p < g.L && (kpm_b == nullptr || kpm_b[p])) ? -1 : 0;
     if (p < g.L) {
       const float* kr = kn + p * g.D;
       for (int64_t d = 0; d < g.D; ++d) Kt[d * g.NKp + j] = kr[d];
@@ -255,14 +282,12 @@ struct Tile {
       else std::fill(&Qb[i * g.Dp], &Qb[i * g.Dp] + g.D, 0.0f);
     }
     if (bh == last_bh && c == last_c + 1) {
-      for (int64_t d = 0; d < g.D; ++d) std::memcpy(&Kt[d * g.NKp], &Kt[d * g.NKp + g.bs], sizeof(float) * g.bs);
-      std::memcpy(&Vb[0], &Vb[g.bs * g.Dp], sizeof(float) * g.bs * g.Dp);
-      std::memcpy(&kpos[0], &kpos[g.bs], sizeof(int32_t) * g.bs);
-      std::memcpy(&kval[0], &kval[g.bs], g.bs);
+      own = 1 - own;  // the previous task's own keys are this task's previous keys: no copy, swap halves
     } else {
+      own = 1;
       for (int64_t j = 0; j < g.bs; ++j) key(g, kn, v, kpm_b, j, perm[cprev * g.bs + j]);
     }
-    for (int64_t j = 0; j < g.bs; ++j) key(g, kn, v, kpm_b, g.bs + j, perm[c * g.bs + j]);
+    for (int64_t j = 0; j < g.bs; ++j) key(g, kn, v, kpm_b, own * g.bs + j, perm[c * g.bs + j]);
     last_bh = bh;
     last_c = c;
   }
@@ -271,13 +296,21 @@ struct Tile {
   float mask_row(const Geometry& g, int64_t i, bool causal) {
     float* s = &Sb[i * g.NKp];
     const int32_t qp = qpos[i];
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < g.NKp; ++j) {
-      const bool ok = kval[j] && kpos[j] != qp && (!causal || kpos[j] <= qp);
-      const float x = ok ? s[j] * g.scale : -std::numeric_limits<float>::infinity();
-      s[j] = x;
-      mx = std::max(mx, x);
+    const v8f ninf = splat8(-std::numeric_limits<float>::infinity()), sc = splat8(g.scale);
+    const v8i q8 = v8i{qp, qp, qp, qp, qp, qp, qp, qp};
+    v8f m8 = ninf;
+    for (int64_t j = 0; j < g.NKp; j += 8) {  // NKp % 16 == 0
+      v8i kp, kv;
+      std::memcpy(&kp, &kpos[j], sizeof(kp));
+      std::memcpy(&kv, &kval[j], sizeof(kv));
+      v8i ok = kv & (kp != q8);
+      if (causal) ok = ok & (kp <= q8);
+      const v8f x = ok ? load8(s + j) * sc : ninf;
+      store8(s + j, x);
+      m8 = m8 > x ? m8 : x;
     }
+    float mx = m8[0];
+    for (int l = 1; l < 8; ++l) mx = std::max(mx, m8[l]);
     if (qp >= g.L) mx = -std::numeric_limits<float>::infinity();  // padded queries are dropped
     return mx;
   }
@@ -455,19 +488,21 @@ std::vector<at::Tensor> lsh_bwd(const at::Tensor& dout, const at::Tensor& q, con
       gemm_nn(dP.data(), g.NKp, Kb.data(), g.Dp, Ob.data(), g.Dp, g.bsp, g.Dp, g.NKp, false);
       for (int64_t i = 0; i < g.bs; ++i)
         std::memcpy(dqs + (bh * g.S + c * g.bs + i) * g.D, &Ob[i * g.Dp], sizeof(float) * g.D);
-      // dK = dS^T Q ; dV = P^T G   (keys: [0, bs) -> chunk c-1, [bs, 2bs) -> chunk c)
+      // dK = dS^T Q ; dV = P^T G   (key half t.own -> chunk c, the other half -> chunk c-1)
       transpose(dP.data(), g.NKp, T.data(), g.bsp, g.bsp, g.NKp);
       gemm_nn(T.data(), g.bsp, t.Qb.data(), g.Dp, Ob.data(), g.Dp, g.NKp, g.Dp, g.bsp, false);
       for (int64_t j = 0; j < g.NK; ++j) {
-        float* dst = j < g.bs ? dkp + (bh * g.S + cprev * g.bs + j) * g.D
-                              : dko + (bh * g.S + c * g.bs + (j - g.bs)) * g.D;
+        const int64_t jj = j % g.bs;
+        float* dst = j / g.bs != t.own ? dkp + (bh * g.S + cprev * g.bs + jj) * g.D
+                                       : dko + (bh * g.S + c * g.bs + jj) * g.D;
         std::memcpy(dst, &Ob[j * g.Dp], sizeof(float) * g.D);
       }
       transpose(t.Sb.data(), g.NKp, T.data(), g.bsp, g.bsp, g.NKp);
       gemm_nn(T.data(), g.bsp, Gb.data(), g.Dp, Ob.data(), g.Dp, g.NKp, g.Dp, g.bsp, false);
       for (int64_t j = 0; j < g.NK; ++j) {
-        float* dst = j < g.bs ? dvp + (bh * g.S + cprev * g.bs + j) * g.D
-                              : dvo + (bh * g.S + c * g.bs + (j - g.bs)) * g.D;
+        const int64_t jj = j % g.bs;
+        float* dst = j / g.bs != t.own ? dvp + (bh * g.S + cprev * g.bs + jj) * g.D
+                                       : dvo + (bh * g.S + c * g.bs + jj) * g.D;
         std::memcpy(dst, &Ob[j * g.Dp], sizeof(float) * g.D);
       }
     }

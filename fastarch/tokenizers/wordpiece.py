@@ -5,7 +5,7 @@ Guide-003 ``WordPieceTokenizer(vocab_size=1000, unk_token='[UNK]')`` with ``trai
 
 - training merges the adjacent pair with the highest likelihood ratio
   ``count(ab) / (count(a) * count(b))`` (the WordPiece criterion) instead of adding the most frequent
-  substring;
+  substring, with incremental pair counts and a lazily updated max-heap of scores;
 - pre-tokenization is BERT's (clean text, CJK characters, lowercase + accent stripping, punctuation
   split) instead of whitespace only, and encoding is BERT's greedy longest-match-first, where a word
   with an unmatchable position becomes a single ``[UNK]`` (the guide emitted one ``[UNK]`` per character
@@ -16,6 +16,7 @@ Guide-003 ``WordPieceTokenizer(vocab_size=1000, unk_token='[UNK]')`` with ``trai
 
 from __future__ import annotations
 
+import heapq
 import os
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -100,28 +101,40 @@ class WordPieceTokenizer(BaseTokenizer):
         sym_count: Counter[str] = Counter()
         pair_count: Counter[tuple[str, str]] = Counter()
         where: defaultdict[tuple[str, str], set[int]] = defaultdict(set)
+        sym_pairs: defaultdict[str, set[tuple[str, str]]] = defaultdict(set)  # symbol -> pairs holding it
         for i, (w, f) in enumerate(zip(words, freqs)):
             for s in w:
                 sym_count[s] += f
             for p in zip(w, w[1:]):
                 pair_count[p] += f
                 where[p].add(i)
+                sym_pairs[p[0]].add(p)
+                sym_pairs[p[1]].add(p)
+
+        def score(p: tuple[str, str]) -> float:
+            return pair_count[p] / (sym_count[p[0]] * sym_count[p[1]])
+
+        # Max-heap with lazy deletion on (score, count), ties to the smallest pair. A score changes only when
+        # the pair's count or one of its symbols' counts changes; every such pair gets a fresh entry, and an
+        # entry is used only if it still matches the current counts.
+        heap = [(-score(p), -c, p) for p, c in pair_count.items()]
+        heapq.heapify(heap)
         self.merges: list[tuple[str, str]] = []
-        while len(vocab_set) < self.vocab_size and pair_count:
-            # score = count(ab) / (count(a) * count(b)); ties -> higher count, then lexicographic pair
-            best = max(pair_count.items(),
-                       key=lambda kv: (kv[1] / (sym_count[kv[0][0]] * sym_count[kv[0][1]]), kv[1],
-                                       _neg(kv[0])))[0]
+        while len(vocab_set) < self.vocab_size and heap:
+            neg_s, neg_c, best = heapq.heappop(heap)
+            c_best = pair_count.get(best, 0)
+            if c_best <= 0 or c_best != -neg_c or score(best) != -neg_s:
+                continue
             a, b = best
             new = a + (b[len(pre):] if b.startswith(pre) else b)
+            changed: set[tuple[str, str]] = set()
             for i in list(where.pop(best, ())):
                 w, f = words[i], freqs[i]
                 if not any(x == a and y == b for x, y in zip(w, w[1:])):
                     continue
                 for p in zip(w, w[1:]):
                     pair_count[p] -= f
-                    if pair_count[p] <= 0:
-                        del pair_count[p]
+                    changed.add(p)
                 for s in w:
                     sym_count[s] -= f
                 merged: list[str] = []
@@ -139,7 +152,22 @@ class WordPieceTokenizer(BaseTokenizer):
                 for p in zip(merged, merged[1:]):
                     pair_count[p] += f
                     where[p].add(i)
+                    sym_pairs[p[0]].add(p)
+                    sym_pairs[p[1]].add(p)
+                    changed.add(p)
             pair_count.pop(best, None)
+            # count(a) and count(b) fell, so every pair holding a or b scores differently now.
+            for sym in (a, b):
+                live = {p for p in sym_pairs[sym] if pair_count.get(p, 0) > 0}
+                sym_pairs[sym] = live
+                changed |= live
+            changed.discard(best)
+            for p in changed:
+                c = pair_count.get(p, 0)
+                if c > 0:
+                    heapq.heappush(heap, (-score(p), -c, p))
+                else:
+                    pair_count.pop(p, None)
             self.merges.append(best)
             vocab_set.add(new)
             if verbose and len(vocab_set) % 100 == 0:
@@ -251,8 +279,3 @@ class WordPieceTokenizer(BaseTokenizer):
             raise TokenizerFileError(f"{path}: field 'strip_accents' must be a bool or null")
         tok.strip_accents = sa
         return tok
-
-
-def _neg(pair: tuple[str, str]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    # max() over (..., _neg(pair)) prefers the lexicographically smallest pair on exact ties.
-    return tuple(-ord(c) for c in pair[0]), tuple(-ord(c) for c in pair[1])

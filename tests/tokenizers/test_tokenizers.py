@@ -254,3 +254,45 @@ def test_guide_helper_methods():
     assert WordPieceTokenizer().get_initial_vocab({"ab": 1}) == {"[UNK]", "a", "##b"}
     assert UnigramTokenizer().get_initial_vocab(["ab"]) == {"\u2581": 1, "a": 1, "b": 1, "\u2581a": 1, "ab": 1,
                                                             "\u2581ab": 1}
+
+
+def _naive_wordpiece_merges(texts, n_merges):
+    """Full rescoring of every pair per merge: the reference for the heap-based trainer."""
+    freq = Counter(w for t in texts for w in WordPieceTokenizer().basic.tokenize(t))
+    words = {tuple([w[0]] + ["##" + c for c in w[1:]]): c for w, c in freq.items()}
+    merges = []
+    for _ in range(n_merges):
+        sym, pairs = Counter(), Counter()
+        for w, c in words.items():
+            for x in w:
+                sym[x] += c
+            for p in zip(w, w[1:]):
+                pairs[p] += c
+        if not pairs:
+            break
+        best = min(pairs, key=lambda p: (-(pairs[p] / (sym[p[0]] * sym[p[1]])), -pairs[p], p))
+        merges.append(best)
+        a, b = best
+        new_sym = a + (b[2:] if b.startswith("##") else b)
+        nw = {}
+        for w, c in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(new_sym)
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            nw[tuple(out)] = nw.get(tuple(out), 0) + c
+        words = nw
+    return merges
+
+
+def test_wordpiece_heap_training_matches_full_rescoring():
+    texts = _corpus(120, seed=4)
+    tok = WordPieceTokenizer(vocab_size=10_000)
+    tok.train(texts)
+    ref = _naive_wordpiece_merges(texts, len(tok.merges) + 5)
+    assert tok.merges == ref[:len(tok.merges)]
+    assert len(ref) == len(tok.merges)  # both stop when no pair is left

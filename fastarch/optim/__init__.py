@@ -1,0 +1,281 @@
+"""Optimizers with the seed guide 003's update rules, as real ``torch.optim.Optimizer`` subclasses.
+
+Each keeps the guide's constructor (``Adam(params, lr, beta1, beta2, eps)``) and state names (``velocity``,
+``sum_sq_grad``, ``sq_avg``, ``acc_delta``, ``m``, ``v``), and gains param groups, ``state_dict`` /
+``load_state_dict`` and compatibility with ``torch.optim.lr_scheduler``. Every optimizer has a per-tensor
+loop and a ``foreach`` path that updates all tensors of a group with PyTorch's multi-tensor kernels
+(default: ``foreach=None`` picks it when every tensor of the group is on one device and dense).
+
+Where the guide's rule is a ``torch.optim`` optimizer, trajectories match it: SGD, Momentum
+(= SGD momentum, no dampening), NesterovMomentum (= SGD nesterov), Adagrad, RMSprop, Adam, AdamW. The
+guide's Adadelta adds ``eps`` to the square roots (``(sqrt(u)+eps)/(sqrt(v)+eps)``) where torch adds it
+inside them; we keep the guide's rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["SGD", "Momentum", "NesterovMomentum", "Adagrad", "RMSprop", "Adadelta", "Adam", "AdamW"]
+
+
+class _GuideOptimizer(torch.optim.Optimizer):
+    """Shared machinery: grouping tensors with gradients, lazy state, and the foreach switch."""
+
+    state_names: tuple[str, ...] = ()
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], foreach: bool | None) -> None:
+        for k, v in defaults.items():
+            if isinstance(v, float) and v < 0:
+                raise ValueError(f"{type(self).__name__}: invalid {k}={v} (must be >= 0)")
+        defaults["foreach"] = foreach
+        super().__init__(params, defaults)
+
+    def _gather(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor], list[dict[str, Any]]]:
+        ps, gs, sts = [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            st = self.state[p]
+            if not st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                for name in self.state_names:
+                    st[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            ps.append(p)
+            gs.append(p.grad)
+            sts.append(st)
+        return ps, gs, sts
+
+    @staticmethod
+    def _use_foreach(group: dict[str, Any], ps: list[Tensor]) -> bool:
+        if group["foreach"] is not None:
+            return bool(group["foreach"])
+        return len(ps) > 1 and len({p.device for p in ps}) == 1
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            ps, gs, sts = self._gather(group)
+            if not ps:
+                continue
+            for st in sts:
+                st["step"] += 1
+            if self._use_foreach(group, ps):
+                self._update_foreach(group, ps, gs, sts)
+            else:
+                for p, g, st in zip(ps, gs, sts):
+                    self._update_one(group, p, g, st)
+        return loss
+
+    def _update_one(self, group, p, g, st) -> None:
+        raise NotImplementedError
+
+    def _update_foreach(self, group, ps, gs, sts) -> None:
+        raise NotImplementedError
+
+
+class SGD(_GuideOptimizer):
+    """``p -= lr * g``."""
+
+    def __init__(self, params, lr: float = 1e-3, *, foreach: bool | None = None) -> None:
+        super().__init__(params, dict(lr=lr), foreach)
+
+    def _update_one(self, group, p, g, st):
+        p.add_(g, alpha=-group["lr"])
+
+    def _update_foreach(self, group, ps, gs, sts):
+        torch._foreach_add_(ps, gs, alpha=-group["lr"])
+
+
+class Momentum(_GuideOptimizer):
+    """``v = momentum * v + g; p -= lr * v`` (torch's SGD with momentum and no dampening)."""
+
+    state_names = ("velocity",)
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.9, *, foreach: bool | None = None) -> None:
+        super().__init__(params, dict(lr=lr, momentum=momentum), foreach)
+
+    def _update_one(self, group, p, g, st):
+        v = st["velocity"].mul_(group["momentum"]).add_(g)
+        p.add_(v, alpha=-group["lr"])
+
+    def _update_foreach(self, group, ps, gs, sts):
+        vs = [st["velocity"] for st in sts]
+        torch._foreach_mul_(vs, group["momentum"])
+        torch._foreach_add_(vs, gs)
+        torch._foreach_add_(ps, vs, alpha=-group["lr"])
+
+
+class NesterovMomentum(_GuideOptimizer):
+    """``v = momentum * v + g; p -= lr * (momentum * v + g)`` (torch's SGD with ``nesterov=True``)."""
+
+    state_names = ("velocity",)
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.9, *, foreach: bool | None = None) -> None:
+        super().__init__(params, dict(lr=lr, momentum=momentum), foreach)
+
+    def _update_one(self, group, p, g, st):
+        v = st["velocity"].mul_(group["momentum"]).add_(g)
+        p.add_(g.add(v, alpha=group["momentum"]), alpha=-group["lr"])
+
+    def _update_foreach(self, group, ps, gs, sts):
+        vs = [st["velocity"] for st in sts]
+        torch._foreach_mul_(vs, group["momentum"])
+        torch._foreach_add_(vs, gs)
+        upd = torch._foreach_add(gs, vs, alpha=group["momentum"])
+        torch._foreach_add_(ps, upd, alpha=-group["lr"])
+
+
+class Adagrad(_GuideOptimizer):
+    """``G += g^2; p -= lr * g / (sqrt(G) + eps)``."""
+
+    state_names = ("sum_sq_grad",)
+
+    def __init__(self, params, lr: float = 1e-2, eps: float = 1e-8, *, foreach: bool | None = None) -> None:
+        super().__init__(params, dict(lr=lr, eps=eps), foreach)
+
+    def _update_one(self, group, p, g, st):
+        s = st["sum_sq_grad"].addcmul_(g, g)
+        p.addcdiv_(g, s.sqrt().add_(group["eps"]), value=-group["lr"])
+
+    def _update_foreach(self, group, ps, gs, sts):
+        ss = [st["sum_sq_grad"] for st in sts]
+        torch._foreach_addcmul_(ss, gs, gs)
+        den = torch._foreach_sqrt(ss)
+        torch._foreach_add_(den, group["eps"])
+        torch._foreach_addcdiv_(ps, gs, den, value=-group["lr"])
+
+
+class RMSprop(_GuideOptimizer):
+    """``v = alpha * v + (1 - alpha) * g^2; p -= lr * g / (sqrt(v) + eps)``."""
+
+    state_names = ("sq_avg",)
+
+    def __init__(self, params, lr: float = 1e-3, alpha: float = 0.99, eps: float = 1e-8, *,
+                 foreach: bool | None = None) -> None:
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps), foreach)
+
+    def _update_one(self, group, p, g, st):
+        v = st["sq_avg"].mul_(group["alpha"]).addcmul_(g, g, value=1 - group["alpha"])
+        p.addcdiv_(g, v.sqrt().add_(group["eps"]), value=-group["lr"])
+
+    def _update_foreach(self, group, ps, gs, sts):
+        vs = [st["sq_avg"] for st in sts]
+        torch._foreach_mul_(vs, group["alpha"])
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - group["alpha"])
+        den = torch._foreach_sqrt(vs)
+        torch._foreach_add_(den, group["eps"])
+        torch._foreach_addcdiv_(ps, gs, den, value=-group["lr"])
+
+
+class Adadelta(_GuideOptimizer):
+    """The guide's Adadelta: ``v = rho v + (1-rho) g^2; d = (sqrt(u) + eps) / (sqrt(v) + eps) * g;
+    p -= lr * d; u = rho u + (1-rho) d^2``. ``lr`` defaults to 1 (the guide has none)."""
+
+    state_names = ("sq_avg", "acc_delta")
+
+    def __init__(self, params, rho: float = 0.9, eps: float = 1e-6, lr: float = 1.0, *,
+                 foreach: bool | None = None) -> None:
+        super().__init__(params, dict(rho=rho, eps=eps, lr=lr), foreach)
+
+    def _update_one(self, group, p, g, st):
+        rho, eps = group["rho"], group["eps"]
+        v = st["sq_avg"].mul_(rho).addcmul_(g, g, value=1 - rho)
+        u = st["acc_delta"]
+        d = u.sqrt().add_(eps).div_(v.sqrt().add_(eps)).mul_(g)
+        p.add_(d, alpha=-group["lr"])
+        u.mul_(rho).addcmul_(d, d, value=1 - rho)
+
+    def _update_foreach(self, group, ps, gs, sts):
+        rho, eps = group["rho"], group["eps"]
+        vs = [st["sq_avg"] for st in sts]
+        us = [st["acc_delta"] for st in sts]
+        torch._foreach_mul_(vs, rho)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - rho)
+        num = torch._foreach_sqrt(us)
+        torch._foreach_add_(num, eps)
+        den = torch._foreach_sqrt(vs)
+        torch._foreach_add_(den, eps)
+        torch._foreach_div_(num, den)
+        torch._foreach_mul_(num, gs)
+        torch._foreach_add_(ps, num, alpha=-group["lr"])
+        torch._foreach_mul_(us, rho)
+        torch._foreach_addcmul_(us, num, num, value=1 - rho)
+
+
+class Adam(_GuideOptimizer):
+    """``m, v`` EWMAs with bias correction; ``p -= lr * m_hat / (sqrt(v_hat) + eps)``.
+
+    The guide's ``beta1``/``beta2`` are accepted, and ``betas=(b1, b2)`` as in torch.
+    """
+
+    state_names = ("m", "v")
+    decoupled_wd = False
+
+    def __init__(self, params, lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                 weight_decay: float = 0.0, *, betas: tuple[float, float] | None = None,
+                 foreach: bool | None = None) -> None:
+        if betas is not None:
+            beta1, beta2 = betas
+        for name, b in (("beta1", beta1), ("beta2", beta2)):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"{type(self).__name__}: invalid {name}={b} (must be in [0, 1))")
+        super().__init__(params, dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay), foreach)
+
+    def _coeffs(self, group, st) -> tuple[float, float]:
+        t = float(st["step"])
+        bc1 = 1 - group["beta1"] ** t
+        bc2 = 1 - group["beta2"] ** t
+        return group["lr"] / bc1, bc2**0.5
+
+    def _update_one(self, group, p, g, st):
+        b1, b2, lr, wd = group["beta1"], group["beta2"], group["lr"], group["weight_decay"]
+        if wd:
+            if self.decoupled_wd:
+                p.mul_(1 - lr * wd)
+            else:
+                g = g.add(p, alpha=wd)
+        m = st["m"].mul_(b1).add_(g, alpha=1 - b1)
+        v = st["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
+        step_size, bc2_sqrt = self._coeffs(group, st)
+        p.addcdiv_(m, v.sqrt().div_(bc2_sqrt).add_(group["eps"]), value=-step_size)
+
+    def _update_foreach(self, group, ps, gs, sts):
+        b1, b2, lr, wd = group["beta1"], group["beta2"], group["lr"], group["weight_decay"]
+        if wd:
+            if self.decoupled_wd:
+                torch._foreach_mul_(ps, 1 - lr * wd)
+            else:
+                gs = torch._foreach_add(gs, ps, alpha=wd)
+        ms = [st["m"] for st in sts]
+        vs = [st["v"] for st in sts]
+        torch._foreach_lerp_(ms, gs, 1 - b1)
+        torch._foreach_mul_(vs, b2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - b2)
+        # Tensors of a group may sit at different step counts (a parameter without grad some steps).
+        coeffs = [self._coeffs(group, st) for st in sts]
+        den = torch._foreach_sqrt(vs)
+        torch._foreach_div_(den, [c[1] for c in coeffs])
+        torch._foreach_add_(den, group["eps"])
+        torch._foreach_addcdiv_(ps, ms, den, [-c[0] for c in coeffs])
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay applied first: ``p *= 1 - lr * weight_decay`` (guide default 1e-2)."""
+
+    decoupled_wd = True
+
+    def __init__(self, params, lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, betas: tuple[float, float] | None = None,
+                 foreach: bool | None = None) -> None:
+        super().__init__(params, lr, beta1, beta2, eps, weight_decay, betas=betas, foreach=foreach)

@@ -111,7 +111,8 @@ class S4Layer(nn.Module):
         # (..., H) -> (..., H): activation, dropout, Linear(H, 2H) + GLU.
         return F.glu(self.output_linear(self.dropout(self.activation(y))), dim=-1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def ssm(self, x: torch.Tensor) -> torch.Tensor:
+        """The state-space part alone in convolution mode: ``K * x + D x``, (B, L, H) -> (B, L, H) fp32."""
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"S4Layer: argument 'x' must have shape (batch, seq_len, {self.d_model}), "
                              f"got {tuple(x.shape)}")
@@ -121,7 +122,10 @@ class S4Layer(nn.Module):
         n = 2 * L                                                       # zero-pad: linear, not circular
         y = torch.fft.irfft(torch.fft.rfft(u, n=n) * torch.fft.rfft(k, n=n), n=n)[..., :L]
         y = y + self.D.float().unsqueeze(-1) * u
-        return self._post(y.transpose(1, 2).to(x.dtype))
+        return y.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._post(self.ssm(x).to(x.dtype))
 
     # -- recurrent mode -----------------------------------------------------------------------------------
     def allocate_state(self, batch: int, device=None) -> torch.Tensor:

@@ -188,3 +188,25 @@ def test_long_range_delay_task():
         trained = mse(net, u_val, y_val).item()
     assert untrained > 0.8, untrained
     assert trained < 0.3, (trained, untrained)
+
+
+def test_registered_efficient_models():
+    from fastarch.models.registry import create_model
+
+    ids = torch.randint(0, 50, (2, 24))
+    for name in ("s4_lm_tiny", "performer_lm_tiny", "linformer_encoder_tiny"):
+        m = create_model(name, vocab_size=50, d_model=32, dropout=0.0).eval()
+        assert m(ids).shape == (2, 24, 50), name
+    lm = create_model("s4_lm_tiny", vocab_size=50, d_model=32, d_state=8, dropout=0.0).eval()
+    with torch.no_grad(), _one_thread():
+        state = lm.allocate_state(2)
+        steps = []
+        for t in range(24):
+            logits, state = lm.step(ids[:, t], state)
+            steps.append(logits)
+        torch.testing.assert_close(torch.stack(steps, 1), lm(ids), rtol=1e-4, atol=1e-4)
+    # Causal Performer LM: the prefix's logits do not depend on later tokens.
+    p = create_model("performer_lm_tiny", vocab_size=50, d_model=32, dropout=0.0).eval()
+    ids2 = ids.clone()
+    ids2[:, 12:] = (ids2[:, 12:] + 1) % 50
+    torch.testing.assert_close(p(ids2)[:, :12], p(ids)[:, :12], rtol=1e-4, atol=1e-4)

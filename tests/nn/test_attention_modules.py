@@ -462,9 +462,17 @@ def test_torch_multihead_wrapper(batch_first):
     kpm = torch.zeros(2, 8, dtype=torch.bool)
     kpm[1, -3:] = True
     am = torch.randn(5, 8)
-    o_r, _ = ref(q, kv, kv, key_padding_mask=kpm, attn_mask=am, need_weights=False)
-    o_f, w = ours(q, kv, kv, key_padding_mask=kpm, attn_mask=am, need_weights=False)
+    o_r, _ = ref(q, kv, kv, key_padding_mask=kpm, attn_mask=am > 1.0, need_weights=False)  # bool + bool
+    o_f, w = ours(q, kv, kv, key_padding_mask=kpm, attn_mask=am > 1.0, need_weights=False)
     assert w is None
+    torch.testing.assert_close(o_f, o_r, rtol=1e-5, atol=1e-5)
+    kpm_f = torch.zeros(2, 8).masked_fill(kpm, float("-inf"))  # float + float
+    o_r, _ = ref(q, kv, kv, key_padding_mask=kpm_f, attn_mask=am, need_weights=False)
+    o_f, _ = ours(q, kv, kv, key_padding_mask=kpm_f, attn_mask=am, need_weights=False)
+    torch.testing.assert_close(o_f, o_r, rtol=1e-5, atol=1e-5)
+    causal = torch.ones(5, 5).triu(1).bool()  # self-attention with torch's is_causal hint
+    o_r, _ = ref(q, q, q, need_weights=False, attn_mask=causal, is_causal=True)
+    o_f, _ = ours(q, q, q, need_weights=False, attn_mask=causal, is_causal=True)
     torch.testing.assert_close(o_f, o_r, rtol=1e-5, atol=1e-5)
     o_r, w_r = ref(q, kv, kv)  # weights requested: torch's own path
     o_f, w_f = ours(q, kv, kv)

@@ -112,12 +112,15 @@ def full_causal(L: int, reps: int) -> None:
     q, k, v = (torch.randn(B, H, L, D) for _ in range(3))
     with torch.no_grad():
         for causal in (False, True):
-            t_sdpa = timeit(lambda c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c), reps)
-            t_cpp = timeit(lambda c=causal: attention(q, k, v, causal=c, backend="cpp"), reps)
-            t_auto = timeit(lambda c=causal: attention(q, k, v, causal=c), reps)
+            r = interleaved({
+                "sdpa": lambda c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c),
+                "cpp": lambda c=causal: attention(q, k, v, causal=c, backend="cpp"),
+            }, reps)
+            (s_min, s_med), (c_min, c_med) = r["sdpa"], r["cpp"]
             name = "causal" if causal else "full"
-            print(f"{name:6s} L={L}: SDPA {t_sdpa * 1e3:7.1f} ms | cpp kernel {t_cpp * 1e3:7.1f} ms "
-                  f"(x{t_sdpa / t_cpp:.2f} vs SDPA) | auto {t_auto * 1e3:7.1f} ms (x{t_sdpa / t_auto:.2f})")
+            print(f"{name:6s} L={L} (interleaved): SDPA min {s_min * 1e3:7.1f} / median {s_med * 1e3:7.1f} ms | "
+                  f"cpp kernel min {c_min * 1e3:7.1f} / median {c_med * 1e3:7.1f} ms | "
+                  f"x{s_min / c_min:.2f} (min), x{s_med / c_med:.2f} (median) vs SDPA")
 
 
 def backward(L: int, w: int, reps: int) -> None:
@@ -154,6 +157,7 @@ def main() -> None:
     ap.add_argument("--skip-dense", action="store_true")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--only-flex", action="store_true", help="just the interleaved cpp vs flex comparison")
+    ap.add_argument("--only-full", action="store_true", help="just full/causal vs SDPA")
     ap.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: leave as is)")
     args = ap.parse_args()
     if args.threads:
@@ -162,6 +166,9 @@ def main() -> None:
     L = 2048 if args.quick else 8192
     if args.only_flex:
         sliding_vs_flex(L, 256, args.reps)
+        return
+    if args.only_full:
+        full_causal(2048 if args.quick else 4096, args.reps)
         return
     memory(65536 if not args.quick else 16384, 128)
     sliding(L, 256, args.reps, args.skip_flex, args.skip_dense)

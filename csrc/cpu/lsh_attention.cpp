@@ -9,7 +9,9 @@
 // masks (padding, key_padding_mask, causal, self), softmax with a vectorised exp, O = P V. Each task
 // writes o and lse for its own slots, so tasks never race. A second pass over positions combines the
 // rounds: out = sum_r o_r softmax_r(lse_r), or the query's own v when every round was empty.
-// Memory: O(n_hashes * L * D) for the per-slot outputs; never O(L^2).
+// When there are at least as many (batch, head) pairs as threads, one thread instead walks every chunk
+// of a head and folds each round into the output at once (an online softmax over rounds), with no
+// per-slot buffers. Memory: O(n_hashes * L * D) for the per-slot outputs at most; never O(L^2).
 //
 // Backward, same tasks: recompute S, P = exp(S - LSE) with the combined LSE, dP = G V^T,
 // dS = P (dP - delta) * scale; dQ, dK, dV per slot; dK/dV of the previous chunk's keys go to a second
@@ -324,6 +326,86 @@ std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& kn, const
   check_inputs(q, kn, v, perm, inv, kpm, bucket_size);
   const Geometry g = geometry(q, perm, inv, bucket_size);
   const int64_t BH = g.B * g.H;
+  const float ninf0 = -std::numeric_limits<float>::infinity();
+  if (BH >= at::get_num_threads()) {
+    // Enough (batch, head) pairs to keep every thread busy: one thread walks all chunks of a head and
+    // folds each round into the output at once (online softmax over rounds), so no per-slot buffers.
+    auto out = at::zeros_like(q);
+    auto lse = at::empty({g.B, g.H, g.L}, q.options());
+    const float* qp = q.data_ptr<float>();
+    const float* kp = kn.data_ptr<float>();
+    const float* vp = v.data_ptr<float>();
+    const int64_t* pp = perm.data_ptr<int64_t>();
+    const bool* mp = kpm.has_value() ? kpm->data_ptr<bool>() : nullptr;
+    float* outp = out.data_ptr<float>();
+    float* lsep = lse.data_ptr<float>();
+    at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+      Tile t(g);
+      std::vector<float> Ob(g.bsp * g.Dp), rinv(g.bsp), lrow(g.bsp), mrun(g.L), zrun(g.L);
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / g.H, off = bh * g.L * g.D;
+        float* acc = outp + off;
+        std::fill(mrun.begin(), mrun.end(), ninf0);
+        std::fill(zrun.begin(), zrun.end(), 0.0f);
+        for (int64_t c = 0; c < g.C; ++c) {
+          t.load(g, qp + off, kp + off, vp + off, pp + bh * g.S, mp ? mp + b * g.L : nullptr, bh, c);
+          gemm_nn(t.Qb.data(), g.Dp, t.Kt.data(), g.NKp, t.Sb.data(), g.NKp, g.bsp, g.NKp, g.D, false);
+          for (int64_t i = 0; i < g.bsp; ++i) {
+            const float mx = t.mask_row(g, i, causal);
+            float* srow = &t.Sb[i * g.NKp];
+            if (mx == ninf0) {
+              std::fill(srow, srow + g.NKp, 0.0f);
+              lrow[i] = ninf0;
+              continue;
+            }
+            v8f a8 = splat8(0.0f);
+            const v8f m8 = splat8(mx);
+            for (int64_t j = 0; j < g.NKp; j += 8) {
+              const v8f e = vexp_nonpos(load8(srow + j) - m8);
+              store8(srow + j, e);
+              a8 += e;
+            }
+            float sum = 0.0f;
+            for (int l = 0; l < 8; ++l) sum += a8[l];
+            lrow[i] = mx + std::log(sum);
+            rinv[i] = 1.0f / sum;
+          }
+          gemm_nn(t.Sb.data(), g.NKp, t.Vb.data(), g.Dp, Ob.data(), g.Dp, g.bsp, g.Dp, g.NKp, false);
+          for (int64_t i = 0; i < g.bs; ++i) {
+            const float l = lrow[i];
+            const int64_t p = t.qpos[i];
+            if (l == ninf0 || p >= g.L) continue;
+            const float* o = &Ob[i * g.Dp];
+            float* a = acc + p * g.D;
+            float wo, wa;  // weights of this round and of what is accumulated
+            if (l > mrun[p]) {
+              wa = mrun[p] == ninf0 ? 0.0f : std::exp(mrun[p] - l);
+              wo = 1.0f;
+              mrun[p] = l;
+            } else {
+              wa = 1.0f;
+              wo = std::exp(l - mrun[p]);
+            }
+            zrun[p] = zrun[p] * wa + wo;
+            wo *= rinv[i];
+            for (int64_t d = 0; d < g.D; ++d) a[d] = a[d] * wa + o[d] * wo;
+          }
+        }
+        for (int64_t p = 0; p < g.L; ++p) {
+          float* a = acc + p * g.D;
+          if (mrun[p] == ninf0) {  // every round fell back to the query itself
+            std::memcpy(a, vp + off + p * g.D, sizeof(float) * g.D);
+            lsep[bh * g.L + p] = ninf0;
+          } else {
+            const float rz = 1.0f / zrun[p];
+            for (int64_t d = 0; d < g.D; ++d) a[d] *= rz;
+            lsep[bh * g.L + p] = mrun[p] + std::log(zrun[p]);
+          }
+        }
+      }
+    });
+    return {out, lse};
+  }
   auto o_s = at::empty({BH, g.S, g.D}, q.options());
   auto lse_s = at::empty({BH, g.S}, q.options());
   const float* qp = q.data_ptr<float>();

@@ -166,6 +166,25 @@ def test_backend_matches_reference(backend, B, H, L, D, bs, nh, causal):
     torch.testing.assert_close(dq, dq_ref, atol=5e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpp_both_schedules(causal):
+    # the C++ forward folds rounds per head when B*H >= threads, else writes per-slot outputs: same result
+    qk, v = _inputs(1, 3, 150, 16)
+    kpm = torch.rand(1, 150) > 0.2
+    kw = dict(n_hashes=3, bucket_size=16, seed=2, causal=causal, key_padding_mask=kpm, backend="cpp")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        per_head = lsh_attention(qk, v, **kw)
+        torch.set_num_threads(4)
+        per_slot = lsh_attention(qk, v, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(per_head, per_slot, atol=1e-5, rtol=1e-5)
+    ref = lsh_attention_ref(qk, v, n_hashes=3, bucket_size=16, seed=2, causal=causal, key_padding_mask=kpm)
+    torch.testing.assert_close(per_head, ref, atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("backend", ["cpp", "triton"])
 def test_half_precision(backend):
     B, H, L, D = 1, 2, 70, 16

@@ -184,6 +184,8 @@ def format_table(run: RunResult) -> str:
         by_suite.setdefault(r.suite, []).append(r)
     for name, info in run.suites.items():
         title = f"== {name}: {info.get('description', '')}".rstrip(": ")
+        if "wall_s" in info:
+            title += f"  [{info['wall_s']:.1f} s]"
         if info["status"] != "ok":
             lines.append(f"{title}\n   {info['status']}: {info['note']}\n")
             continue

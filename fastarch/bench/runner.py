@@ -84,7 +84,7 @@ class RunOptions:
 @dataclass
 class RunResult:
     results: list[ProviderResult]
-    suites: dict[str, dict[str, str]]  # name -> {"description", "status", "note"}
+    suites: dict[str, dict[str, Any]]  # name -> {"description", "status", "note"[, "wall_s"]}
     matmul_peak_gflops: float | None
     wall_s: float
 
@@ -162,7 +162,7 @@ def run_benchmarks(
     device or a broken suite: each is reported in the result."""
     t_start = time.perf_counter()
     cfg = BenchConfig(quick=opts.quick, device=opts.device, dtype=opts.dtype, toy=opts.toy)
-    suites: dict[str, dict[str, str]] = {}
+    suites: dict[str, dict[str, Any]] = {}
     plan: list[tuple[SuiteEntry, list[Case]]] = []
     no_cuda = opts.device.type == "cuda" and not torch.cuda.is_available()
     for e in entries:
@@ -204,6 +204,7 @@ def run_benchmarks(
             suites[entry.name].update(status="skipped", note="interrupted before this suite")
             continue
         suite_results: list[tuple[Case, ProviderResult]] = []
+        t_suite = time.perf_counter()
         try:
             done = _run_cases(entry, cases, opts, progress, t_start, total, done, suite_results)
         except KeyboardInterrupt:  # Ctrl-C: keep and write what was measured so far
@@ -214,6 +215,7 @@ def run_benchmarks(
         for case in cases:
             _derive([r for c, r in suite_results if c is case], case, peak)
         results.extend(r for _, r in suite_results)
+        suites[entry.name]["wall_s"] = round(time.perf_counter() - t_suite, 2)
     return RunResult(results=results, suites=suites, matmul_peak_gflops=peak,
                      wall_s=time.perf_counter() - t_start)
 

@@ -1,4 +1,5 @@
-"""Triton kernels for the selective scan (forward and backward) and their launchers.
+"""Triton kernels for the selective scan (forward and backward), its decode step (``selective_state_update``)
+and their launchers.
 
 One program owns a (batch, block of channels) pair and keeps the state tile ``h`` (BLOCK_D x BLOCK_N) in
 registers while it walks time. The forward stores the state only at chunk boundaries (``ckpt``, every
@@ -295,3 +296,60 @@ def selective_scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, ckpt, s
 
     return (du, ddt, dA.sum(0), back(dB, B), back(dC, C), dD.sum(0) if D is not None else None, dz,
             dbias.sum(0) if delta_bias is not None else None)
+
+
+# -- selective_state_update: one decode step --------------------------------------------------------------
+@triton.jit
+def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, out_ptr,
+                nheads, P, N, GB, GC,
+                HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Program (batch * nheads + head, channel block): the (BLOCK_P, BLOCK_N) state tile is read, updated and
+    # written back once; every array is contiguous in the heads form (see the launcher).
+    bh = tl.program_id(0)
+    b = bh // nheads
+    h = bh % nheads
+    offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mp = offs_p < P
+    mn = offs_n < N
+    m2 = mp[:, None] & mn[None, :]
+    hp = h * P + offs_p  # (head, channel) index into A / D / dt_bias
+    row = bh * P + offs_p  # (batch, head, channel) index into x / dt / z / out
+    st_ptrs = state_ptr + row[:, None] * N + offs_n[None, :]
+    st = tl.load(st_ptrs, mask=m2, other=0.0).to(tl.float32)
+    A = tl.load(A_ptr + hp[:, None] * N + offs_n[None, :], mask=m2, other=0.0).to(tl.float32)
+    Bv = tl.load(B_ptr + (b * GB + h // (nheads // GB)) * N + offs_n, mask=mn, other=0.0).to(tl.float32)
+    Cv = tl.load(C_ptr + (b * GC + h // (nheads // GC)) * N + offs_n, mask=mn, other=0.0).to(tl.float32)
+    xv = tl.load(x_ptr + row, mask=mp, other=0.0).to(tl.float32)
+    dv = tl.load(dt_ptr + row, mask=mp, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        dv += tl.load(bias_ptr + hp, mask=mp, other=0.0).to(tl.float32)
+    if SOFTPLUS:
+        dv = _softplus(dv)
+    st = st * tl.exp(dv[:, None] * A) + (dv * xv)[:, None] * Bv[None, :]
+    tl.store(st_ptrs, st, mask=m2)
+    y = tl.sum(st * Cv[None, :], axis=1)
+    if HAS_D:
+        y += xv * tl.load(D_ptr + hp, mask=mp, other=0.0).to(tl.float32)
+    if HAS_Z:
+        zv = tl.load(z_ptr + row, mask=mp, other=0.0).to(tl.float32)
+        y = y * zv * _sigmoid(zv)
+    tl.store(out_ptr + row, y, mask=mp)
+
+
+def selective_state_update_fwd(state, x, dt, A, B, C, D, z, dt_bias, softplus: bool) -> torch.Tensor:
+    """Heads form, contiguous: state (batch, H, P, N) updated in place; x/dt/z (batch, H, P); A (H, P, N);
+    B/C (batch, G, N); D/dt_bias (H, P). Returns out (batch, H, P) fp32."""
+    batch, nheads, P, N = state.shape
+    out = torch.empty(batch, nheads, P, device=state.device, dtype=torch.float32)
+    block_n = max(triton.next_power_of_2(N), 2)
+    block_p = max(2, min(triton.next_power_of_2(P), max(2, 4096 // block_n)))
+    dm = _dummy(state)
+    grid = (batch * nheads, triton.cdiv(P, block_p))
+    _ssu_kernel[grid](
+        state, x, dt, A, B, C, D if D is not None else dm, z if z is not None else dm,
+        dt_bias if dt_bias is not None else dm, out, nheads, P, N, B.shape[1], C.shape[1],
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(softplus),
+        BLOCK_P=block_p, BLOCK_N=block_n)
+    return out

@@ -1,4 +1,5 @@
-// Mamba's selective scan on CPU (forward and backward) and the depthwise causal conv1d that precedes it.
+// Mamba's selective scan on CPU (forward and backward), the depthwise causal conv1d that precedes it, and
+// both ops' decode steps (selective_state_update, causal_conv1d_update) at the end of the file.
 //
 // Layout the Python glue hands us (all fp32, contiguous):
 //   u, delta, z, out: (batch, D, L)     A: (D, N)     D, delta_bias: (D,)
@@ -505,6 +506,97 @@ std::vector<torch::Tensor> conv_bwd(torch::Tensor x, torch::Tensor w, c10::optio
   return {dx, dw, db};
 }
 
+// ---- selective_state_update: one decode step, in place on the state --------------------------------------
+// Heads form (the no-heads form arrives with nheads = 1):
+//   state (batch, H, P, N) fp32 contiguous, updated in place;  x, dt, z, out: (batch, H, P);
+//   A (H, P, N);  B, C (batch, G, N), head h reads group h / (H / G);  D, dt_bias (H, P).
+// Parallel over batch x H x P rows; each row's N-long update is one `omp simd` loop with the polynomial exp.
+torch::Tensor state_update(torch::Tensor state, torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
+                           torch::Tensor C, c10::optional<torch::Tensor> Dp, c10::optional<torch::Tensor> z,
+                           c10::optional<torch::Tensor> dt_bias, bool softplus) {
+  TORCH_CHECK(state.is_contiguous() && state.scalar_type() == torch::kFloat && state.dim() == 4,
+              "selective_state_update cpp: state must be fp32 contiguous (batch, nheads, dim, N)");
+  const int64_t batch = state.size(0), H = state.size(1), P = state.size(2), N = state.size(3);
+  const int64_t G = B.size(1), GC = C.size(1);
+  TORCH_CHECK(x.numel() == batch * H * P && A.numel() == H * P * N && B.numel() == batch * G * N &&
+                  C.numel() == batch * GC * N,
+              "selective_state_update cpp: inconsistent sizes");
+  auto out = torch::empty({batch, H, P}, x.options());
+  float* ps = state.data_ptr<float>();
+  const float* px = x.data_ptr<float>();
+  const float* pdt = dt.data_ptr<float>();
+  const float* pA = A.data_ptr<float>();
+  const float* pB = B.data_ptr<float>();
+  const float* pC = C.data_ptr<float>();
+  const float* pD = Dp ? Dp->data_ptr<float>() : nullptr;
+  const float* pz = z ? z->data_ptr<float>() : nullptr;
+  const float* pbias = dt_bias ? dt_bias->data_ptr<float>() : nullptr;
+  float* po = out.data_ptr<float>();
+  const int64_t rows = batch * H * P;
+  // Small grain only when N is large: a row is ~N*10 flops, so batch several rows per task.
+  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(N, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / (H * P);
+      const int64_t hp = r % (H * P);  // (head, channel) index into A / D / dt_bias
+      const int64_t h = hp / P;
+      const float* Br = pB + (b * G + h / (H / G)) * N;
+      const float* Cr = pC + (b * GC + h / (H / GC)) * N;
+      const float* Ar = pA + hp * N;
+      float* sr = ps + r * N;
+      float d = pdt[r] + (pbias ? pbias[hp] : 0.f);
+      if (softplus) d = softplus_f(d);
+      const float dx = d * px[r];
+      float y = 0.f;
+#pragma omp simd reduction(+ : y)
+      for (int64_t n = 0; n < N; ++n) {
+        const float v = sr[n] * fast_exp(d * Ar[n]) + dx * Br[n];
+        sr[n] = v;
+        y += v * Cr[n];
+      }
+      if (pD) y += px[r] * pD[hp];
+      if (pz) y *= pz[r] * sigmoid_f(pz[r]);
+      po[r] = y;
+    }
+  });
+  return out;
+}
+
+// ---- causal_conv1d_update: T decode steps, conv_state (batch, D, S) shifted in place --------------------
+// The virtual sequence is [conv_state (S), x (T)]; output t reads its last W entries ending at S + t, and
+// the new state is the last S entries. Parallel over batch x channel; each row works in a small buffer.
+torch::Tensor conv_update(torch::Tensor x, torch::Tensor conv_state, torch::Tensor w, c10::optional<torch::Tensor> bias,
+                          bool silu) {
+  TORCH_CHECK(x.is_contiguous() && conv_state.is_contiguous() && conv_state.scalar_type() == torch::kFloat,
+              "causal_conv1d_update cpp: x and conv_state must be fp32 contiguous");
+  const int64_t batch = x.size(0), dim = x.size(1), T = x.size(2), S = conv_state.size(2), K = w.size(1);
+  TORCH_CHECK(S >= K - 1, "causal_conv1d_update cpp: conv_state shorter than width - 1");
+  auto out = torch::empty_like(x);
+  const float* px = x.data_ptr<float>();
+  float* pst = conv_state.data_ptr<float>();
+  const float* pw = w.data_ptr<float>();
+  const float* pb = bias ? bias->data_ptr<float>() : nullptr;
+  float* po = out.data_ptr<float>();
+  at::parallel_for(0, batch * dim, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> full(S + T);
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t d = r % dim;
+      float* st = pst + r * S;
+      std::copy(st, st + S, full.begin());
+      std::copy(px + r * T, px + (r + 1) * T, full.begin() + S);
+      const float* wr = pw + d * K;
+      for (int64_t t = 0; t < T; ++t) {
+        float acc = pb ? pb[d] : 0.f;
+        const float* win = full.data() + S + t - (K - 1);  // S >= K - 1 keeps this inside the buffer
+        for (int64_t k = 0; k < K; ++k) acc += wr[k] * win[k];
+        po[r * T + t] = silu ? acc / (1.f + std::exp(-acc)) : acc;
+      }
+      std::copy(full.end() - S, full.end(), st);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -513,4 +605,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bwd", &scan_bwd, "selective scan backward -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)");
   m.def("conv_fwd", &conv_fwd, "causal conv1d forward");
   m.def("conv_bwd", &conv_bwd, "causal conv1d backward -> (dx, dw, dbias)");
+  m.def("state_update", &state_update, "selective_state_update (in place on state) -> out");
+  m.def("conv_update", &conv_update, "causal_conv1d_update (in place on conv_state) -> out");
 }

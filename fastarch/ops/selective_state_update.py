@@ -10,6 +10,12 @@
 ``state = state * exp(dt * A) + dt * B * x``; ``out = <state, C> + D * x``, times ``silu(z)``; returns
 ``out`` in ``x.dtype`` with ``x``'s shape. Every argument is validated before ``state`` is written.
 Inference only (not differentiable), like mamba-ssm's.
+
+Backends: ``torch`` (the reference, composed PyTorch in fp32), ``cpp`` (parallel over batch x heads x
+channels, each row's N-long update one vectorised loop with a polynomial exp; in the selective_scan
+extension) and ``triton`` (a program per (batch, head, channel block), the state tile in registers). The
+compiled backends update an fp32 contiguous ``state`` directly; any other state is updated through an fp32
+copy that is written back (after validation, so a rejected call never touches it).
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import AUTO, Implementation, register
+from ..backend import AUTO, Implementation, TritonImplementation, register
+from ..extensions import load_extension
 from ._checks import check_same_device, check_tensor, fail
 from ._dispatch import call_of, run
 
@@ -119,4 +126,55 @@ class TorchSelectiveStateUpdate(Implementation):
         return selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
 
 
-register(TorchSelectiveStateUpdate)
+def _heads_args(state, x, dt, A, B, C, D, z, dt_bias):
+    """The heads form with fp32 contiguous tensors for the compiled kernels; ``state`` is returned as the
+    tensor to update (itself when already fp32 contiguous, else an fp32 copy to be written back)."""
+    st, x4, dt4, A4, B4, C4, D4, z4, db4 = _to_heads(state, x, dt, A, B, C, D, z, dt_bias)
+    work = st if (st.dtype == torch.float32 and st.is_contiguous()) else st.float().contiguous()
+
+    def c(t):
+        return None if t is None else t.float().contiguous()
+
+    return st, work, (c(x4), c(dt4), c(A4), c(B4), c(C4), c(D4), c(z4), c(db4))
+
+
+class _CompiledStateUpdate(Implementation):
+    """Shared glue: heads form, fp32 working state written back when the caller's state is not fp32
+    contiguous; ``_kernel(work, *fp32 args, softplus)`` returns out (batch, nheads, dim) fp32."""
+
+    def forward(self, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
+        st, work, args = _heads_args(state, x, dt, A, B, C, D, z, dt_bias)
+        out = self._kernel(work, *args, bool(dt_softplus))
+        if work is not st:
+            st.copy_(work)
+        out = out.to(x.dtype)
+        return out if state.dim() == 4 else out.squeeze(1)
+
+
+class CppSelectiveStateUpdate(_CompiledStateUpdate):
+    op, backend = OP, "cpp"
+    devices = ("cpu",)
+    description = "C++: parallel over batch x heads x channels, vectorised over N (polynomial exp), in place"
+
+    def load(self):
+        return load_extension("selective_scan", "cpu")
+
+    def _kernel(self, work, x, dt, A, B, C, D, z, dt_bias, softplus):
+        return self.lib.state_update(work, x, dt, A, B, C, D, z, dt_bias, softplus)
+
+
+class TritonSelectiveStateUpdate(TritonImplementation, _CompiledStateUpdate):
+    op = OP
+    description = "Triton: a program per (batch, head, channel block), state tile in registers, in place"
+
+    def load(self):
+        from ..kernels import selective_scan as k
+
+        return k
+
+    def _kernel(self, work, x, dt, A, B, C, D, z, dt_bias, softplus):
+        return self.lib.selective_state_update_fwd(work, x, dt, A, B, C, D, z, dt_bias, softplus)
+
+
+for _impl in (TorchSelectiveStateUpdate, CppSelectiveStateUpdate, TritonSelectiveStateUpdate):
+    register(_impl)

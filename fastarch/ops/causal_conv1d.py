@@ -8,8 +8,11 @@ the start), then SiLU when ``activation`` is ``"silu"`` or ``"swish"``. Output i
 ``x`` is ``(B, D)`` or ``(B, D, T)``; ``conv_state`` ``(B, D, S)`` with ``S >= W - 1`` holds the last S
 inputs and is shifted in place; returns the output in ``x``'s shape. Everything is validated first.
 
-Backends: ``torch`` (``F.conv1d``; backward through autograd) and ``cpp`` (a C++ loop, parallel over
-channels; it lives in the selective_scan extension).
+Backends (both ops): ``torch`` (``F.conv1d``; the backward is analytic, in composed PyTorch), ``cpp`` (C++
+loops parallel over batch x channel, in the selective_scan extension) and ``triton`` (tiled kernels in
+``kernels/causal_conv1d.py``; the backward sums per-tile partials of dw/dbias, no atomics). The update's
+compiled backends shift an fp32 contiguous ``conv_state`` directly and any other one through an fp32 copy
+written back after the (already validated) step.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import AUTO, Implementation, register
+from ..backend import AUTO, Implementation, TritonImplementation, register
 from ..extensions import load_extension
 from ._checks import check_same_device, check_tensor, fail
 from ._dispatch import call_of, run
@@ -26,6 +29,7 @@ __all__ = ["causal_conv1d", "causal_conv1d_fn", "causal_conv1d_ref", "causal_con
            "causal_conv1d_update_ref"]
 
 OP = "causal_conv1d"
+OP_UPDATE = "causal_conv1d_update"
 
 
 def _check_activation(op: str, activation: str | None) -> bool:
@@ -125,12 +129,24 @@ def causal_conv1d_update_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: 
     return (out.squeeze(-1) if squeeze else out).to(x.dtype)
 
 
+@torch.library.custom_op("fastarch::causal_conv1d_update", mutates_args=("conv_state",))
+def _conv_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 silu: bool, backend: str) -> torch.Tensor:
+    return run(OP_UPDATE, "update", call_of(x, width=weight.shape[1]), backend, x, conv_state, weight, bias, silu)
+
+
+@_conv_update.register_fake
+def _(x, conv_state, weight, bias, silu, backend):
+    return torch.empty_like(x)
+
+
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-                         bias: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, activation: str | None = None, *,
+                         backend: str | None = None) -> torch.Tensor:
     """One (or T) decode step(s): ``x`` ``(B, D)`` or ``(B, D, T)``, ``conv_state`` ``(B, D, S)``,
     ``S >= width - 1``, updated in place. Returns ``(B, D)`` or ``(B, D, T)`` in ``x.dtype``."""
-    op = "causal_conv1d_update"
-    _check_activation(op, activation)
+    op = OP_UPDATE
+    silu = _check_activation(op, activation)
     check_tensor(op, "x", x, ndim=(2, 3))
     batch, dim = x.shape[:2]
     check_tensor(op, "weight", weight, ndim=2)
@@ -144,7 +160,9 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
         check_tensor(op, "bias", bias, shape=(dim,))
     check_same_device(op, "x", x, conv_state=conv_state, weight=weight, bias=bias)
     with torch.no_grad():
-        return causal_conv1d_update_ref(x, conv_state, weight, bias, activation)
+        if x.numel() == 0:
+            return causal_conv1d_update_ref(x, conv_state, weight, bias, activation)
+        return _conv_update(x, conv_state, weight, bias, silu, backend or AUTO)
 
 
 # -- backends ---------------------------------------------------------------------------------------------
@@ -170,6 +188,9 @@ class TorchCausalConv1d(Implementation):
         dw = torch.einsum("bdl,bdlw->dw", g, windows)
         return dx, dw, g.sum((0, 2))
 
+    def update(self, x, conv_state, weight, bias, silu):
+        return causal_conv1d_update_ref(x, conv_state, weight, bias, "silu" if silu else None)
+
 
 class CppCausalConv1d(Implementation):
     op, backend = OP, "cpp"
@@ -189,6 +210,58 @@ class CppCausalConv1d(Implementation):
                                        dout.float().contiguous(), silu)
         return dx, dw, db
 
+    def update(self, x, conv_state, weight, bias, silu):
+        return _compiled_update(self.lib.conv_update, x, conv_state, weight, bias, silu)
 
-for _impl in (TorchCausalConv1d, CppCausalConv1d):
+
+def _compiled_update(kernel, x, conv_state, weight, bias, silu):
+    """Shared glue of the compiled updates: (B, D) -> (B, D, 1); fp32 contiguous state (or a copy of it)."""
+    xs = (x.unsqueeze(-1) if x.dim() == 2 else x).float().contiguous()
+    work = conv_state if (conv_state.dtype == torch.float32 and conv_state.is_contiguous()) else \
+        conv_state.float().contiguous()
+    out = kernel(xs, work, weight.float().contiguous(), None if bias is None else bias.float().contiguous(), silu)
+    if work is not conv_state:
+        conv_state.copy_(work)
+    out = out.to(x.dtype)
+    return out.squeeze(-1) if x.dim() == 2 else out
+
+
+class TritonCausalConv1d(TritonImplementation):
+    op = OP
+    description = "Triton: tiled (channel block x time block) forward; backward with per-tile dw/dbias partials"
+
+    def load(self):
+        from ..kernels import causal_conv1d as k
+
+        return k
+
+    def forward(self, x, weight, bias, silu):
+        b = None if bias is None else bias.contiguous()
+        return self.lib.conv_fwd(x.contiguous(), weight.contiguous(), b, silu).to(x.dtype)
+
+    def backward(self, dout, x, weight, bias, silu):
+        b = None if bias is None else bias.contiguous()
+        return self.lib.conv_bwd(dout.contiguous(), x.contiguous(), weight.contiguous(), b, silu)
+
+    def update(self, x, conv_state, weight, bias, silu):
+        return _compiled_update(self.lib.conv_update, x, conv_state, weight, bias, silu)
+
+
+class TorchCausalConv1dUpdate(TorchCausalConv1d):
+    op = OP_UPDATE
+    description = "composed PyTorch (the reference), in place on conv_state"
+
+
+class CppCausalConv1dUpdate(CppCausalConv1d):
+    op = OP_UPDATE
+    description = "C++ loop over (batch, channel) rows, in place on conv_state"
+
+
+class TritonCausalConv1dUpdate(TritonCausalConv1d):
+    op = OP_UPDATE
+    description = "Triton: a program per (batch, channel block); state shifted in place"
+
+
+for _impl in (TorchCausalConv1d, CppCausalConv1d, TritonCausalConv1d, TorchCausalConv1dUpdate,
+              CppCausalConv1dUpdate, TritonCausalConv1dUpdate):
     register(_impl)

@@ -39,6 +39,14 @@ inline v8f splat8(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Rows reached through the permutation are scattered in memory: fetch them ahead of use.
+inline void prefetch_row(const float* p, int64_t n, bool write = false) {
+  for (int64_t k = 0; k < n; k += 16) {
+    if (write) __builtin_prefetch(p + k, 1, 3);
+    else __builtin_prefetch(p + k, 0, 3);
+  }
+}
+
 // exp for x <= 0 (Cephes-style range reduction and polynomial); values below -87 give exactly 0.
 inline v8f vexp_nonpos(v8f x) {
   const v8i keep = x > splat8(-87.0f);
@@ -347,8 +355,24 @@ std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& kn, const
         float* acc = outp + off;
         std::fill(mrun.begin(), mrun.end(), ninf0);
         std::fill(zrun.begin(), zrun.end(), 0.0f);
+        const int64_t* perm_bh = pp + bh * g.S;
         for (int64_t c = 0; c < g.C; ++c) {
-          t.load(g, qp + off, kp + off, vp + off, pp + bh * g.S, mp ? mp + b * g.L : nullptr, bh, c);
+          t.load(g, qp + off, kp + off, vp + off, perm_bh, mp ? mp + b * g.L : nullptr, bh, c);
+          // this chunk's output rows (updated below) and the next chunk's inputs
+          for (int64_t i = 0; i < g.bs; ++i) {
+            const int64_t p = t.qpos[i];
+            if (p < g.L) prefetch_row(acc + p * g.D, g.D, true);
+          }
+          if (c + 1 < g.C) {
+            for (int64_t i = 0; i < g.bs; ++i) {
+              const int64_t p = perm_bh[(c + 1) * g.bs + i];
+              if (p < g.L) {
+                prefetch_row(qp + off + p * g.D, g.D);
+                prefetch_row(kp + off + p * g.D, g.D);
+                prefetch_row(vp + off + p * g.D, g.D);
+              }
+            }
+          }
           gemm_nn(t.Qb.data(), g.Dp, t.Kt.data(), g.NKp, t.Sb.data(), g.NKp, g.bsp, g.NKp, g.D, false);
           for (int64_t i = 0; i < g.bsp; ++i) {
             const float mx = t.mask_row(g, i, causal);

@@ -251,20 +251,41 @@ def _prepare(
     rotations: torch.Tensor | None,
     backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rotations, buckets ``(B, H, NH, L)``, perm, inv) — hashing and sorting, under no_grad.
+    """(rotations, buckets ``(B, H, NH, L)``, perm, inv) — hashing and sorting, not differentiable.
 
-    The hash is the same torch code for every backend (so all of them see identical buckets); the sort is
-    the backend's (every backend's sort gives the same, unique, result).
+    Every backend gives identical buckets (fp64-exact projections, see :func:`lsh_hash`) and the sort by
+    unique (bucket, position) keys has one result, so the backend only changes the speed.
     """
     L, D = qk.shape[-2], qk.shape[-1]
     nb = lsh_n_buckets(L, bucket_size)
-    with torch.no_grad():
-        if rotations is None:
-            rotations = lsh_rotations(D, n_hashes, nb, seed, qk.device)
-        impl = select(OP, _call(qk, bucket_size, False), None if backend == AUTO else backend)
-        buckets = impl.hash(qk, rotations)
-        perm, inv = impl.sort(buckets, L, bucket_size, nb)
+    if rotations is None:
+        rotations = lsh_rotations(D, n_hashes, nb, seed, qk.device)
+    buckets, perm, inv = _lsh_prepare(qk.detach(), rotations.detach(), int(bucket_size), backend)
     return rotations, buckets, perm, inv
+
+
+@torch.library.custom_op("fastarch::lsh_attention_prepare", mutates_args=())
+def _lsh_prepare(
+    qk: torch.Tensor, rotations: torch.Tensor, bucket_size: int, backend: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    L = qk.shape[-2]
+    impl = select(OP, _call(qk, bucket_size, False), None if backend == AUTO else backend)
+    buckets = impl.hash(qk, rotations)
+    perm, inv = impl.sort(buckets, L, bucket_size, lsh_n_buckets(L, bucket_size))
+    return buckets, perm, inv
+
+
+@_lsh_prepare.register_fake
+def _(qk, rotations, bucket_size, backend):
+    B, H, L, _ = qk.shape
+    NH = rotations.shape[1]
+    Lp = -(-L // bucket_size) * bucket_size
+    long = dict(dtype=torch.long, device=qk.device)
+    return (
+        qk.new_empty(B, H, NH, L, **long),
+        qk.new_empty(B, H, NH * Lp, **long),
+        qk.new_empty(B, H, NH, L, **long),
+    )
 
 
 # -- the custom ops ---------------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ __all__ = [
     "Transformer003",
     "TransformerBlock004",
     "Transformer004",
+    "GPTStyle",
+    "BERTStyle",
 ]
 
 try:  # guide 000's sinusoidal encoding with dropout; the lead's positional module may define it
@@ -281,14 +283,21 @@ class TransformerDecoderLayer(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x, encoder_output, tgt_mask=None, src_mask=None, *, causal: bool = False):
+        """x (B, Lt, d), encoder_output (B, Ls, d) or None -> (B, Lt, d).
+
+        ``encoder_output=None`` (decoder-only use, guide 004's ``GPTStyle``) skips the cross-attention
+        sub-layer (``cross_attn`` and ``norm2`` stay in the state_dict, unused)."""
         check_input("x", x, ndim=3, last=self.d_model, owner="TransformerDecoderLayer")
-        check_input("encoder_output", encoder_output, ndim=3, last=self.d_model, owner="TransformerDecoderLayer")
+        if encoder_output is not None:
+            check_input("encoder_output", encoder_output, ndim=3, last=self.d_model,
+                        owner="TransformerDecoderLayer")
         residual = x
         x, _ = self.self_attn(x, x, x, tgt_mask, causal=causal)
         x = layer_norm(self.dropout(x) + residual, self.norm1)
-        residual = x
-        x, _ = self.cross_attn(x, encoder_output, encoder_output, src_mask)
-        x = layer_norm(self.dropout(x) + residual, self.norm2)
+        if encoder_output is not None:
+            residual = x
+            x, _ = self.cross_attn(x, encoder_output, encoder_output, src_mask)
+            x = layer_norm(self.dropout(x) + residual, self.norm2)
         return layer_norm(self.ffn(x) + x, self.norm3)
 
 
@@ -345,6 +354,50 @@ class Transformer(nn.Module):
         memory = self.encoder(src, src_mask)
         out = self.decoder(tgt, memory, tgt_mask, src_mask, causal=tgt_mask is None)
         return self.output_linear(out)
+
+
+class GPTStyle(nn.Module):
+    """Guide 004's decoder-only wrapper: ``self.decoder = TransformerDecoder()`` (guide 000's decoder stack).
+
+    forward(x (B, L, d_model) embeddings, mask=None) -> (B, L, d_model); the self-attention is causal.
+    ``state_dict`` keys are the guide's (``decoder.layers.{i}.self_attn.w_q.weight`` ..., ``decoder.norm``).
+
+    Deviations (the guide's class cannot run): it calls ``TransformerDecoder()`` without the required sizes,
+    so the sizes are keyword arguments whose defaults are guide 000's example decoder (6 layers, d_model 512,
+    8 heads, d_ff 2048, dropout 0.1) and ``GPTStyle()`` still works; it calls ``self.decoder(x)`` without the
+    encoder output the decoder requires, so there is no cross-attention (a decoder-only model has no encoder:
+    each layer runs causal self-attention and the FFN; ``cross_attn``/``norm2`` stay as unused parameters so
+    checkpoints load with ``strict=True``). ``mask`` (guide convention, 0 = masked, e.g. (B, 1, 1, L) padding)
+    is applied on top of causality.
+    """
+
+    def __init__(self, num_layers: int = 6, d_model: int = 512, n_heads: int = 8, d_ff: int = 2048,
+                 dropout: float = 0.1):
+        super().__init__()
+        self.decoder = TransformerDecoder(num_layers, d_model, n_heads, d_ff, dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.decoder(x, None, mask, causal=True)
+
+
+class BERTStyle(nn.Module):
+    """Guide 004's encoder-only wrapper: ``self.encoder = TransformerEncoder()`` (guide 000's encoder stack).
+
+    forward(x (B, L, d_model) embeddings, mask=None) -> (B, L, d_model), bidirectional attention; ``mask``
+    follows the guides' convention (0 = masked), e.g. (B, 1, 1, L) padding. Keys ``encoder.layers.{i}...``.
+
+    Deviation: the guide calls ``TransformerEncoder()`` without the required sizes; they are keyword
+    arguments here with guide 000's example encoder as defaults (6 layers, d_model 512, 8 heads, d_ff 2048,
+    dropout 0.1), so ``BERTStyle()`` builds the same model the guide meant.
+    """
+
+    def __init__(self, num_layers: int = 6, d_model: int = 512, n_heads: int = 8, d_ff: int = 2048,
+                 dropout: float = 0.1):
+        super().__init__()
+        self.encoder = TransformerEncoder(num_layers, d_model, n_heads, d_ff, dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.encoder(x, mask)
 
 
 # --------------------------------------------------------------------------------------------------------

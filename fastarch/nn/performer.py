@@ -79,14 +79,20 @@ def favor_plus_features(x: torch.Tensor, projection: torch.Tensor, *, is_query: 
     xf = x.float() * d ** -0.25
     proj = xf @ projection.float().T                                   # (B, H, L, m)
     half_sq = 0.5 * (xf * xf).sum(-1, keepdim=True)
+    # The stabiliser is a constant shift (detached, as usual): it cancels in the normalised ratio.
     if is_query:
-        stab = proj.amax(-1, keepdim=True)
+        stab = proj.detach().amax(-1, keepdim=True)
     elif causal:
         stab = torch.zeros((), device=proj.device)
     else:
-        pm = proj if key_mask is None else proj.masked_fill(~key_mask[:, None, :, None], float("-inf"))
+        pm = proj.detach()
+        if key_mask is not None:
+            pm = pm.masked_fill(~key_mask[:, None, :, None], float("-inf"))
         stab = pm.amax(dim=(-1, -2), keepdim=True).clamp_min(-1e30)   # all-masked rows stay finite
-    feats = (torch.exp(proj - half_sq - stab) + kernel_eps) * m ** -0.5
+    if torch.is_grad_enabled() and proj.requires_grad:
+        feats = (torch.exp(proj - half_sq - stab) + kernel_eps) * m ** -0.5
+    else:  # inference: one buffer, in place (the map is memory-bound)
+        feats = proj.sub_(half_sq).sub_(stab).exp_().add_(kernel_eps).mul_(m ** -0.5)
     if key_mask is not None:
         feats = feats * key_mask[:, None, :, None]
     return feats

@@ -33,6 +33,10 @@ max RSS of a fresh subprocess over its baseline; CUDA: `max_memory_allocated`); 
 FlashAttention's FLOP conventions (exact causal/window pair counts, backward = 2.5x forward); `vs ref` is
 the speedup over the seed guide's PyTorch reference, `vs best peer` over the fastest in-torch or
 third-party implementation that ran.
+
+On a shared machine other jobs take CPU time from every provider alike but unevenly over time (each
+result set below states the load average): compare providers within one run, and re-run `fastarch bench`
+on an idle machine for absolute numbers.
 """
 
 

@@ -184,8 +184,17 @@ at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot) {
           const double bound = 4.0 * double(D) * u * xn * colmax[r];
           // another candidate within 2 * bound of the best: the fp32 order may be wrong, decide in fp64
           const float thr = static_cast<float>(double(best) - 2.0 * bound);
-          int64_t close = 0;
-          for (int64_t k = 0; k < R2; ++k) close += (p[k] >= thr) + (-p[k] >= thr);
+          int64_t close = 0, k = 0;
+          if (R2 >= 8) {
+            const v8f th = splat8(thr);
+            v8i cnt = v8i{0, 0, 0, 0, 0, 0, 0, 0};
+            for (; k + 8 <= R2; k += 8) {
+              const v8f x = load8(p + k);
+              cnt -= (x >= th) + (-x >= th);  // each true compare is -1
+            }
+            for (int l = 0; l < 8; ++l) close += cnt[l];
+          }
+          for (; k < R2; ++k) close += (p[k] >= thr) + (-p[k] >= thr);
           if (close > 1) {
             for (int64_t t = 0; t < R2; ++t) {
               double acc = 0.0;
@@ -262,23 +271,39 @@ void check_inputs(const at::Tensor& q, const at::Tensor& kn, const at::Tensor& v
 struct Tile {
   std::vector<int32_t> qpos, kpos;
   std::vector<int32_t> kval;  // -1: a valid key (padding, key_padding_mask), 0: masked
-  std::vector<float> Qb, Kt, Vb, Sb;
+  std::vector<float> Qb, Kt, Vb, Sb, zero;
   int64_t last_bh = -1, last_c = -1;
   int64_t own = 1;  // which half of the key columns holds chunk c (the other holds chunk c-1)
   explicit Tile(const Geometry& g)
       : qpos(g.bsp, static_cast<int32_t>(g.L)), kpos(g.NKp, static_cast<int32_t>(g.L)), kval(g.NKp, 0),
-        Qb(g.bsp * g.Dp, 0.0f), Kt(g.Dp * g.NKp, 0.0f), Vb(g.NKp * g.Dp, 0.0f), Sb(g.bsp * g.NKp) {}
+        Qb(g.bsp * g.Dp, 0.0f), Kt(g.Dp * g.NKp, 0.0f), Vb(g.NKp * g.Dp, 0.0f), Sb(g.bsp * g.NKp),
+        zero(g.D, 0.0f) {}
 
-  void key(const Geometry& g, const float* kn, const float* v, const bool* kpm_b, int64_t j, int64_t p) {
-    kpos[j] = static_cast<int32_t>(p);
-    kval[j] = (p < g.L && (kpm_b == nullptr || kpm_b[p])) ? -1 : 0;
-    if (p < g.L) {
-      const float* kr = kn + p * g.D;
-      for (int64_t d = 0; d < g.D; ++d) Kt[d * g.NKp + j] = kr[d];
-      std::memcpy(&Vb[j * g.Dp], v + p * g.D, sizeof(float) * g.D);
-    } else {
-      for (int64_t d = 0; d < g.D; ++d) Kt[d * g.NKp + j] = 0.0f;
-      std::fill(&Vb[j * g.Dp], &Vb[j * g.Dp] + g.D, 0.0f);
+  // Keys at positions perm_c[0, bs) into columns [j0, j0 + bs). K^T is written 8 columns at a time so
+  // that each store of the transpose fills part of one line rather than touching a new line per key.
+  void keys(const Geometry& g, const float* kn, const float* v, const bool* kpm_b, int64_t j0,
+            const int64_t* perm_c) {
+    const float* rows[8];
+    for (int64_t jb = 0; jb < g.bs; jb += 8) {
+      const int64_t nb = std::min<int64_t>(8, g.bs - jb);
+      for (int64_t jj = 0; jj < nb; ++jj) {
+        const int64_t j = j0 + jb + jj, p = perm_c[jb + jj];
+        kpos[j] = static_cast<int32_t>(p);
+        kval[j] = (p < g.L && (kpm_b == nullptr || kpm_b[p])) ? -1 : 0;
+        rows[jj] = p < g.L ? kn + p * g.D : zero.data();
+        if (p < g.L) std::memcpy(&Vb[j * g.Dp], v + p * g.D, sizeof(float) * g.D);
+        else std::fill(&Vb[j * g.Dp], &Vb[j * g.Dp] + g.D, 0.0f);
+      }
+      float* dst = &Kt[j0 + jb];
+      if (nb == 8) {
+        for (int64_t d = 0; d < g.D; ++d) {
+          float* o = dst + d * g.NKp;
+          for (int jj = 0; jj < 8; ++jj) o[jj] = rows[jj][d];
+        }
+      } else {
+        for (int64_t d = 0; d < g.D; ++d)
+          for (int64_t jj = 0; jj < nb; ++jj) dst[d * g.NKp + jj] = rows[jj][d];
+      }
     }
   }
 
@@ -295,9 +320,9 @@ struct Tile {
       own = 1 - own;  // the previous task's own keys are this task's previous keys: no copy, swap halves
     } else {
       own = 1;
-      for (int64_t j = 0; j < g.bs; ++j) key(g, kn, v, kpm_b, j, perm[cprev * g.bs + j]);
+      keys(g, kn, v, kpm_b, 0, perm + cprev * g.bs);
     }
-    for (int64_t j = 0; j < g.bs; ++j) key(g, kn, v, kpm_b, own * g.bs + j, perm[c * g.bs + j]);
+    keys(g, kn, v, kpm_b, own * g.bs, perm + c * g.bs);
     last_bh = bh;
     last_c = c;
   }

@@ -65,3 +65,92 @@ def test_gpt_tiny_is_deterministic_in_train_mode():
     x = torch.randint(0, 256, (2, 8))
     torch.testing.assert_close(m(x), m(x))
     assert hasattr(m, "allocate_kv_cache")
+
+
+# ------------------------------------------------------------------------------------------------------
+# Every registered builder builds; the small ones also run a forward on a tiny input chosen by family.
+# ------------------------------------------------------------------------------------------------------
+BIG_PARAMS = 6_000_000  # above this (the standard sizes, gpt_bench, mamba_small, ...) only build on meta
+EFFICIENT_FAMILIES = ["mamba_tiny", "reformer_tiny", "performer_lm_tiny", "linformer_encoder_tiny", "s4_lm_tiny",
+                      "longformer_tiny"]
+
+
+def _ids(m, b=2, n=16):
+    """Token ids valid for every embedding table of ``m``."""
+    vocab = min(e.num_embeddings for e in m.modules() if isinstance(e, torch.nn.Embedding))
+    return torch.randint(0, vocab, (b, n))
+
+
+def _in_features(m) -> int:
+    """Width of the first layer (the first submodule with an ``in_features`` attribute)."""
+    return next(mod.in_features for mod in m.modules() if isinstance(getattr(mod, "in_features", None), int))
+
+
+def _tiny_input(m) -> tuple:
+    kind = type(m).__name__
+    if kind in ("BERT", "BERTTransformer", "GPTModel", "GPTTransformer", "EfficientLM", "MambaLM", "ReformerLM",
+                "Transformer003", "LongformerEncoder"):
+        return (_ids(m),)
+    if kind == "BERTModel":
+        return (_ids(m), torch.zeros(2, 16, dtype=torch.long))
+    if kind == "Transformer":
+        return (_ids(m), _ids(m, n=12))
+    if kind == "CLIP":
+        return (torch.randn(2, 3, 32, 32), _ids(m))
+    if kind == "MultiModalTransformer":
+        return (torch.randn(2, 5, m.vision_proj.in_features), _ids(m))
+    if kind == "LeNet":
+        return (torch.randn(2, 1, 28, 28),)
+    if kind in ("ResNet", "DenseNet", "MobileNetV2", "EfficientNet", "CNN", "VisionTransformer",
+                "VisionTransformer001", "SwinTransformer"):
+        return (torch.randn(2, 3, 32, 32),)
+    if kind in ("LSTM", "GRU", "VanillaRNN"):
+        return (torch.randn(2, 6, m.input_size),)
+    if kind == "MLP":
+        return (torch.randn(3, _in_features(m)),)
+    if kind in ("GCN", "GAT"):
+        n = 7
+        adj = (torch.rand(n, n) < 0.4).float()
+        adj = ((adj + adj.T + torch.eye(n)) > 0).float()
+        return (torch.randn(n, _in_features(m)), adj)
+    raise AssertionError(f"no tiny input rule for {kind}: add one to tests/models/test_zoo.py")
+
+
+def test_efficient_and_ssm_families_are_registered():
+    names = set(list_models())
+    assert set(EFFICIENT_FAMILIES) <= names, set(EFFICIENT_FAMILIES) - names
+
+
+@pytest.mark.parametrize("name", list_models())
+def test_every_registered_model_builds_and_runs(name):
+    with torch.device("meta"):
+        size = sum(p.numel() for p in create_model(name).parameters())
+    assert size > 0
+    if size > BIG_PARAMS or name in PUBLISHED:
+        return  # built (on meta) and counted; the published counts are checked above
+    m = create_model(name).eval()
+    inputs = _tiny_input(m)
+    with torch.no_grad():
+        out = m(*inputs)
+    outs = [o for o in (out if isinstance(out, tuple) else (out,)) if isinstance(o, torch.Tensor)]
+    assert outs and all(torch.isfinite(o).all() for o in outs)
+    assert outs[0].shape[0] == inputs[0].shape[0]
+
+
+def test_longformer_encoder_is_local_and_has_global_tokens():
+    m = create_model("longformer_tiny").eval()  # 2 layers, window 8: receptive field 16 each side
+    x = torch.randint(0, 256, (1, 64))
+    x2 = x.clone()
+    x2[0, -1] = (x[0, -1] + 1) % 256
+    g = torch.zeros(1, 64)
+    g[0, 0] = 1
+    with torch.no_grad():
+        a, b = m(x), m(x2)
+        torch.testing.assert_close(a[:, :40], b[:, :40])
+        assert not torch.allclose(a[:, -1], b[:, -1])
+        ag, bg = m(x, g), m(x2, g)  # a global token at 0 sees (and is seen by) everything
+        assert not torch.allclose(ag[:, 0], bg[:, 0])
+    with pytest.raises(ValueError, match="max_len"):
+        m(torch.zeros(1, 2048, dtype=torch.long))
+    with pytest.raises(ValueError, match="input_ids"):
+        m(torch.randn(1, 8))

@@ -313,7 +313,8 @@ struct Tile {
     for (int64_t i = 0; i < g.bs; ++i) {
       const int64_t p = perm[c * g.bs + i];
       qpos[i] = static_cast<int32_t>(p);
-      if (p < g.L) std::memcpy(&Qb[i * g.Dp], q + p * g.D, sizeof(float) * g.D);
+      // q == nullptr: the queries are the unit keys, scaled back by their norms in mask_row
+      if (p < g.L) std::memcpy(&Qb[i * g.Dp], (q ? q : kn) + p * g.D, sizeof(float) * g.D);
       else std::fill(&Qb[i * g.Dp], &Qb[i * g.Dp] + g.D, 0.0f);
     }
     if (bh == last_bh && c == last_c + 1) {
@@ -328,10 +329,11 @@ struct Tile {
   }
 
   // Scores of row i after masking; returns the row max (-inf when no valid key but itself).
-  float mask_row(const Geometry& g, int64_t i, bool causal) {
+  float mask_row(const Geometry& g, int64_t i, bool causal, const float* qnorm = nullptr) {
     float* s = &Sb[i * g.NKp];
     const int32_t qp = qpos[i];
-    const v8f ninf = splat8(-std::numeric_limits<float>::infinity()), sc = splat8(g.scale);
+    const float f = qnorm && qp < g.L ? g.scale * qnorm[qp] : g.scale;
+    const v8f ninf = splat8(-std::numeric_limits<float>::infinity()), sc = splat8(f);
     const v8i q8 = v8i{qp, qp, qp, qp, qp, qp, qp, qp};
     v8f m8 = ninf;
     for (int64_t j = 0; j < g.NKp; j += 8) {  // NKp % 16 == 0
@@ -353,10 +355,13 @@ struct Tile {
 
 }  // namespace
 
+// qnorm (B, H, L): max(|q|, eps), so that q = qnorm * kn; the per-head path reads only kn and v.
 std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& kn, const at::Tensor& v,
-                                const at::Tensor& perm, const at::Tensor& inv,
+                                const at::Tensor& qnorm, const at::Tensor& perm, const at::Tensor& inv,
                                 const c10::optional<at::Tensor>& kpm, bool causal, int64_t bucket_size) {
   check_inputs(q, kn, v, perm, inv, kpm, bucket_size);
+  TORCH_CHECK(qnorm.scalar_type() == at::kFloat && qnorm.is_contiguous() && qnorm.numel() == q.numel() / q.size(3),
+              "lsh_attention (cpp): qnorm must be contiguous fp32 (B, H, L)");
   const Geometry g = geometry(q, perm, inv, bucket_size);
   const int64_t BH = g.B * g.H;
   const float ninf0 = -std::numeric_limits<float>::infinity();
@@ -365,7 +370,7 @@ std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& kn, const
     // folds each round into the output at once (online softmax over rounds), so no per-slot buffers.
     auto out = at::zeros_like(q);
     auto lse = at::empty({g.B, g.H, g.L}, q.options());
-    const float* qp = q.data_ptr<float>();
+    const float* qnp = qnorm.data_ptr<float>();
     const float* kp = kn.data_ptr<float>();
     const float* vp = v.data_ptr<float>();
     const int64_t* pp = perm.data_ptr<int64_t>();
@@ -382,7 +387,7 @@ std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& kn, const
         std::fill(zrun.begin(), zrun.end(), 0.0f);
         const int64_t* perm_bh = pp + bh * g.S;
         for (int64_t c = 0; c < g.C; ++c) {
-          t.load(g, qp + off, kp + off, vp + off, perm_bh, mp ? mp + b * g.L : nullptr, bh, c);
+          t.load(g, nullptr, kp + off, vp + off, perm_bh, mp ? mp + b * g.L : nullptr, bh, c);
           // this chunk's output rows (updated below) and the next chunk's inputs
           for (int64_t i = 0; i < g.bs; ++i) {
             const int64_t p = t.qpos[i];
@@ -392,7 +397,6 @@ std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& kn, const
             for (int64_t i = 0; i < g.bs; ++i) {
               const int64_t p = perm_bh[(c + 1) * g.bs + i];
               if (p < g.L) {
-                prefetch_row(qp + off + p * g.D, g.D);
                 prefetch_row(kp + off + p * g.D, g.D);
                 prefetch_row(vp + off + p * g.D, g.D);
               }
@@ -400,7 +404,7 @@ std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& kn, const
           }
           gemm_nn(t.Qb.data(), g.Dp, t.Kt.data(), g.NKp, t.Sb.data(), g.NKp, g.bsp, g.NKp, g.D, false);
           for (int64_t i = 0; i < g.bsp; ++i) {
-            const float mx = t.mask_row(g, i, causal);
+            const float mx = t.mask_row(g, i, causal, qnp + bh * g.L);
             float* srow = &t.Sb[i * g.NKp];
             if (mx == ninf0) {
               std::fill(srow, srow + g.NKp, 0.0f);

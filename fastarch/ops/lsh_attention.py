@@ -518,8 +518,21 @@ class CppLSHAttention(Implementation):
         return tuple(self.lib.lsh_sort(buckets.contiguous(), bucket_size, n_buckets))
 
     def forward(self, qk, v, perm, inv, kpm, causal, bucket_size, n_hashes):
-        q, kn, vf, kpm = _kernel_inputs(qk, v, kpm)
-        out, lse = self.lib.lsh_fwd(q, kn, vf, perm.contiguous(), inv.contiguous(), kpm, causal, bucket_size)
+        q = qk.float().contiguous()
+        # as F.normalize: kn = q / max(|q|, eps), so q = qnorm * kn
+        qnorm = q.norm(dim=-1, keepdim=True).clamp_min(_NORM_EPS)
+        kn = q / qnorm
+        out, lse = self.lib.lsh_fwd(
+            q,
+            kn,
+            v.float().contiguous(),
+            qnorm.squeeze(-1).contiguous(),
+            perm.contiguous(),
+            inv.contiguous(),
+            kpm,
+            causal,
+            bucket_size,
+        )
         return out.to(qk.dtype), lse
 
     def backward(self, dout, qk, v, out, lse, perm, inv, kpm, causal, bucket_size, n_hashes):

@@ -1,25 +1,91 @@
 """Headline CPU comparison for the selective scan (issue 5): fastarch's C++ backend against the reference.
 
-Run from the repo root: ``python bench/selective_scan_headline.py [--quick]``. Prints times and ratios for
-the forward, forward+backward and peak-memory estimates at B=2, D=1536, L=2048, N=16 (fp32), and a
-MambaBlock (d_model=768, L=2048) forward+backward against the seed guide's version.
+Run from the repo root: ``python bench/selective_scan_headline.py [--quick] [--fb-ref-L 256]``. In one run it
+prints times and ratios for
+
+1. the forward at B=2, D=1536, L=2048, N=16 (fp32; variable B/C, D, z, delta_bias, softplus): cpp against
+   the reference loop (:func:`fastarch.ops.selective_scan_ref`, mamba-ssm's ``selective_scan_ref``);
+2. forward+backward: cpp at the headline size, and cpp against the reference's autograd at ``--fb-ref-L``
+   (default 256; the reference's autograd at L=2048 holds several B*D*L*N tensors and takes minutes on a
+   loaded 2-core machine; pass ``--fb-ref-L 2048`` to run it at the headline size);
+3. peak memory (RSS high-water mark over the baseline, in a child process with glibc's mmap threshold at
+   64 KiB so freed buffers leave RSS) of the cpp forward+backward at N=16 and N=64 for the same B*D*L, in
+   units of B*D*L*4 bytes, and of the reference at a small size for contrast;
+4. a MambaBlock (d_model=768, L=2048, batch 1) forward+backward against the seed guide's MambaBlock (its
+   class is copied below as the reference), same weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-from fastarch.ops.selective_scan import selective_scan, selective_scan_ref  # noqa: E402
+from fastarch.ops.selective_scan import CHUNK, selective_scan, selective_scan_ref  # noqa: E402
+
+
+class GuideMambaBlock(nn.Module):
+    """The seed guide's MambaBlock (000_..., section 6.2), copied as the reference: a Python loop over time
+    with B x L x D x N ``A_bar`` / ``B_bar`` tensors."""
+
+    def __init__(self, d_model, d_state=16, d_conv=4, expand=2, dropout=0.1):
+        super().__init__()
+        self.d_model = d_model
+        self.d_state = d_state
+        self.d_inner = d_model * expand
+        self.d_conv = d_conv
+        self.in_proj = nn.Linear(d_model, self.d_inner * 2)
+        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, kernel_size=d_conv, padding=d_conv - 1,
+                                groups=self.d_inner)
+        self.x_proj = nn.Linear(self.d_inner, d_state + d_state + self.d_inner)
+        self.dt_proj = nn.Linear(self.d_inner, self.d_inner)
+        self.A_log = nn.Parameter(torch.randn(self.d_inner, d_state))
+        self.D = nn.Parameter(torch.ones(self.d_inner))
+        self.out_proj = nn.Linear(self.d_inner, d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.norm = nn.LayerNorm(d_model)
+
+    def selective_scan(self, x, delta, A, B, C):
+        batch_size, seq_len, d_inner = x.size()
+        A_bar = torch.exp(delta.unsqueeze(-1) * A.unsqueeze(0).unsqueeze(0))
+        B_bar = delta.unsqueeze(-1) * B.unsqueeze(2)
+        h = torch.zeros(batch_size, d_inner, A.size(1), device=x.device)
+        outputs = []
+        for t in range(seq_len):
+            h = A_bar[:, t] * h + B_bar[:, t] * x[:, t].unsqueeze(-1)
+            outputs.append(torch.sum(C[:, t].unsqueeze(1) * h, dim=-1))
+        return torch.stack(outputs, dim=1)
+
+    def forward(self, x):
+        residual = x
+        x = self.norm(x)
+        x, z = self.in_proj(x).chunk(2, dim=-1)
+        x = x.transpose(1, 2)
+        x = self.conv1d(x)[:, :, :x.size(2)]
+        x = x.transpose(1, 2)
+        x = F.silu(x)
+        delta, B, C = torch.split(self.x_proj(x), [self.d_inner, self.d_state, self.d_state], dim=-1)
+        delta = F.softplus(self.dt_proj(delta))
+        A = -torch.exp(self.A_log)
+        y = self.selective_scan(x, delta, A, B, C)
+        y = y + x * self.D.unsqueeze(0).unsqueeze(0)
+        y = y * F.silu(z)
+        return self.dropout(self.out_proj(y)) + residual
 
 
 def bench(fn, reps: int = 3, warmup: int = 1) -> float:
+    """Best wall time of ``reps`` calls after ``warmup`` (best-of: the machine is shared and loaded)."""
     for _ in range(warmup):
         fn()
     best = float("inf")
@@ -30,65 +96,120 @@ def bench(fn, reps: int = 3, warmup: int = 1) -> float:
     return best
 
 
-def scan_inputs(b: int, d: int, L: int, n: int, grad: bool = False):
+def scan_inputs(b: int, d: int, L: int, n: int, grad: bool = False) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    u = torch.randn(b, d, L, generator=g)
-    delta = torch.randn(b, d, L, generator=g) * 0.5
-    A = -torch.rand(d, n, generator=g) - 0.5
-    B = torch.randn(b, n, L, generator=g)
-    C = torch.randn(b, n, L, generator=g)
-    D = torch.randn(d, generator=g)
-    z = torch.randn(b, d, L, generator=g)
-    bias = torch.randn(d, generator=g) * 0.1
-    ts = [u, delta, A, B, C, D, z, bias]
-    if grad:
-        ts = [t.requires_grad_() for t in ts]
-    return ts
+    ts = [torch.randn(b, d, L, generator=g), torch.randn(b, d, L, generator=g) * 0.5,
+          -torch.rand(d, n, generator=g) - 0.5, torch.randn(b, n, L, generator=g), torch.randn(b, n, L, generator=g),
+          torch.randn(d, generator=g), torch.randn(b, d, L, generator=g), torch.randn(d, generator=g) * 0.1]
+    return [t.requires_grad_(grad) for t in ts]
+
+
+def fwd_bwd(fn, ins):
+    def run():
+        for t in ins:
+            t.grad = None
+        fn(*ins, delta_softplus=True).sum().backward()
+    return run
+
+
+def cpp_scan(*a, **k):
+    return selective_scan(*a, **k, backend="cpp")
+
+
+# -- peak memory, measured in a child process ----------------------------------------------------------------
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def memory_child(which: str, b: int, d: int, L: int, n: int) -> None:
+    """Print the peak RSS (bytes) of one forward+backward over the RSS before it (inputs already built)."""
+    fn = cpp_scan if which == "cpp" else selective_scan_ref
+    ins = scan_inputs(b, d, L, n, grad=True)
+    run = fwd_bwd(fn, ins)
+    run()  # warm-up: builds/loads the extension, allocates grads
+    for t in ins:
+        t.grad = None
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    base = _rss_kb("VmRSS")
+    run()
+    print(json.dumps({"peak_bytes": (_rss_kb("VmHWM") - base) * 1024}))
+
+
+def measure_memory(which: str, b: int, d: int, L: int, n: int) -> int | None:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    cmd = [sys.executable, __file__, "--memory-child", which, str(b), str(d), str(L), str(n)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if res.returncode != 0:
+        print(f"  memory child failed: {res.stderr.strip().splitlines()[-1:]}")
+        return None
+    return json.loads(res.stdout.strip().splitlines()[-1])["peak_bytes"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="smaller L (512) for a fast check")
+    ap.add_argument("--quick", action="store_true", help="L=512 and a smaller block, for a fast check")
+    ap.add_argument("--fb-ref-L", type=int, default=256, help="L at which the reference autograd is timed")
     ap.add_argument("--no-block", action="store_true", help="skip the MambaBlock comparison")
+    ap.add_argument("--memory-child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.memory_child:
+        which, *sizes = args.memory_child
+        memory_child(which, *map(int, sizes))
+        return
+    load = os.getloadavg()[0]
     b, d, L, n = 2, 1536, (512 if args.quick else 2048), 16
-    print(f"selective_scan B={b} D={d} L={L} N={n} fp32, threads={torch.get_num_threads()}")
+    print(f"selective_scan B={b} D={d} L={L} N={n} fp32, threads={torch.get_num_threads()}, "
+          f"load average {load:.1f}")
+
+    # 1. forward
     ins = scan_inputs(b, d, L, n)
     with torch.no_grad():
-        t_ref = bench(lambda: selective_scan_ref(*ins, delta_softplus=True), reps=2)
         t_cpp = bench(lambda: selective_scan(*ins, delta_softplus=True, backend="cpp"), reps=5)
-    print(f"forward      reference {t_ref * 1e3:9.1f} ms   cpp {t_cpp * 1e3:8.1f} ms   speedup {t_ref / t_cpp:6.1f}x")
+        t_ref = bench(lambda: selective_scan_ref(*ins, delta_softplus=True), reps=1, warmup=0)
+    print(f"forward       L={L}: reference {t_ref * 1e3:9.1f} ms   cpp {t_cpp * 1e3:8.1f} ms   "
+          f"speedup {t_ref / t_cpp:6.1f}x")
 
+    # 2. forward + backward
     gi = scan_inputs(b, d, L, n, grad=True)
+    t_cpp_fb = bench(fwd_bwd(cpp_scan, gi), reps=3)
+    print(f"fwd+bwd       L={L}: cpp {t_cpp_fb * 1e3:8.1f} ms")
+    Lr = min(args.fb_ref_L, L)
+    gr = scan_inputs(b, d, Lr, n, grad=True)
+    t_cpp_fb_r = bench(fwd_bwd(cpp_scan, gr), reps=3)
+    t_ref_fb_r = bench(fwd_bwd(selective_scan_ref, gr), reps=1, warmup=0)
+    print(f"fwd+bwd       L={Lr}: reference autograd {t_ref_fb_r * 1e3:9.1f} ms   cpp {t_cpp_fb_r * 1e3:8.1f} ms   "
+          f"speedup {t_ref_fb_r / t_cpp_fb_r:6.1f}x")
 
-    def fb(fn):
-        def run():
-            for t in gi:
-                t.grad = None
-            fn(*gi, delta_softplus=True).sum().backward()
-        return run
-
-    t_ref_fb = bench(fb(selective_scan_ref), reps=1)
-    t_cpp_fb = bench(fb(lambda *a, **k: selective_scan(*a, **k, backend="cpp")), reps=3)
-    print(f"fwd+bwd      reference {t_ref_fb * 1e3:9.1f} ms   cpp {t_cpp_fb * 1e3:8.1f} ms   "
-          f"speedup {t_ref_fb / t_cpp_fb:6.1f}x")
-    # Memory the backward keeps: inputs + checkpoints (B*D*L*N/CHUNK) vs the reference's B*D*L*N tensors.
-    from fastarch.ops.selective_scan import CHUNK
+    # 3. peak memory of forward+backward, in units of B*D*L fp32
     bdl = b * d * L * 4
-    print(f"saved state  cpp checkpoints {b * d * ((L + CHUNK - 1) // CHUNK) * n * 4 / 2**20:.1f} MiB "
-          f"(B*D*L fp32 = {bdl / 2**20:.1f} MiB); reference keeps >= 3 x B*D*L*N = {3 * bdl * n / 2**20:.0f} MiB")
+    for nn_ in (16, 64):
+        pk = measure_memory("cpp", b, d, L, nn_)
+        if pk is not None:
+            ck = b * d * ((L + CHUNK - 1) // CHUNK) * nn_ * 4
+            print(f"peak memory   cpp fwd+bwd B={b} D={d} L={L} N={nn_}: {pk / 2**20:7.1f} MiB = "
+                  f"{pk / bdl:5.2f} x B*D*L*4 bytes (of which checkpoints {ck / bdl:4.2f} = N/{CHUNK})")
+    bs, ds, Ls = 1, 256, 512
+    for which in ("cpp", "reference"):
+        pk = measure_memory(which, bs, ds, Ls, 16)
+        if pk is not None:
+            print(f"peak memory   {which:9s} fwd+bwd B={bs} D={ds} L={Ls} N=16: {pk / 2**20:7.1f} MiB = "
+                  f"{pk / (bs * ds * Ls * 4):6.2f} x B*D*L*4 bytes")
 
+    # 4. MambaBlock
     if not args.no_block:
         from fastarch.nn.mamba import MambaBlock
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "nn"))
-        from test_mamba import GuideMambaBlock
 
         torch.manual_seed(0)
-        Lb = 512 if args.quick else 2048
-        guide = GuideMambaBlock(768).eval()
-        fast = MambaBlock(768).eval()
+        dm, Lb = (256, 512) if args.quick else (768, 2048)
+        guide = GuideMambaBlock(dm).eval()
+        fast = MambaBlock(dm).eval()
         fast.load_state_dict(guide.state_dict())
-        x = torch.randn(1, Lb, 768, requires_grad=True)
+        x = torch.randn(1, Lb, dm, requires_grad=True)
 
         def step(m):
             def run():
@@ -97,10 +218,11 @@ def main() -> None:
                 m(x).sum().backward()
             return run
 
-        t_g = bench(step(guide), reps=1)
         t_f = bench(step(fast), reps=3)
-        print(f"MambaBlock fwd+bwd d_model=768 L={Lb} B=1: guide {t_g * 1e3:9.1f} ms   fastarch {t_f * 1e3:8.1f} ms"
+        t_g = bench(step(guide), reps=1, warmup=0)
+        print(f"MambaBlock fwd+bwd d_model={dm} L={Lb} B=1: guide {t_g * 1e3:9.1f} ms   fastarch {t_f * 1e3:8.1f} ms"
               f"   speedup {t_g / t_f:6.1f}x")
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -533,8 +533,9 @@ torch::Tensor state_update(torch::Tensor state, torch::Tensor x, torch::Tensor d
   const float* pbias = dt_bias ? dt_bias->data_ptr<float>() : nullptr;
   float* po = out.data_ptr<float>();
   const int64_t rows = batch * H * P;
-  // Small grain only when N is large: a row is ~N*10 flops, so batch several rows per task.
-  const int64_t grain = std::max<int64_t>(1, 2048 / std::max<int64_t>(N, 1));
+  // A row is ~10 N flops: a decode step of a whole model layer (1536 x 16) is ~30 us of work, less than
+  // waking a thread team costs on a busy machine, so fork only above ~64K state elements per task.
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(N, 1));
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t b = r / (H * P);
@@ -577,7 +578,9 @@ torch::Tensor conv_update(torch::Tensor x, torch::Tensor conv_state, torch::Tens
   const float* pw = w.data_ptr<float>();
   const float* pb = bias ? bias->data_ptr<float>() : nullptr;
   float* po = out.data_ptr<float>();
-  at::parallel_for(0, batch * dim, 64, [&](int64_t begin, int64_t end) {
+  // Tiny per row (T outputs of K taps): fork only when a task gets ~16K multiply-adds.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(T * K + S, 1));
+  at::parallel_for(0, batch * dim, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> full(S + T);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t d = r % dim;

@@ -4,7 +4,12 @@ Providers: ``fastarch-cpp`` / ``fastarch-triton`` / ``fastarch-cuda`` / ``fastar
 backend), ``reference`` (:func:`fastarch.ops.selective_scan_ref`, mamba-ssm's ``selective_scan_ref``
 semantics: it builds B x D x L x N tensors and loops over L), and the peer ``mamba-ssm`` (its CUDA
 ``selective_scan_fn``, GPU only). Variable B/C, D, z, delta_bias and softplus (Mamba's configuration).
-The issue-5 headline is ``fwd B=2,D=1536,L=2048,N=16`` (``--full``); ``--quick`` uses L=256.
+The issue-5 headline is ``fwd B=2,D=1536,L=2048,N=16`` (``--full``); ``--quick`` uses small sizes.
+
+``--full`` also has: forward+backward at L=256 with the reference's autograd (it is too slow to time at
+L=2048, where the case runs without it), an N=64 forward+backward at the same B*D*L as the N=16 one (peak
+memory has no N factor beyond the N/64 checkpoints), and the guide's ``MambaBlock`` (d_model=768, L=2048,
+batch 1, forward+backward; its class is copied here as the reference) against :class:`fastarch.nn.MambaBlock`.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from ..core import BenchConfig, Case, Provider, Skip, Suite
 from ..helpers import require_backend, require_cuda, require_package
@@ -61,9 +68,15 @@ def _fastarch(backend: str, cfg: BenchConfig, shape, backward: bool) -> Callable
     return setup
 
 
+REF_FWD_BWD_MAX_L = 512  # the reference's autograd beyond this takes minutes on a CPU
+
+
 def _reference(cfg: BenchConfig, shape, backward: bool) -> Callable[[], Callable[[], Any]]:
     def setup() -> Callable[[], Any]:
         from fastarch.ops.selective_scan import selective_scan_ref
+
+        if backward and not cfg.is_cuda and shape[2] > REF_FWD_BWD_MAX_L:
+            raise Skip(f"reference autograd too slow on CPU at L={shape[2]}; see the L=256 case")
 
         def fn(*a):
             return selective_scan_ref(*a, delta_softplus=True)
@@ -86,24 +99,103 @@ def _mamba_ssm(cfg: BenchConfig, shape, backward: bool) -> Callable[[], Callable
     return setup
 
 
+class GuideMambaBlock(nn.Module):
+    """The seed guide's MambaBlock (000_..., section 6.2), copied as the reference: a Python loop over time
+    with B x L x D x N ``A_bar`` / ``B_bar`` tensors."""
+
+    def __init__(self, d_model, d_state=16, d_conv=4, expand=2, dropout=0.1):
+        super().__init__()
+        self.d_model = d_model
+        self.d_state = d_state
+        self.d_inner = d_model * expand
+        self.d_conv = d_conv
+        self.in_proj = nn.Linear(d_model, self.d_inner * 2)
+        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, kernel_size=d_conv, padding=d_conv - 1,
+                                groups=self.d_inner)
+        self.x_proj = nn.Linear(self.d_inner, d_state + d_state + self.d_inner)
+        self.dt_proj = nn.Linear(self.d_inner, self.d_inner)
+        self.A_log = nn.Parameter(torch.randn(self.d_inner, d_state))
+        self.D = nn.Parameter(torch.ones(self.d_inner))
+        self.out_proj = nn.Linear(self.d_inner, d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.norm = nn.LayerNorm(d_model)
+
+    def selective_scan(self, x, delta, A, B, C):
+        batch_size, seq_len, d_inner = x.size()
+        A_bar = torch.exp(delta.unsqueeze(-1) * A.unsqueeze(0).unsqueeze(0))
+        B_bar = delta.unsqueeze(-1) * B.unsqueeze(2)
+        h = torch.zeros(batch_size, d_inner, A.size(1), device=x.device)
+        outputs = []
+        for t in range(seq_len):
+            h = A_bar[:, t] * h + B_bar[:, t] * x[:, t].unsqueeze(-1)
+            outputs.append(torch.sum(C[:, t].unsqueeze(1) * h, dim=-1))
+        return torch.stack(outputs, dim=1)
+
+    def forward(self, x):
+        residual = x
+        x = self.norm(x)
+        x, z = self.in_proj(x).chunk(2, dim=-1)
+        x = x.transpose(1, 2)
+        x = self.conv1d(x)[:, :, :x.size(2)]
+        x = x.transpose(1, 2)
+        x = F.silu(x)
+        delta, B, C = torch.split(self.x_proj(x), [self.d_inner, self.d_state, self.d_state], dim=-1)
+        delta = F.softplus(self.dt_proj(delta))
+        A = -torch.exp(self.A_log)
+        y = self.selective_scan(x, delta, A, B, C)
+        y = y + x * self.D.unsqueeze(0).unsqueeze(0)
+        y = y * F.silu(z)
+        return self.dropout(self.out_proj(y)) + residual
+
+
+def _block(cfg: BenchConfig, d_model: int, L: int, fastarch: bool) -> Callable[[], Callable[[], Any]]:
+    def setup() -> Callable[[], Any]:
+        from fastarch.nn import MambaBlock
+
+        torch.manual_seed(cfg.seed)
+        guide = GuideMambaBlock(d_model).eval()
+        m = guide
+        if fastarch:
+            m = MambaBlock(d_model).eval()
+            m.load_state_dict(guide.state_dict())
+        m = m.to(cfg.device)
+        x = torch.randn(1, L, d_model, device=cfg.device, requires_grad=True)
+
+        def run() -> Any:
+            m.zero_grad(set_to_none=True)
+            return torch.autograd.grad(m(x).sum(), [x, *m.parameters()])
+        run()  # warm-up outside the timed region (extension load)
+        return run
+    return setup
+
+
+def _scan_case(cfg: BenchConfig, shape: tuple[int, int, int, int], backward: bool, tag: str = "") -> Case:
+    b, d, L, n = shape
+    flops = 9.0 * b * d * L * n * (3 if backward else 1)  # exp + recurrence + C-contraction per element
+    provs = [Provider(name=f"fastarch-{be}", kind="fastarch", setup=_fastarch(be, cfg, shape, backward))
+             for be in BACKENDS]
+    provs.append(Provider(name="reference", kind="reference", setup=_reference(cfg, shape, backward)))
+    provs.append(Provider(name="mamba-ssm", kind="peer", setup=_mamba_ssm(cfg, shape, backward),
+                          peer_package="mamba_ssm"))
+    return Case(name=f"{'fwd+bwd' if backward else 'fwd'}{tag} B={b},D={d},L={L},N={n}",
+                params={"B": b, "D": d, "L": L, "N": n}, flops=flops, providers=provs,
+                group=("fwd+bwd" if backward else "fwd") + tag, x="L", measure_memory=backward)
+
+
 def cases(cfg: BenchConfig) -> list[Case]:
     if cfg.quick:
-        shapes = [(2, 256, 256, 16)]
+        out = [_scan_case(cfg, (2, 256, 256, 16), False), _scan_case(cfg, (2, 256, 256, 16), True)]
+        block = (64, 128)
     else:
-        shapes = [(2, 1536, 512, 16), (2, 1536, 2048, 16)]
-    out = []
-    for backward in (False, True):
-        for shape in shapes:
-            b, d, L, n = shape
-            flops = 9.0 * b * d * L * n * (3 if backward else 1)  # exp + recurrence + C-contraction per element
-            provs = [Provider(name=f"fastarch-{be}", kind="fastarch", setup=_fastarch(be, cfg, shape, backward))
-                     for be in BACKENDS]
-            provs.append(Provider(name="reference", kind="reference", setup=_reference(cfg, shape, backward)))
-            provs.append(Provider(name="mamba-ssm", kind="peer", setup=_mamba_ssm(cfg, shape, backward),
-                                  peer_package="mamba_ssm"))
-            out.append(Case(name=f"{'fwd+bwd' if backward else 'fwd'} B={b},D={d},L={L},N={n}",
-                            params={"B": b, "D": d, "L": L, "N": n}, flops=flops, providers=provs,
-                            group="fwd+bwd" if backward else "fwd", x="L", measure_memory=backward))
+        out = [_scan_case(cfg, (2, 1536, 512, 16), False), _scan_case(cfg, (2, 1536, 2048, 16), False),
+               _scan_case(cfg, (2, 1536, 256, 16), True), _scan_case(cfg, (2, 1536, 2048, 16), True),
+               _scan_case(cfg, (2, 1536, 2048, 64), True, tag=" N=64")]
+        block = (768, 2048)
+    dm, L = block
+    out.append(Case(name=f"MambaBlock fwd+bwd d_model={dm},L={L},B=1", params={"d_model": dm, "L": L},
+                    flops=None, group="MambaBlock fwd+bwd", x="L",
+                    providers=[Provider(name="fastarch", kind="fastarch", setup=_block(cfg, dm, L, True)),
+                               Provider(name="reference", kind="reference", setup=_block(cfg, dm, L, False))]))
     return out
 
 

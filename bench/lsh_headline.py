@@ -50,10 +50,10 @@ def main() -> int:
     def fa():
         return lsh_attention(qk, v, n_hashes=NH, bucket_size=BS, seed=0, backend="cpp")
 
-    t_fa = timeit(fa, args.repeat)
-    print(f"fastarch-cpp       {t_fa * 1e3:9.1f} ms")
-    t_sdpa = timeit(lambda: F.scaled_dot_product_attention(qk, qk, v), max(1, args.repeat // 2))
-    print(f"sdpa-dense         {t_sdpa * 1e3:9.1f} ms   fastarch is {t_sdpa / t_fa:5.1f}x faster")
+    def sdpa():
+        return F.scaled_dot_product_attention(qk, qk, v)
+
+    providers = {"fastarch-cpp": fa, "sdpa-dense": sdpa}
     try:
         from reformer_pytorch import LSHAttention
     except ImportError:
@@ -61,11 +61,29 @@ def main() -> int:
     else:
         mod = LSHAttention(bucket_size=BS, n_hashes=NH, causal=False)
         qk3, v3 = qk.reshape(B * H, L, D), v.reshape(B * H, L, D)
-        t_rp = timeit(lambda: mod(qk3, v3), max(1, args.repeat // 2))
-        print(f"reformer-pytorch   {t_rp * 1e3:9.1f} ms   fastarch is {t_rp / t_fa:5.1f}x faster")
-    # fastarch again, to bracket the slow runs (the machine may be shared)
-    t_fa2 = timeit(fa, args.repeat)
-    print(f"fastarch-cpp again {t_fa2 * 1e3:9.1f} ms")
+        providers["reformer-pytorch"] = lambda: mod(qk3, v3)
+    # Interleaved rounds (one call of each provider per round, after a warm-up call): the machine may be
+    # shared, so ratios are taken within a round and their median reported.
+    times: dict[str, list[float]] = {k: [] for k in providers}
+    with torch.no_grad():
+        for fn in providers.values():
+            fn()
+        for _ in range(args.repeat):
+            for name, fn in providers.items():
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+    t_fa = statistics.median(times["fastarch-cpp"])
+    print(f"{'fastarch-cpp':18} {t_fa * 1e3:9.1f} ms (median of {args.repeat})")
+    for name in providers:
+        if name == "fastarch-cpp":
+            continue
+        ratios = [a / b for a, b in zip(times[name], times["fastarch-cpp"])]
+        print(
+            f"{name:18} {statistics.median(times[name]) * 1e3:9.1f} ms   fastarch is "
+            f"{statistics.median(ratios):5.1f}x faster (per-round ratios: "
+            f"{', '.join(f'{r:.1f}' for r in ratios)})"
+        )
 
     if not args.no_crossover:
         print("\ncrossover against dense SDPA (same B, H, D):")
@@ -73,8 +91,10 @@ def main() -> int:
         for n in (256, 512, 1024, 2048, 4096, 8192):
             q = torch.randn(B, H, n, D, generator=g)
             w = torch.randn(B, H, n, D, generator=g)
-            a = timeit(lambda: lsh_attention(q, w, n_hashes=NH, bucket_size=BS, seed=0, backend="cpp"), 3)
-            s = timeit(lambda: F.scaled_dot_product_attention(q, q, w), 3)
+            a = timeit(
+                lambda q=q, w=w: lsh_attention(q, w, n_hashes=NH, bucket_size=BS, seed=0, backend="cpp"), 3
+            )
+            s = timeit(lambda q=q, w=w: F.scaled_dot_product_attention(q, q, w), 3)
             print(f"{n:>7} {a * 1e3:12.1f} {s * 1e3:10.1f} {s / a:14.2f}")
     return 0
 

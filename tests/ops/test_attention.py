@@ -318,3 +318,22 @@ def test_bad_inputs():
         attention(q, k.to("meta"), v.to("meta"))
     with pytest.raises(ValueError, match="unknown backend"):
         attention(q, k, v, backend="nope")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("delegate", [False, True])
+def test_cpp_plain_calls_on_both_paths(causal, delegate, monkeypatch):
+    """Plain full/causal calls go to ATen's flash CPU kernel by default; the banded kernel must agree too."""
+    from fastarch.backend import implementations
+
+    monkeypatch.setattr(implementations("attention")["cpp"], "delegate_plain", delegate)
+    q, k, v = (torch.randn(2, 3, 97, 40, requires_grad=True) for _ in range(3))
+    out, lse = attention(q, k, v, causal=causal, return_lse=True, backend="cpp")
+    ref, lse_ref = attention_ref(q, k, v, causal=causal, return_lse=True)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, lse_ref, atol=2e-5, rtol=1e-4)
+    do = torch.randn_like(out)
+    g = torch.autograd.grad((out * do).sum() + lse.sum(), (q, k, v))
+    gr = torch.autograd.grad((ref * do).sum() + lse_ref.sum(), (q, k, v))
+    for a, b in zip(g, gr):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

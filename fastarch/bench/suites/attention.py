@@ -81,7 +81,7 @@ def _case(cfg: BenchConfig, B: int, H: int, L: int, D: int, causal: bool, grad: 
         params={"B": B, "H": H, "L": L, "D": D, "causal": causal, "mode": mode},
         flops=attention_flops(B, H, L, L, D, causal=causal, mode=mode),
         providers=providers,
-        reference="sdpa",
+        reference="reference",
         group=f"{kind} {mode}",
         x="L",
     )
@@ -91,8 +91,8 @@ def cases(cfg: BenchConfig) -> list[Case]:
     if cfg.toy:
         return [_case(cfg, 1, 2, 64, 32, c, g) for c in (False, True) for g in (False, True)]
     if cfg.quick:
-        out = [_case(cfg, 1, 4, 256, 64, c, False) for c in (False, True)]
-        out += [_case(cfg, 1, 2, 128, 64, True, True)]
+        out = [_case(cfg, 1, 4, 1024, 64, c, False) for c in (False, True)]
+        out += [_case(cfg, 1, 4, 512, 64, True, True)]
         return out
     lengths = (1024, 2048, 4096) if not cfg.is_cuda else (2048, 4096, 8192)
     out = []

@@ -109,11 +109,24 @@ def _favor_case(cfg: BenchConfig, L: int, b: int = 1, h: int = 8, m: int = 256, 
         attn = mod.FastAttention(dim_heads=d, nb_features=m, causal=True).to(cfg.device)
         return _timed(attn, qkv(), False)
 
+    def reference() -> Callable[[], Any]:
+        from fastarch.nn.performer import favor_plus_features, orthogonal_random_features
+        from fastarch.ops.linear_attention import linear_attention_ref
+
+        w = orthogonal_random_features(m, d, device=cfg.device)
+
+        def fn(q, k, v):
+            qf = favor_plus_features(q, w, is_query=True)
+            kf = favor_plus_features(k, w, is_query=False, causal=True)
+            return linear_attention_ref(qf, kf, v, causal=True)
+        return _timed(fn, qkv(), False)
+
     providers = [Provider(f"fastarch-{bk}", "fastarch", ours(bk)) for bk in BACKENDS]
+    providers.append(Provider("reference", "reference", reference))
     providers.append(Provider("performer-pytorch", "peer", performer, peer_package="performer_pytorch"))
     return Case(name=f"favor+ causal fwd B={b},H={h},L={L},m={m},D={d}",
                 params={"B": b, "H": h, "L": L, "m": m, "D": d, "mode": "favor+ fwd"}, flops=None,
-                providers=providers, reference="performer-pytorch", group="favor+ causal fwd", x="L")
+                providers=providers, reference="reference", group="favor+ causal fwd", x="L")
 
 
 def cases(cfg: BenchConfig) -> list[Case]:

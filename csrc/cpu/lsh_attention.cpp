@@ -136,7 +136,8 @@ at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot) {
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t RB = 48;  // rows per block: the projections (RB x NRp) stay in L2
   const double u = std::ldexp(1.0, -24);
-  at::parallel_for(0, (M + RB - 1) / RB, 1, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (RB * D * NRp));  // >= ~1M MACs per task
+  at::parallel_for(0, (M + RB - 1) / RB, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> P(RB * NRp);
     std::vector<double> pd(R2);
     for (int64_t blk = begin; blk < end; ++blk) {
@@ -688,7 +689,9 @@ std::vector<at::Tensor> lsh_sort(const at::Tensor& buckets, int64_t bucket_size,
   const int64_t* bp = buckets.data_ptr<int64_t>();
   int64_t* pp = perm.data_ptr<int64_t>();
   int64_t* ip = inv.data_ptr<int64_t>();
-  at::parallel_for(0, B * H * NH, 1, [&](int64_t begin, int64_t end) {
+  // rows of a few thousand elements are not worth waking threads for
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(L, 1));
+  at::parallel_for(0, B * H * NH, grain, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> start(n_buckets + 2);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t* bk = bp + row * L;

@@ -14,6 +14,7 @@ inside them; we keep the guide's rule.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -66,16 +67,27 @@ class _GuideOptimizer(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             ps, gs, sts = self._gather(group)
-            if not ps:
-                continue
-            for st in sts:
-                st["step"] += 1
-            if self._use_foreach(group, ps):
-                self._update_foreach(group, ps, gs, sts)
-            else:
-                for p, g, st in zip(ps, gs, sts):
-                    self._update_one(group, p, g, st)
+            if ps:
+                self._step_group(group, ps, gs, sts)
         return loss
+
+    def _step_group(self, group: dict[str, Any], ps: list[Tensor], gs: list[Tensor], sts: list[dict[str, Any]]) -> None:
+        for st in sts:
+            st["step"] += 1
+        if self._use_foreach(group, ps):
+            self._update_foreach(group, ps, gs, sts)
+        else:
+            for p, g, st in zip(ps, gs, sts):
+                self._update_one(group, p, g, st)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's ``load_state_dict``, except that ``foreach`` (and ``fused``) stay as this optimizer was built:
+        they choose how the update runs here, not what it computes, so a checkpoint written with one path
+        resumes on another (e.g. fused on a CPU box, foreach elsewhere)."""
+        keep = [{k: g[k] for k in ("foreach", "fused") if k in g} for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for g, kept in zip(self.param_groups, keep):
+            g.update(kept)
 
     def _update_one(self, group, p, g, st) -> None:
         raise NotImplementedError
@@ -213,10 +225,60 @@ class Adadelta(_GuideOptimizer):
         torch._foreach_addcmul_(us, num, num, value=1 - rho)
 
 
+# fused=None picks the C++ kernel automatically only when this is True; see docs/optim.md for the measurements.
+AUTO_FUSED = True
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# The kernel reads raw storage: tensor subclasses (DTensor under FSDP2, ...) go the foreach way.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_fused_ext: Any = None
+_fused_error: str | None = None
+
+
+def _load_fused() -> Any:
+    """The ``adam`` CPU extension (built on first use), or raise RuntimeError saying why it cannot be had."""
+    global _fused_ext, _fused_error
+    if _fused_ext is not None:
+        return _fused_ext
+    if _fused_error is None:
+        from ..backend import ExtensionBuildError
+        from ..extensions import load_extension
+
+        try:
+            _fused_ext = load_extension("adam", "cpu")
+            return _fused_ext
+        except ExtensionBuildError as exc:
+            _fused_error = str(exc)
+    raise RuntimeError(f"fused Adam/AdamW needs the C++ extension csrc/cpu/adam.cpp, which is unavailable: "
+                       f"{_fused_error}")
+
+
+def fused_available() -> bool:
+    """Whether the fused CPU Adam/AdamW kernel can be used here (builds it on first call)."""
+    try:
+        _load_fused()
+        return True
+    except RuntimeError:
+        return False
+
+
 class Adam(_GuideOptimizer):
     """``m, v`` EWMAs with bias correction; ``p -= lr * m_hat / (sqrt(v_hat) + eps)``.
 
-    The guide's ``beta1``/``beta2`` are accepted, and ``betas=(b1, b2)`` as in torch.
+    The guide's ``beta1``/``beta2`` are accepted, and ``betas=(b1, b2)`` as in torch. ``weight_decay`` is L2
+    (added to the gradient), as in ``torch.optim.Adam``.
+
+    Three ways to run a step, all computing the same rule:
+
+    - ``foreach=False``: one tensor at a time;
+    - ``foreach=True``: PyTorch's multi-tensor ``_foreach_*`` ops, seven passes over memory per step;
+    - ``fused=True``: the C++ kernel ``csrc/cpu/adam.cpp`` (CPU tensors only; float32/float64, and
+      float16/bfloat16 params computed in fp32): one pass per element, the parallel loop spanning all tensors
+      of the group, step counters bumped in the kernel. Agrees with the foreach path to rounding (torch's CPU
+      ``sqrt`` is within one ulp, ours is correctly rounded; m and v are bit-identical in fp32).
+
+    Default (``foreach=None, fused=None``): foreach. The fused kernel is not picked automatically because the
+    benchmark (``fastarch bench --suite optim``, ``bench/optim_headline.py``, figures in docs/optim.md) did
+    not show it beating ``torch.optim.AdamW(fused=True)`` on the realistic case; pass ``fused=True`` to use it.
     """
 
     state_names = ("m", "v")
@@ -224,13 +286,66 @@ class Adam(_GuideOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  weight_decay: float = 0.0, *, betas: tuple[float, float] | None = None,
-                 foreach: bool | None = None) -> None:
+                 foreach: bool | None = None, fused: bool | None = None) -> None:
+        name = type(self).__name__
         if betas is not None:
             beta1, beta2 = betas
-        for name, b in (("beta1", beta1), ("beta2", beta2)):
+        for arg, b in (("beta1", beta1), ("beta2", beta2)):
             if not 0.0 <= b < 1.0:
-                raise ValueError(f"{type(self).__name__}: invalid {name}={b} (must be in [0, 1))")
-        super().__init__(params, dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay), foreach)
+                raise ValueError(f"{name}: invalid {arg}={b} (must be in [0, 1))")
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"{name}: argument 'fused' must be a bool or None, got {type(fused).__name__}")
+        if fused and foreach:
+            raise ValueError(f"{name}: fused=True and foreach=True are exclusive; pass one of them")
+        # add_param_group (called by the base constructor) checks every group that asks for the fused kernel.
+        super().__init__(params, dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                      fused=fused), foreach)
+
+    def _check_fused(self, group: dict[str, Any]) -> None:
+        """Raise a clear error if the fused kernel cannot take this group (before any state is touched)."""
+        name = type(self).__name__
+        for i, p in enumerate(group["params"]):
+            if p.device.type != "cpu":
+                raise RuntimeError(f"{name}(fused=True): the fused kernel runs on CPU tensors only; "
+                                   f"param {i} of its group is on {p.device}")
+            if type(p) not in _PLAIN:
+                raise TypeError(f"{name}(fused=True): param {i} of its group is a {type(p).__name__}; the fused "
+                                f"kernel takes plain tensors (use foreach for tensor subclasses)")
+            if p.dtype not in _FUSED_DTYPES:
+                raise TypeError(f"{name}(fused=True): param {i} of its group has dtype {p.dtype}; the fused "
+                                f"kernel takes {', '.join(str(d) for d in _FUSED_DTYPES)}")
+        try:
+            _load_fused()
+        except RuntimeError as exc:
+            raise RuntimeError(f"{name}(fused=True): {exc}") from None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if self.param_groups[-1].get("fused"):
+            self._check_fused(self.param_groups[-1])
+
+    def _use_fused(self, group: dict[str, Any], ps: list[Tensor]) -> bool:
+        fused = group.get("fused")
+        if fused is not None:
+            return bool(fused)
+        if not AUTO_FUSED or group["foreach"] is not None:
+            return False
+        if not all(p.is_cpu and type(p) in _PLAIN and p.dtype in _FUSED_DTYPES for p in ps):
+            return False
+        if _fused_ext is None and _fused_error is None and not fused_available():
+            warnings.warn(f"fastarch.optim: fused Adam/AdamW kernel unavailable, using foreach: {_fused_error}",
+                          stacklevel=4)
+        return _fused_ext is not None
+
+    def _step_group(self, group, ps, gs, sts):
+        if not self._use_fused(group, ps):
+            super()._step_group(group, ps, gs, sts)
+            return
+        # The kernel validates every tensor (CPU, dtypes, shapes) before it writes anything, then bumps the
+        # step counters itself; no per-tensor Python work here beyond building the lists.
+        _load_fused().adam_step(ps, gs, [st["m"] for st in sts], [st["v"] for st in sts],
+                                [st["step"] for st in sts], float(group["lr"]), group["beta1"], group["beta2"],
+                                group["eps"], group["weight_decay"], self.decoupled_wd)
 
     def _coeffs(self, group, st) -> tuple[float, float]:
         t = float(st["step"])
@@ -271,11 +386,14 @@ class Adam(_GuideOptimizer):
 
 
 class AdamW(Adam):
-    """Adam with decoupled weight decay applied first: ``p *= 1 - lr * weight_decay`` (guide default 1e-2)."""
+    """Adam with decoupled weight decay applied first: ``p *= 1 - lr * weight_decay`` (guide default 1e-2).
+
+    Same ``foreach`` / ``fused`` paths as :class:`Adam`.
+    """
 
     decoupled_wd = True
 
     def __init__(self, params, lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, betas: tuple[float, float] | None = None,
-                 foreach: bool | None = None) -> None:
-        super().__init__(params, lr, beta1, beta2, eps, weight_decay, betas=betas, foreach=foreach)
+                 foreach: bool | None = None, fused: bool | None = None) -> None:
+        super().__init__(params, lr, beta1, beta2, eps, weight_decay, betas=betas, foreach=foreach, fused=fused)

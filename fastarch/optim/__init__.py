@@ -4,7 +4,8 @@ Each keeps the guide's constructor (``Adam(params, lr, beta1, beta2, eps)``) and
 ``sum_sq_grad``, ``sq_avg``, ``acc_delta``, ``m``, ``v``), and gains param groups, ``state_dict`` /
 ``load_state_dict`` and compatibility with ``torch.optim.lr_scheduler``. Every optimizer has a per-tensor
 loop and a ``foreach`` path that updates all tensors of a group with PyTorch's multi-tensor kernels
-(default: ``foreach=None`` picks it when every tensor of the group is on one device and dense).
+(default: ``foreach=None`` picks it when every tensor of the group is on one device and dense). Adam and
+AdamW also have a ``fused`` path, a C++ kernel for CPU tensors (``csrc/cpu/adam.cpp``), their default on CPU.
 
 Where the guide's rule is a ``torch.optim`` optimizer, trajectories match it: SGD, Momentum
 (= SGD momentum, no dampening), NesterovMomentum (= SGD nesterov), Adagrad, RMSprop, Adam, AdamW. The
@@ -276,9 +277,11 @@ class Adam(_GuideOptimizer):
       of the group, step counters bumped in the kernel. Agrees with the foreach path to rounding (torch's CPU
       ``sqrt`` is within one ulp, ours is correctly rounded; m and v are bit-identical in fp32).
 
-    Default (``foreach=None, fused=None``): foreach. The fused kernel is not picked automatically because the
-    benchmark (``fastarch bench --suite optim``, ``bench/optim_headline.py``, figures in docs/optim.md) did
-    not show it beating ``torch.optim.AdamW(fused=True)`` on the realistic case; pass ``fused=True`` to use it.
+    Default (``foreach=None, fused=None``): the fused kernel when every param of the group is a plain CPU
+    tensor of a supported dtype and the extension builds (first use compiles it; a failed build warns once and
+    falls back), otherwise foreach. It is the default because it beat both ``torch.optim.AdamW(foreach=True)``
+    and ``torch.optim.AdamW(fused=True)`` in ``fastarch bench --suite optim`` (figures in docs/optim.md);
+    ``foreach=True`` or ``fused=False`` opt out.
     """
 
     state_names = ("m", "v")

@@ -14,7 +14,8 @@
 //   p  = p + (-lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
 // torch's vectorised kernels use a fused multiply-add for lerp, addcmul and add-with-alpha and round after
 // every other operation; the std::fma calls below sit exactly there, and no product is left where the
-// compiler could contract it into a neighbouring add, so fp32/fp64 results follow the foreach path bit for bit.
+// compiler could contract it into a neighbouring add, so in fp32/fp64 m and v follow the foreach path bit for
+// bit. p differs in the last bit now and then: torch's CPU sqrt is within one ulp, std::sqrt is exact.
 // fp16/bf16 params (state of the param dtype or fp32) are computed in fp32 and rounded once per store;
 // float64 params are computed in float64.
 
@@ -47,7 +48,8 @@ struct Job {
   void* v;
   int64_t n;
   int kind;          // index into the dispatch table below
-  double step;       // the step count after this update
+  double neg_step;   // -lr / (1 - beta1^t) for this tensor's step count t (after the update)
+  double bc2_sqrt;   // sqrt(1 - beta2^t)
 };
 
 // The combinations of (param dtype, state dtype) the kernel takes.
@@ -121,24 +123,22 @@ struct Hyper {
 };
 
 template <typename T>
-Coeffs<T> coeffs(const Hyper& h, double step) {
+Coeffs<T> coeffs(const Hyper& h, const Job& j) {
   Coeffs<T> c;
-  const double bc1 = 1.0 - std::pow(h.beta1, step);
-  const double bc2 = 1.0 - std::pow(h.beta2, step);
   c.decay = static_cast<T>(h.decoupled ? 1.0 - h.lr * h.wd : h.wd);
   c.w1 = static_cast<T>(1.0 - h.beta1);
   c.w1_m1 = c.w1 - static_cast<T>(1);
   c.b2 = static_cast<T>(h.beta2);
   c.one_m_b2 = static_cast<T>(1.0 - h.beta2);
-  c.bc2_sqrt = static_cast<T>(std::pow(bc2, 0.5));
+  c.bc2_sqrt = static_cast<T>(j.bc2_sqrt);
   c.eps = static_cast<T>(h.eps);
-  c.neg_step = static_cast<T>(-(h.lr / bc1));
+  c.neg_step = static_cast<T>(j.neg_step);
   return c;
 }
 
 template <typename P, typename S, typename T>
 void run_typed(const Job& j, int64_t off, int64_t len, const Hyper& h) {
-  const Coeffs<T> c = coeffs<T>(h, j.step);
+  const Coeffs<T> c = coeffs<T>(h, j);
   const bool lerp_low = std::abs(c.w1) < static_cast<T>(0.5);
   P* p = static_cast<P*>(j.p) + off;
   const P* g = static_cast<const P*>(j.g) + off;
@@ -162,6 +162,19 @@ void run_slice(const Job& j, int64_t off, int64_t len, const Hyper& h) {
     case kF16: run_typed<_Float16, _Float16, float>(j, off, len, h); break;
     case kF16_F32: run_typed<_Float16, float, float>(j, off, len, h); break;
     default: break;
+  }
+}
+
+// Small tensors live far apart in memory and each starts four cold streams; fetching the start of the next
+// tensor's streams while this one is computed hides most of that latency (many-small-tensor models).
+void prefetch_head(const Job& j) {
+  constexpr int kLines = 8;  // 512 bytes per stream
+  const int64_t bytes = std::min<int64_t>(j.n * 4, kLines * 64);
+  for (int64_t o = 0; o < bytes; o += 64) {
+    __builtin_prefetch(static_cast<const char*>(j.p) + o, 1);
+    __builtin_prefetch(static_cast<const char*>(j.g) + o, 0);
+    __builtin_prefetch(static_cast<const char*>(j.m) + o, 1);
+    __builtin_prefetch(static_cast<const char*>(j.v) + o, 1);
   }
 }
 
@@ -210,6 +223,8 @@ void adam_step(std::vector<torch::Tensor> params, std::vector<torch::Tensor> gra
                   " has a tensor on ", t->device());
       TORCH_CHECK(t->layout() == at::kStrided, "fused adam: sparse tensors are not supported (",
                   where("params", i), ")");
+      TORCH_CHECK(t->has_storage(), "fused adam: ", where("params", i),
+                  " or its grad/state has no storage (a tensor subclass such as DTensor?); use foreach");
     }
     TORCH_CHECK(g.sizes() == p.sizes(), "fused adam: ", where("grads", i), " has shape ", g.sizes(),
                 ", expected the param's shape ", p.sizes());
@@ -238,6 +253,7 @@ void adam_step(std::vector<torch::Tensor> params, std::vector<torch::Tensor> gra
   jobs.reserve(n);
   offsets.reserve(n + 1);
   int64_t total = 0;
+  double cached_t = -1.0, neg_step = 0.0, bc2_sqrt = 1.0;
   for (size_t i = 0; i < n; ++i) {
     float* sp = steps[i].data_ptr<float>();
     *sp += 1.0f;
@@ -251,8 +267,13 @@ void adam_step(std::vector<torch::Tensor> params, std::vector<torch::Tensor> gra
       v = v.contiguous();
       staged.push_back({i, p, m, v});
     }
-    jobs.push_back({p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), numel, kinds[i],
-                    static_cast<double>(*sp)});
+    const double t = static_cast<double>(*sp);
+    if (t != cached_t) {  // tensors of a group almost always share their step count: two pow() per group
+      cached_t = t;
+      neg_step = -(lr / (1.0 - std::pow(beta1, t)));
+      bc2_sqrt = std::pow(1.0 - std::pow(beta2, t), 0.5);
+    }
+    jobs.push_back({p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), numel, kinds[i], neg_step, bc2_sqrt});
     offsets.push_back(total);
     total += numel;
   }
@@ -266,6 +287,7 @@ void adam_step(std::vector<torch::Tensor> params, std::vector<torch::Tensor> gra
     while (b < e && k < jobs.size()) {
       const int64_t start = offsets[k];
       const int64_t stop = std::min(e, start + jobs[k].n);
+      if (k + 1 < jobs.size()) prefetch_head(jobs[k + 1]);
       run_slice(jobs[k], b - start, stop - b, h);
       b = stop;
       ++k;

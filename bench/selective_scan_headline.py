@@ -12,7 +12,9 @@ prints times and ratios for
    64 KiB so freed buffers leave RSS) of the cpp forward+backward at N=16 and N=64 for the same B*D*L, in
    units of B*D*L*4 bytes, and of the reference at a small size for contrast;
 4. a MambaBlock (d_model=768, L=2048, batch 1) forward+backward against the seed guide's MambaBlock (its
-   class is copied below as the reference), same weights.
+   class is copied below as the reference), same weights;
+5. one decode step of a Mamba layer's two decode ops (selective_state_update, causal_conv1d_update), cpp
+   against torch (the CPU auto order puts cpp first).
 """
 
 from __future__ import annotations
@@ -155,11 +157,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="L=512 and a smaller block, for a fast check")
     ap.add_argument("--fb-ref-L", type=int, default=256, help="L at which the reference autograd is timed")
     ap.add_argument("--no-block", action="store_true", help="skip the MambaBlock comparison")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode-step timings")
+    ap.add_argument("--only-decode", action="store_true", help="only the decode-step timings")
     ap.add_argument("--memory-child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_child:
         which, *sizes = args.memory_child
         memory_child(which, *map(int, sizes))
+        return
+    if args.only_decode:
+        decode_steps()
         return
     load = os.getloadavg()[0]
     b, d, L, n = 2, 1536, (512 if args.quick else 2048), 16
@@ -222,7 +229,37 @@ def main() -> None:
         t_g = bench(step(guide), reps=1, warmup=0)
         print(f"MambaBlock fwd+bwd d_model={dm} L={Lb} B=1: guide {t_g * 1e3:9.1f} ms   fastarch {t_f * 1e3:8.1f} ms"
               f"   speedup {t_g / t_f:6.1f}x")
+    # 5. decode steps of one Mamba layer (batch 1, d_inner=1536, N=16, conv width 4): the auto order's check
+    if not args.no_decode:
+        decode_steps()
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
+
+
+def decode_steps() -> None:
+    from fastarch.ops.causal_conv1d import causal_conv1d_update
+    from fastarch.ops.selective_state_update import selective_state_update
+
+    g = torch.Generator().manual_seed(0)
+    b, d, n = 1, 1536, 16
+    st, x, dt = torch.randn(b, d, n, generator=g), torch.randn(b, d, generator=g), torch.randn(b, d, generator=g)
+    A, B, C = -torch.rand(d, n, generator=g), torch.randn(b, n, generator=g), torch.randn(b, n, generator=g)
+    D, z, bias = torch.randn(d, generator=g), torch.randn(b, d, generator=g), torch.randn(d, generator=g)
+    cs, w = torch.randn(b, d, 3, generator=g), torch.randn(d, 4, generator=g)
+
+    def loop(fn, k=100):
+        def run():
+            for _ in range(k):
+                fn()
+        return run
+
+    t = {be: bench(loop(lambda be=be: selective_state_update(st, x, dt, A, B, C, D, z, bias, True, backend=be)),
+                   reps=5) / 100 for be in ("torch", "cpp")}
+    print(f"decode        selective_state_update B=1 D={d} N={n}: torch {t['torch'] * 1e6:8.1f} us   "
+          f"cpp {t['cpp'] * 1e6:8.1f} us   speedup {t['torch'] / t['cpp']:5.1f}x")
+    t = {be: bench(loop(lambda be=be: causal_conv1d_update(x, cs, w, bias, "silu", backend=be)), reps=5) / 100
+         for be in ("torch", "cpp")}
+    print(f"decode        causal_conv1d_update   B=1 D={d} W=4:  torch {t['torch'] * 1e6:8.1f} us   "
+          f"cpp {t['cpp'] * 1e6:8.1f} us   speedup {t['torch'] / t['cpp']:5.1f}x")
 
 
 if __name__ == "__main__":

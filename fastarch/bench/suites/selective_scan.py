@@ -64,7 +64,9 @@ def _fastarch(backend: str, cfg: BenchConfig, shape, backward: bool) -> Callable
 
         def fn(*a):
             return selective_scan(*a, delta_softplus=True, backend=backend)
-        return _runner(fn, cfg, shape, backward)()
+        run = _runner(fn, cfg, shape, backward)()
+        run()  # warm-up outside the timed region (extension load, first custom-op call)
+        return run
     return setup
 
 
@@ -184,8 +186,10 @@ def _scan_case(cfg: BenchConfig, shape: tuple[int, int, int, int], backward: boo
 
 def cases(cfg: BenchConfig) -> list[Case]:
     if cfg.quick:
-        out = [_scan_case(cfg, (2, 256, 256, 16), False), _scan_case(cfg, (2, 256, 256, 16), True)]
-        block = (64, 128)
+        # The reference's autograd is quadratic in L (each step's select-backward writes a full B*D*L*N
+        # gradient), so the quick fwd+bwd and block cases are short.
+        out = [_scan_case(cfg, (2, 256, 256, 16), False), _scan_case(cfg, (1, 64, 32, 16), True)]
+        block = (32, 32)
     else:
         out = [_scan_case(cfg, (2, 1536, 512, 16), False), _scan_case(cfg, (2, 1536, 2048, 16), False),
                _scan_case(cfg, (2, 1536, 256, 16), True), _scan_case(cfg, (2, 1536, 2048, 16), True),

@@ -19,8 +19,7 @@ def adam_ext():
         pytest.skip(f"adam extension unavailable: {exc}")
 
 
-# Odd sizes, a 0-dim and a 1-element tensor, an empty one, and one larger than the kernel's parallel grain
-# (16K elements) so the threads' ranges cut through tensors.
+# Odd sizes, a 0-dim and a 1-element tensor, an empty one, and one of 20011 elements (several vector blocks).
 SHAPES = [(7, 13), (), (1,), (0,), (5,), (33, 65), (3, 1, 4), (20011,)]
 
 
@@ -71,6 +70,31 @@ def test_fused_matches_torch_adamw(adam_ext):
     _run(lambda ps: torch.optim.AdamW(ps, lr=0.02, weight_decay=0.05), pt, skip=())
     for a, b in zip(pf, pt):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_threads_split_inside_a_tensor(adam_ext):
+    # Above 1M elements the kernel splits the concatenation of all tensors evenly over threads; with two
+    # threads the cut at 700K falls inside the second tensor.
+    shapes = [(500_001,), (300_007,), (599_992,)]
+    g = torch.Generator().manual_seed(4)
+    init = [torch.randn(s, generator=g) for s in shapes]
+    pf = [torch.nn.Parameter(x.clone()) for x in init]
+    pr = [torch.nn.Parameter(x.clone()) for x in init]
+    of, orf = O.AdamW(pf, lr=0.01, fused=True), O.AdamW(pr, lr=0.01, foreach=True)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(max(prev, 2))
+    try:
+        for _ in range(2):
+            for a, b in zip(pf, pr):
+                a.grad = torch.randn(a.shape, generator=g)
+                b.grad = a.grad.clone()
+            of.step()
+            orf.step()
+    finally:
+        torch.set_num_threads(prev)
+    for a, b in zip(pf, pr):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(of.state[a]["v"], orf.state[b]["v"], atol=0, rtol=0)
 
 
 def test_first_step_moments_are_bit_identical(adam_ext):

@@ -1,7 +1,7 @@
 """Headline CPU comparison for the selective scan (issue 5): fastarch's C++ backend against the reference.
 
-Run from the repo root: ``python bench/selective_scan_headline.py [--quick] [--fb-ref-L 256]``. In one run it
-prints times and ratios for
+Run from the repo root: ``python bench/selective_scan_headline.py [--quick] [--fb-ref-L 256]
+[--sections fwd,fb,mem,block,decode]``. In one run it prints times and ratios for
 
 1. the forward at B=2, D=1536, L=2048, N=16 (fp32; variable B/C, D, z, delta_bias, softplus): cpp against
    the reference loop (:func:`fastarch.ops.selective_scan_ref`, mamba-ssm's ``selective_scan_ref``);
@@ -156,24 +156,27 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="L=512 and a smaller block, for a fast check")
     ap.add_argument("--fb-ref-L", type=int, default=256, help="L at which the reference autograd is timed")
-    ap.add_argument("--no-block", action="store_true", help="skip the MambaBlock comparison")
-    ap.add_argument("--no-decode", action="store_true", help="skip the decode-step timings")
-    ap.add_argument("--only-decode", action="store_true", help="only the decode-step timings")
+    ap.add_argument("--sections", default="fwd,fb,mem,block,decode",
+                    help="comma list of fwd, fb, mem, block, decode (default: all)")
     ap.add_argument("--memory-child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_child:
         which, *sizes = args.memory_child
         memory_child(which, *map(int, sizes))
         return
-    if args.only_decode:
-        decode_steps()
-        return
-    load = os.getloadavg()[0]
-    b, d, L, n = 2, 1536, (512 if args.quick else 2048), 16
-    print(f"selective_scan B={b} D={d} L={L} N={n} fp32, threads={torch.get_num_threads()}, "
-          f"load average {load:.1f}")
+    sections = args.sections.split(",")
+    L = 512 if args.quick else 2048
+    print(f"selective_scan B=2 D=1536 L={L} N=16 fp32, threads={torch.get_num_threads()}, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    run = {"fwd": lambda: fwd_section(2, 1536, L, 16), "fb": lambda: fb_section(2, 1536, L, 16, args.fb_ref_L),
+           "mem": lambda: mem_section(2, 1536, L), "block": lambda: block_section(args.quick), "decode": decode_steps}
+    for name in sections:
+        run[name]()
+    print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
-    # 1. forward
+
+def fwd_section(b: int, d: int, L: int, n: int) -> None:
+    """1. forward: cpp against the reference loop."""
     ins = scan_inputs(b, d, L, n)
     with torch.no_grad():
         t_cpp = bench(lambda: selective_scan(*ins, delta_softplus=True, backend="cpp"), reps=5)
@@ -181,24 +184,28 @@ def main() -> None:
     print(f"forward       L={L}: reference {t_ref * 1e3:9.1f} ms   cpp {t_cpp * 1e3:8.1f} ms   "
           f"speedup {t_ref / t_cpp:6.1f}x")
 
-    # 2. forward + backward
+
+def fb_section(b: int, d: int, L: int, n: int, ref_L: int) -> None:
+    """2. forward + backward: cpp at L; cpp against the reference's autograd at ref_L."""
     gi = scan_inputs(b, d, L, n, grad=True)
     t_cpp_fb = bench(fwd_bwd(cpp_scan, gi), reps=3)
     print(f"fwd+bwd       L={L}: cpp {t_cpp_fb * 1e3:8.1f} ms")
-    Lr = min(args.fb_ref_L, L)
+    Lr = min(ref_L, L)
     gr = scan_inputs(b, d, Lr, n, grad=True)
     t_cpp_fb_r = bench(fwd_bwd(cpp_scan, gr), reps=3)
     t_ref_fb_r = bench(fwd_bwd(selective_scan_ref, gr), reps=1, warmup=0)
     print(f"fwd+bwd       L={Lr}: reference autograd {t_ref_fb_r * 1e3:9.1f} ms   cpp {t_cpp_fb_r * 1e3:8.1f} ms   "
           f"speedup {t_ref_fb_r / t_cpp_fb_r:6.1f}x")
 
-    # 3. peak memory of forward+backward, in units of B*D*L fp32
+
+def mem_section(b: int, d: int, L: int) -> None:
+    """3. peak memory of forward+backward, in units of B*D*L fp32."""
     bdl = b * d * L * 4
-    for nn_ in (16, 64):
-        pk = measure_memory("cpp", b, d, L, nn_)
+    for n in (16, 64):
+        pk = measure_memory("cpp", b, d, L, n)
         if pk is not None:
-            ck = b * d * ((L + CHUNK - 1) // CHUNK) * nn_ * 4
-            print(f"peak memory   cpp fwd+bwd B={b} D={d} L={L} N={nn_}: {pk / 2**20:7.1f} MiB = "
+            ck = b * d * ((L + CHUNK - 1) // CHUNK) * n * 4
+            print(f"peak memory   cpp fwd+bwd B={b} D={d} L={L} N={n}: {pk / 2**20:7.1f} MiB = "
                   f"{pk / bdl:5.2f} x B*D*L*4 bytes (of which checkpoints {ck / bdl:4.2f} = N/{CHUNK})")
     bs, ds, Ls = 1, 256, 512
     for which in ("cpp", "reference"):
@@ -207,32 +214,29 @@ def main() -> None:
             print(f"peak memory   {which:9s} fwd+bwd B={bs} D={ds} L={Ls} N=16: {pk / 2**20:7.1f} MiB = "
                   f"{pk / (bs * ds * Ls * 4):6.2f} x B*D*L*4 bytes")
 
-    # 4. MambaBlock
-    if not args.no_block:
-        from fastarch.nn.mamba import MambaBlock
 
-        torch.manual_seed(0)
-        dm, Lb = (256, 512) if args.quick else (768, 2048)
-        guide = GuideMambaBlock(dm).eval()
-        fast = MambaBlock(dm).eval()
-        fast.load_state_dict(guide.state_dict())
-        x = torch.randn(1, Lb, dm, requires_grad=True)
+def block_section(quick: bool) -> None:
+    """4. MambaBlock forward+backward against the guide's, same weights."""
+    from fastarch.nn.mamba import MambaBlock
 
-        def step(m):
-            def run():
-                x.grad = None
-                m.zero_grad(set_to_none=True)
-                m(x).sum().backward()
-            return run
+    torch.manual_seed(0)
+    dm, Lb = (256, 512) if quick else (768, 2048)
+    guide = GuideMambaBlock(dm).eval()
+    fast = MambaBlock(dm).eval()
+    fast.load_state_dict(guide.state_dict())
+    x = torch.randn(1, Lb, dm, requires_grad=True)
 
-        t_f = bench(step(fast), reps=3)
-        t_g = bench(step(guide), reps=1, warmup=0)
-        print(f"MambaBlock fwd+bwd d_model={dm} L={Lb} B=1: guide {t_g * 1e3:9.1f} ms   fastarch {t_f * 1e3:8.1f} ms"
-              f"   speedup {t_g / t_f:6.1f}x")
-    # 5. decode steps of one Mamba layer (batch 1, d_inner=1536, N=16, conv width 4): the auto order's check
-    if not args.no_decode:
-        decode_steps()
-    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    def step(m):
+        def run():
+            x.grad = None
+            m.zero_grad(set_to_none=True)
+            m(x).sum().backward()
+        return run
+
+    t_f = bench(step(fast), reps=3)
+    t_g = bench(step(guide), reps=1, warmup=0)
+    print(f"MambaBlock fwd+bwd d_model={dm} L={Lb} B=1: guide {t_g * 1e3:9.1f} ms   fastarch {t_f * 1e3:8.1f} ms"
+          f"   speedup {t_g / t_f:6.1f}x")
 
 
 def decode_steps() -> None:

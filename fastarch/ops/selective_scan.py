@@ -211,6 +211,9 @@ def _setup_context(ctx, inputs, output) -> None:
     _, _, ckpt = output
     ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, ckpt)
     ctx.delta_softplus, ctx.backend = delta_softplus, backend
+    # Unused outputs (the checkpoints always, last_state usually) get None instead of zero-filled gradients:
+    # a zero tensor the size of the checkpoints would double their memory at the backward's peak.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlast, _dckpt):

@@ -189,7 +189,7 @@ def cases(cfg: BenchConfig) -> list[Case]:
         # The reference's autograd is quadratic in L (each step's select-backward writes a full B*D*L*N
         # gradient), so the quick fwd+bwd and block cases are short.
         out = [_scan_case(cfg, (2, 256, 256, 16), False), _scan_case(cfg, (1, 64, 32, 16), True)]
-        block = (32, 32)
+        block = (64, 64)
     else:
         out = [_scan_case(cfg, (2, 1536, 512, 16), False), _scan_case(cfg, (2, 1536, 2048, 16), False),
                _scan_case(cfg, (2, 1536, 256, 16), True), _scan_case(cfg, (2, 1536, 2048, 16), True),

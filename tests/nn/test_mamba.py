@@ -58,7 +58,7 @@ class GuideMambaBlock(nn.Module):
         return self.dropout(self.out_proj(y)) + residual
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
 def test_mamba_block_matches_guide(backend):
     from fastarch.backend import use_backend
 
@@ -80,12 +80,16 @@ def test_mamba_block_matches_guide(backend):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-4, msg=lambda m, n=n: f"{n}: {m}")
 
 
-def test_mamba_block_step_matches_forward():
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_mamba_block_step_matches_forward(backend):
+    from fastarch.backend import use_backend
+
     blk = MambaBlock(8, d_state=4).eval()
     x = torch.randn(2, 9, 8)
     full = blk(x)
     cache = blk.allocate_inference_cache(2)
-    outs = [blk.step(x[:, t], cache) for t in range(9)]
+    with use_backend(selective_state_update=backend, causal_conv1d_update=backend):
+        outs = [blk.step(x[:, t], cache) for t in range(9)]
     torch.testing.assert_close(torch.stack(outs, 1), full, rtol=1e-4, atol=1e-5)
 
 

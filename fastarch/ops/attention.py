@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..backend import AUTO, Implementation, register
+from ..backend import AUTO, Implementation, TritonImplementation, register
 from ..extensions import load_extension
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_tensor, fail
 from ._dispatch import call_of, run
@@ -489,16 +489,9 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-class TritonAttention(Implementation):
-    op, backend = OP, "triton"
+class TritonAttention(TritonImplementation):
+    op = OP
     description = "Triton FlashAttention-2 style kernels (kernels/attention.py), fp32 accumulation"
-
-    def static_reasons(self):
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return ["triton is not installed"]
-        return []
 
     def check(self, call):
         d = call.get("head_dim", 0)

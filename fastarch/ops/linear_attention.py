@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import AUTO, Implementation, register
+from ..backend import AUTO, Implementation, TritonImplementation, register
 from ..extensions import load_extension
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
 from ._dispatch import call_of, run
@@ -239,16 +239,9 @@ class CppLinearAttention(Implementation):
         return tuple(self.lib.causal_bwd(q, k, va, ga, 64))
 
 
-class TritonLinearAttention(Implementation):
-    op, backend = OP, "triton"
+class TritonLinearAttention(TritonImplementation):
+    op = OP
     description = "Triton chunked kernels; programs over (batch*head, m-block, D-block), fp32 accumulation"
-
-    def static_reasons(self):
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return ["triton is not installed"]
-        return []
 
     def load(self):
         from ..kernels import linear_attention

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import AUTO, Implementation, register, select
+from ..backend import AUTO, Implementation, TritonImplementation, register, select
 from ..extensions import load_extension
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
 from ._dispatch import call_of, run
@@ -553,17 +553,10 @@ class CppLSHAttention(Implementation):
         return dq + _normalize_bwd(q, dkn), dv
 
 
-class TritonLSHAttention(Implementation):
-    op, backend = OP, "triton"
+class TritonLSHAttention(TritonImplementation):
+    op = OP
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     description = "Triton chunk kernels, one program per (chunk, batch*head), fp32 accumulation"
-
-    def static_reasons(self):
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return ["triton is not installed"]
-        return []
 
     def check(self, call):
         reasons = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import AUTO, Implementation, register
+from ..backend import AUTO, Implementation, TritonImplementation, register
 from ..extensions import load_extension
 from ._checks import check_same_device, check_tensor, fail
 from ._dispatch import call_of, run
@@ -163,16 +163,9 @@ class CppS4Kernel(Implementation):
         return _grads_from_sums(s0r, s0i, s1r, s1i, wr, wi)
 
 
-class TritonS4Kernel(Implementation):
-    op, backend = OP, "triton"
+class TritonS4Kernel(TritonImplementation):
+    op = OP
     description = "Triton fused Vandermonde tiles (exp/sin/cos in registers)"
-
-    def static_reasons(self):
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return ["triton is not installed"]
-        return []
 
     def load(self):
         from ..kernels import s4

@@ -184,7 +184,80 @@ def _scan_case(cfg: BenchConfig, shape: tuple[int, int, int, int], backward: boo
                 group=("fwd+bwd" if backward else "fwd") + tag, x="L", measure_memory=backward)
 
 
+def _aux_case(cfg: BenchConfig, name: str, op: str, make_inputs: Callable[[], list[torch.Tensor]],
+              call: Callable[..., Any], ref: Callable[..., Any], backward: bool, features: dict) -> Case:
+    """A case for the scan's companion ops (causal conv, decode steps): each backend vs the reference."""
+
+    def timed(fn: Callable[..., Any]) -> Callable[[], Any]:
+        ins = make_inputs()
+        if backward:
+            ins = [t.requires_grad_(t.is_floating_point()) for t in ins]
+            def fwd_bwd() -> Any:
+                out = fn(*ins)
+                return torch.autograd.grad(out, [t for t in ins if t.requires_grad], torch.ones_like(out))
+            return fwd_bwd
+
+        def fwd() -> Any:
+            with torch.no_grad():
+                return fn(*ins)
+        return fwd
+
+    def ours(backend: str) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            require_backend(op, backend, cfg.device, cfg.dtype, **features)
+            return timed(lambda *a: call(*a, backend=backend))
+        return setup
+
+    providers = [Provider(f"fastarch-{b}", "fastarch", ours(b)) for b in ("cpp", "triton", "torch")]
+    providers.append(Provider("reference", "reference", lambda: timed(ref)))
+    return Case(name=name, params=dict(features), flops=None, providers=providers, group=name.split(" ")[0])
+
+
+def _aux_cases(cfg: BenchConfig) -> list[Case]:
+    from fastarch.ops import (
+        causal_conv1d,
+        causal_conv1d_ref,
+        causal_conv1d_update,
+        causal_conv1d_update_ref,
+        selective_state_update,
+        selective_state_update_ref,
+    )
+
+    b, d, L, w, n = (2, 256, 512, 4, 16) if cfg.quick else (2, 1536, 2048, 4, 16)
+    g = torch.Generator().manual_seed(cfg.seed)
+
+    def r(*shape, dtype=cfg.dtype):
+        return torch.randn(*shape, generator=g).to(device=cfg.device, dtype=dtype)
+
+    conv = lambda: [r(b, d, L), r(d, w), r(d)]  # noqa: E731
+    step = lambda: [r(b, d), r(b, d, w), r(d, w), r(d)]  # noqa: E731
+    ssu = lambda: [r(b, d, n), r(b, d), r(b, d), -torch.rand(d, n, generator=g).to(cfg.device) - 0.5,  # noqa: E731
+                   r(b, n), r(b, n), r(d, dtype=torch.float32)]
+    feats = {"B": b, "D": d}
+    return [
+        _aux_case(cfg, f"causal_conv1d fwd+bwd B={b},D={d},L={L},W={w}", "causal_conv1d", conv,
+                  lambda x, wt, bias, backend: causal_conv1d(x, wt, bias, "silu", backend=backend),
+                  lambda x, wt, bias: causal_conv1d_ref(x, wt, bias, "silu"), True, {**feats, "L": L, "W": w}),
+        _aux_case(cfg, f"causal_conv1d_update step B={b},D={d},W={w}", "causal_conv1d_update", step,
+                  lambda x, st, wt, bias, backend: causal_conv1d_update(x, st, wt, bias, "silu", backend=backend),
+                  lambda x, st, wt, bias: causal_conv1d_update_ref(x, st, wt, bias, "silu"), False,
+                  {**feats, "W": w}),
+        _aux_case(cfg, f"selective_state_update step B={b},D={d},N={n}", "selective_state_update", ssu,
+                  lambda st, x, dt, A, B_, C, D_, backend: selective_state_update(st, x, dt, A, B_, C, D_,
+                                                                                 dt_softplus=True, backend=backend),
+                  lambda st, x, dt, A, B_, C, D_: selective_state_update_ref(st, x, dt, A, B_, C, D_,
+                                                                             dt_softplus=True), False,
+                  {**feats, "N": n}),
+    ]
+
+
 def cases(cfg: BenchConfig) -> list[Case]:
+    out = _scan_cases(cfg)
+    out += _aux_cases(cfg)
+    return out
+
+
+def _scan_cases(cfg: BenchConfig) -> list[Case]:
     if cfg.quick:
         # The reference's autograd is quadratic in L (each step's select-backward writes a full B*D*L*N
         # gradient), so the quick fwd+bwd and block cases are short.

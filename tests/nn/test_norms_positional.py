@@ -1,29 +1,17 @@
 """Drop-in norms and positional encodings against the seed guides' own classes (copied below as the reference)."""
 
-import math
 
 import pytest
 import torch
 import torch.nn as nn
 
 import fastarch.nn as fnn
+from tests.nn._guide_refs import LayerNorm003 as GuideLayerNorm
+from tests.nn._guide_refs import LearnedPositionalEncoding as GuideLearned000
+from tests.nn._guide_refs import SinusoidalPositionalEncoding003 as GuideSinusoidal
 
 
-# ---- the guides' definitions, verbatim in behaviour (guide 003 unless noted) --------------------------------
-class GuideLayerNorm(nn.Module):
-    def __init__(self, d_model, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-        self.gamma = nn.Parameter(torch.ones(d_model))
-        self.beta = nn.Parameter(torch.zeros(d_model))
-
-    def forward(self, x):
-        mean = x.mean(dim=-1, keepdim=True)
-        std = x.std(dim=-1, keepdim=True)
-        x_norm = (x - mean) / (std + self.eps)
-        return self.gamma * x_norm + self.beta
-
-
+# ---- the guides' definitions not already in tests/nn/_guide_refs.py (guide 003) --------------------------------
 class GuideBatchNorm(nn.Module):
     def __init__(self, d_model, eps=1e-5, momentum=0.1):
         super().__init__()
@@ -47,20 +35,6 @@ class GuideBatchNorm(nn.Module):
         return self.gamma * x_norm + self.beta
 
 
-class GuideSinusoidal(nn.Module):
-    def __init__(self, d_model, max_len=5000):
-        super().__init__()
-        pe = torch.zeros(max_len, d_model)
-        position = torch.arange(0, max_len).unsqueeze(1).float()
-        div_term = torch.exp(torch.arange(0, d_model, 2).float() * -(math.log(10000.0) / d_model))
-        pe[:, 0::2] = torch.sin(position * div_term)
-        pe[:, 1::2] = torch.cos(position * div_term)
-        self.register_buffer("pe", pe.unsqueeze(0))
-
-    def forward(self, x):
-        return x + self.pe[:, : x.size(1), :]
-
-
 class GuideRotary(nn.Module):
     def __init__(self, d_model, max_len=5000):
         super().__init__()
@@ -82,18 +56,6 @@ class GuideRotary(nn.Module):
         y1 = x1 * cos - x2 * sin
         y2 = x1 * sin + x2 * cos
         return torch.stack([y1, y2], dim=-1).flatten(-2)
-
-
-class GuideLearned000(nn.Module):  # guide 000
-    def __init__(self, d_model, max_len=512, dropout=0.1):
-        super().__init__()
-        self.dropout = nn.Dropout(dropout)
-        self.pe = nn.Embedding(max_len, d_model)
-
-    def forward(self, x):
-        batch_size, seq_len = x.size(0), x.size(1)
-        positions = torch.arange(seq_len, device=x.device).unsqueeze(0).expand(batch_size, -1)
-        return self.dropout(x + self.pe(positions))
 
 
 def _same_weights(ours, theirs):

@@ -15,8 +15,9 @@ deviation, see docs/efficient.md). What this module is:
 - ``A`` is kept stable as ``-exp(log_A_real) + i A_imag``; a learnable ``log_dt`` per channel is drawn
   log-uniformly from ``[dt_min, dt_max]``;
 - zero-order hold: ``A_bar = exp(dt A)``, ``B_bar = (exp(dt A) - 1) / A * B``;
-- convolution mode (``forward``): the kernel ``K[h, l] = 2 Re(sum_n C B_bar A_bar^l)`` comes from
-  :func:`fastarch.ops.s4_kernel` (a fused Vandermonde product), then an FFT convolution, O(L log L);
+- convolution mode (``forward``): :func:`fastarch.ops.ssm_convolution`, the kernel
+  ``K[h, l] = 2 Re(sum_n C B_bar A_bar^l)`` from :func:`fastarch.ops.s4_kernel` (a fused Vandermonde
+  product), then an FFT convolution, O(L log L);
 - recurrent mode: ``allocate_state(batch)`` and ``step(x_t, state) -> (y_t, new_state)``, x_t ``(B, d_model)``;
 - after the SSM and the skip ``D``: GELU, dropout, and the S4D output map ``Linear(H, 2H)`` + GLU.
 """
@@ -116,12 +117,10 @@ class S4Layer(nn.Module):
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"S4Layer: argument 'x' must have shape (batch, seq_len, {self.d_model}), "
                              f"got {tuple(x.shape)}")
-        L = x.shape[1]
         u = x.float().transpose(1, 2)                                   # (B, H, L)
-        k = self.kernel(L)                                              # (H, L)
-        n = 2 * L                                                       # zero-pad: linear, not circular
-        y = torch.fft.irfft(torch.fft.rfft(u, n=n) * torch.fft.rfft(k, n=n), n=n)[..., :L]
-        y = y + self.D.float().unsqueeze(-1) * u
+        dta, _, b_bar, c = self.discretize()
+        y = ops.ssm_convolution(u, dta, c * b_bar, backend=self.backend)
+        y = torch.addcmul(y, self.D.float().unsqueeze(-1), u)
         return y.transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@ coefficients ``coef = C * B_bar`` (``(H, N)`` complex), the length-L convolution
 (the factor 2 with ``Re`` accounts for the complex-conjugate half of the spectrum that S4D leaves out).
 The naive form builds the ``(H, N, L)`` Vandermonde matrix; the kernels here never store it:
 
-- ``cpp``: per channel, blocks of 64 positions start from an exact power (exp/sincos in double) and
-  advance by one complex multiply per step, vectorised across the state dimension;
+- ``cpp``: with ``l = 64 b + t``, ``z^l = z^(64 b) z^t``; double-precision tables of block starts
+  (times ``coef``) and in-block powers turn the sum over states into one batched GEMM,
+  ``(H, L/64, 2N) @ (H, 2N, 64)``;
 - ``triton``: one program per (channel, block of positions) evaluates its tile with exp/sin/cos and
   reduces over the state in registers;
 - ``torch``: the same in chunks of positions, (H, N, chunk) at a time.
@@ -150,7 +151,7 @@ def _grads_from_sums(s0r, s0i, s1r, s1i, wr, wi):
 class CppS4Kernel(Implementation):
     op, backend = OP, "cpp"
     devices = ("cpu",)
-    description = "C++ fused Vandermonde: exact block starts + complex recurrence, OpenMP over channels"
+    description = "C++ blocked Vandermonde: double-precision power tables + one batched GEMM (H, L/64, 2N) x (2N, 64)"
 
     def load(self):
         return load_extension("s4", "cpu")

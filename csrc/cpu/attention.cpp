@@ -141,6 +141,30 @@ void gemm_skip_cols(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda
 #endif
 }
 
+// The same on K packed in panels of 16 keys (B[panel][p][16], see key_panels): every micro-tile streams one
+// contiguous D x 16 panel instead of D rows one K^T stride (L floats) apart, which alias in L1.
+void gemm_skip_cols_panels(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* Bp,
+                           float* C, int64_t ldc, const int64_t* ra, const int64_t* re) {
+#ifdef FA_AVX2
+  for (int64_t j = 0; j < n; j += 16)
+    for (int64_t i = 0; i < m; i += 6) {
+      const int64_t mr = std::min<int64_t>(6, m - i);
+      if (j >= re[i + mr - 1] || j + 16 <= ra[i]) continue;  // masked later by mask_scores
+      micro_rows<2>(mr, k, A + i * lda, lda, Bp + j * k, 16, C + i * ldc + j, ldc, false);
+    }
+#else
+  for (int64_t j = 0; j < n; j += 16)
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t c = 0; c < 16; ++c) {
+        float acc = 0.f;
+        for (int64_t p = 0; p < k; ++p) acc += A[i * lda + p] * Bp[j * k + p * 16 + c];
+        C[i * ldc + j + c] = acc;
+      }
+  (void)ra;
+  (void)re;
+#endif
+}
+
 void gemm_band_k(int64_t m, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                  int64_t ldc, const int64_t* ra, const int64_t* re) {
   for (int64_t i = 0; i < m; i += 6) {
@@ -216,6 +240,15 @@ at::Tensor transposed_padded(const at::Tensor& x) {
 }
 at::Tensor rows_padded(const at::Tensor& x, int64_t Dp) {
   return at::constant_pad_nd(x, {0, Dp - x.size(3), 0, 16}).contiguous();
+}
+
+// (B,Hk,Lk,D) -> (B,Hk,Lk/16+2,D,16): keys in zero-padded panels of 16, each panel D x 16 contiguous.
+at::Tensor key_panels(const at::Tensor& k) {
+  const int64_t np = k.size(2) / 16 + 2;
+  return at::constant_pad_nd(k, {0, 0, 0, np * 16 - k.size(2)})
+      .view({k.size(0), k.size(1), np, 16, k.size(3)})
+      .transpose(3, 4)
+      .contiguous();
 }
 
 // Dynamic scheduling over tasks: threads pull task indices from an atomic counter, heaviest first (for
@@ -337,11 +370,11 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t nqb = (P.Lq + BQ - 1) / BQ;
   const int64_t D = P.D, Dp = P.Dp;
   const float qscale = P.scale * kLog2e;
-  const at::Tensor KT = transposed_padded(k);                  // (B, Hk, D, Lk+16)
+  const at::Tensor KP = key_panels(k);                         // (B, Hk, Lk/16+2, D, 16)
   const at::Tensor VP = D == Dp ? v : rows_padded(v, Dp);      // (B, Hk, Lk[+16], Dp)
-  const float* KTp = KT.data_ptr<float>();
+  const float* KPp = KP.data_ptr<float>();
   const float* VPp = VP.data_ptr<float>();
-  const int64_t LkT = P.Lk + 16, Lv = VP.size(2), G = P.H / P.Hk;
+  const int64_t kpanels = KP.size(2) * D * 16, Lv = VP.size(2), G = P.H / P.Hk;
 
   run_tasks(P.B * P.H * nqb, [&](int64_t begin, int64_t end) {
     std::vector<float> Qs(BQ * D), S, acc(BQ * Dp), mrow(BQ), lrow(BQ);
@@ -350,11 +383,12 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
       const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
       const int64_t i0 = qb * BQ, m = std::min(BQ, P.Lq - i0);
       const float* qp = P.qh(b, h) + i0 * D;
-      const float* kt = KTp + (b * P.Hk + h / G) * D * LkT;
+      const float* kp = KPp + (b * P.Hk + h / G) * kpanels;
       const float* vp = VPp + (b * P.Hk + h / G) * Lv * Dp;
       float* op = O + ((b * P.H + h) * P.Lq + i0) * D;
       float* lp = LSE + (b * P.H + h) * P.Lq + i0;
-      const int64_t span_lo = P.lo(i0), span_hi = P.hi(i0 + m - 1);
+      // Chunks start on a panel boundary; the extra leading columns are masked like any other.
+      const int64_t span_lo = P.lo(i0) / 16 * 16, span_hi = P.hi(i0 + m - 1);
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(mrow.begin(), mrow.end(), kNegInf);
       std::fill(lrow.begin(), lrow.end(), 0.f);
@@ -370,7 +404,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
             ra[r] = std::min<int64_t>(std::max<int64_t>(P.lo(i0 + r) - c0, 0), n);
             re[r] = std::max<int64_t>(std::min<int64_t>(P.hi(i0 + r) - c0 + 1, n), ra[r]);
           }
-          gemm_skip_cols(m, np, D, Qs.data(), D, kt + c0, LkT, S.data(), np, ra.data(), re.data());
+          gemm_skip_cols_panels(m, np, D, Qs.data(), D, kp + c0 * D, S.data(), np, ra.data(), re.data());
           mask_scores(P, b, h, i0, m, c0, n, S.data(), np);
           for (int64_t r = 0; r < m; ++r) {
             float* s = S.data() + r * np;

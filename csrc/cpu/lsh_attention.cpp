@@ -108,6 +108,23 @@ void gemm_nn(const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
   for (; i < m; ++i) gemm_rows<1>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, n, k, accumulate);
 }
 
+// Index of the first p[i] == x (n if none, e.g. NaN), 8 lanes at a time.
+inline int64_t first_equal(const float* p, int64_t n, float x) {
+  int64_t i = 0;
+  const v8f x8 = splat8(x);
+  for (; i + 8 <= n; i += 8) {
+    const v8i eq = load8(p + i) == x8;
+    int any = 0;
+    for (int l = 0; l < 8; ++l) any |= eq[l];
+    if (any)
+      for (int l = 0; l < 8; ++l)
+        if (eq[l]) return i + l;
+  }
+  for (; i < n; ++i)
+    if (p[i] == x) return i;
+  return n;
+}
+
 // Buckets (B, H, NH, L) int64: argmax(concat[x R_r, -x R_r]) per round, first maximum on ties, as if the
 // projections were exact. Projections go through the fp32 SIMD GEMM in blocks of rows; a (row, round)
 // whose top two candidates are closer than the fp32 error bound (4 D u |x| max_t |R_{., r, t}|) is
@@ -121,9 +138,12 @@ at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot) {
   const int64_t B = qk.size(0), H = qk.size(1), L = qk.size(2), D = qk.size(3);
   const int64_t NH = rot.size(1), R2 = rot.size(2), NR = NH * R2, NRp = round_up(NR, 16);
   const int64_t M = B * H * L;
+  // R in panels of 16 columns, each D x 16 contiguous: the GEMM then streams one panel per column
+  // strip instead of D rows NRp floats apart (a power-of-two stride that aliases in L1).
   std::vector<float> Rp(D * NRp, 0.0f);
   const float* rp = rot.data_ptr<float>();
-  for (int64_t d = 0; d < D; ++d) std::memcpy(&Rp[d * NRp], rp + d * NR, sizeof(float) * NR);
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t t = 0; t < NR; ++t) Rp[(t / 16) * D * 16 + d * 16 + t % 16] = rp[d * NR + t];
   std::vector<double> colmax(NH, 0.0);
   for (int64_t r = 0; r < NH; ++r)
     for (int64_t t = 0; t < R2; ++t) {
@@ -142,13 +162,15 @@ at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot) {
     std::vector<double> pd(R2);
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t r0 = blk * RB, rows = std::min(RB, M - r0);
-      gemm_nn(xp + r0 * D, D, Rp.data(), NRp, P.data(), NRp, rows, NRp, D, false);
+      for (int64_t j0 = 0; j0 < NRp; j0 += 16)
+        gemm_nn(xp + r0 * D, D, Rp.data() + j0 * D, 16, P.data() + j0, NRp, rows, 16, D, false);
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t row = r0 + i, bh = row / L, pos = row % L;
         const float* x = xp + row * D;
-        double xn = 0.0;
-        for (int64_t d = 0; d < D; ++d) xn += double(x[d]) * x[d];
-        xn = std::sqrt(xn);
+        float xn2 = 0.f;
+#pragma omp simd reduction(+ : xn2)
+        for (int64_t d = 0; d < D; ++d) xn2 += x[d] * x[d];
+        const double xn = std::sqrt(double(xn2)) * (1.0 + 1e-5);  // an upper bound is all the test needs
         for (int64_t r = 0; r < NH; ++r) {
           const float* p = &P[i * NRp + r * R2];
           // max and min of p (vectorised), then best = max(max p, -min p), first index on ties
@@ -174,13 +196,9 @@ at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot) {
           }
           const bool pos_side = mx >= -mn;
           const float best = pos_side ? mx : -mn;
-          int64_t ib = 0;
-          if (pos_side) {
-            while (ib < R2 && p[ib] != mx) ++ib;
-          } else {
-            while (ib < R2 && p[ib] != mn) ++ib;
-            ib += R2;
-          }
+          const float target = pos_side ? mx : mn;
+          int64_t ib = first_equal(p, R2, target);
+          if (!pos_side) ib += R2;
           if (ib >= 2 * R2 || ib == R2 && pos_side) ib = 0;  // NaN inputs: any bucket, never out of range
           const double bound = 4.0 * double(D) * u * xn * colmax[r];
           // another candidate within 2 * bound of the best: the fp32 order may be wrong, decide in fp64

@@ -119,30 +119,8 @@ void gemm(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const fl
 // r): skip the 6x16 tiles of C = A*B that no row of the tile can see, and restrict the k range of
 // C += P*V to the union of the tile rows' columns (P is zero elsewhere). With a window this saves the two
 // masked corner triangles of every block.
-void gemm_skip_cols(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* B, int64_t ldb,
-                    float* C, int64_t ldc, const int64_t* ra, const int64_t* re) {
-#ifdef FA_AVX2
-  for (int64_t j = 0; j + 16 <= n; j += 16)
-    for (int64_t i = 0; i < m; i += 6) {
-      const int64_t mr = std::min<int64_t>(6, m - i);
-      if (j >= re[i + mr - 1] || j + 16 <= ra[i]) continue;  // masked later by mask_scores
-      micro_rows<2>(mr, k, A + i * lda, lda, B + j, ldb, C + i * ldc + j, ldc, false);
-    }
-  for (int64_t j = n / 16 * 16; j < n; ++j)
-    for (int64_t i = 0; i < m; ++i) {
-      float acc = 0.f;
-      for (int64_t p = 0; p < k; ++p) acc += A[i * lda + p] * B[p * ldb + j];
-      C[i * ldc + j] = acc;
-    }
-#else
-  (void)ra;
-  (void)re;
-  gemm(m, n, k, A, lda, B, ldb, C, ldc, false);
-#endif
-}
-
-// The same on K packed in panels of 16 keys (B[panel][p][16], see key_panels): every micro-tile streams one
-// contiguous D x 16 panel instead of D rows one K^T stride (L floats) apart, which alias in L1.
+// The scores use B = K^T packed in panels of 16 keys (B[panel][p][16], see key_panels): every micro-tile
+// streams one contiguous D x 16 panel instead of D rows one K^T stride (L floats) apart, which alias in L1.
 void gemm_skip_cols_panels(int64_t m, int64_t n, int64_t k, const float* A, int64_t lda, const float* Bp,
                            float* C, int64_t ldc, const int64_t* ra, const int64_t* re) {
 #ifdef FA_AVX2

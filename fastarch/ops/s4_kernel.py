@@ -33,11 +33,16 @@ OP = "s4_kernel"
 COMPLEX = (torch.complex64, torch.complex128)
 
 
-def s4_kernel_ref(dtA: torch.Tensor, coef: torch.Tensor, L: int) -> torch.Tensor:
-    """The oracle: the explicit (H, N, L) Vandermonde matrix in complex128; returns (H, L) float32."""
+def vandermonde_kernel_f64(dtA: torch.Tensor, coef: torch.Tensor, L: int) -> torch.Tensor:
+    """The explicit (H, N, L) Vandermonde matrix in complex128, reduced: (H, L) float64."""
     pos = torch.arange(L, device=dtA.device, dtype=torch.float64)
     vand = torch.exp(dtA.to(torch.complex128).unsqueeze(-1) * pos)           # (H, N, L)
-    return (2 * torch.einsum("hn,hnl->hl", coef.to(torch.complex128), vand).real).float()
+    return 2 * torch.einsum("hn,hnl->hl", coef.to(torch.complex128), vand).real
+
+
+def s4_kernel_ref(dtA: torch.Tensor, coef: torch.Tensor, L: int) -> torch.Tensor:
+    """The oracle: the explicit (H, N, L) Vandermonde matrix in complex128; returns (H, L) float32."""
+    return vandermonde_kernel_f64(dtA, coef, L).float()
 
 
 def _validate(dtA: torch.Tensor, coef: torch.Tensor, L: int) -> None:

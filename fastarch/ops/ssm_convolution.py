@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import check_same_device, check_tensor, fail
-from .s4_kernel import COMPLEX, s4_kernel
+from .s4_kernel import COMPLEX, s4_kernel, vandermonde_kernel_f64
 
 __all__ = ["ssm_convolution", "ssm_convolution_ref"]
 
@@ -30,9 +30,7 @@ OP = "ssm_convolution"
 def ssm_convolution_ref(u: torch.Tensor, dtA: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     """The oracle: the explicit kernel (complex128 Vandermonde) and a float64 FFT convolution; (B, H, L) fp32."""
     L = u.shape[-1]
-    k = 2 * torch.einsum("hn,hnl->hl", coef.to(torch.complex128),
-                         torch.exp(dtA.to(torch.complex128).unsqueeze(-1)
-                                   * torch.arange(L, device=u.device, dtype=torch.float64))).real
+    k = vandermonde_kernel_f64(dtA, coef, L)
     n = 2 * L
     y = torch.fft.irfft(torch.fft.rfft(u.double(), n=n) * torch.fft.rfft(k, n=n), n=n)[..., :L]
     return y.float()

@@ -100,6 +100,39 @@ def _kernel_case(cfg: BenchConfig, h: int, n: int, L: int, backward: bool) -> Ca
                 group=f"s4_kernel {mode}", x="L")
 
 
+def _conv_case(cfg: BenchConfig, h: int, n: int, L: int, b: int = 1) -> Case:
+    """ops.ssm_convolution (kernel + FFT convolution, no grad) against its float64 oracle."""
+    def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        dta, coef = _system(cfg, h, n)
+        return randn(b, h, L, cfg=cfg, seed=2).float(), dta, coef
+
+    def ours(backend: str) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            op = fastarch_op("ssm_convolution")
+            require_backend("s4_kernel", backend, cfg.device, torch.float32, n=n, L=L)
+            u, dta, coef = inputs()
+
+            def run() -> Any:
+                with torch.no_grad():
+                    return op(u, dta, coef, backend=backend)
+            return run
+        return setup
+
+    def reference() -> Callable[[], Any]:
+        if h * n * L > 1 << 23:
+            raise Skip("explicit (H, N, L) complex128 Vandermonde too large (> 2^23 elements)")
+        from fastarch.ops.ssm_convolution import ssm_convolution_ref
+
+        u, dta, coef = inputs()
+        return lambda: ssm_convolution_ref(u, dta, coef)
+
+    providers = [Provider(f"fastarch-{bk}", "fastarch", ours(bk)) for bk in BACKENDS]
+    providers.append(Provider("reference", "reference", reference))
+    return Case(name=f"ssm_convolution fwd B={b},H={h},N={n},L={L}",
+                params={"B": b, "H": h, "N": n, "L": L, "mode": "conv fwd"}, flops=None,
+                providers=providers, group=f"ssm_convolution fwd H={h}", x="L")
+
+
 def _layer_case(cfg: BenchConfig, h: int, L: int, b: int = 1, d_state: int = 64) -> Case:
     def x() -> torch.Tensor:
         return randn(b, L, h, cfg=cfg, seed=1)
@@ -136,11 +169,12 @@ def _layer_case(cfg: BenchConfig, h: int, L: int, b: int = 1, d_state: int = 64)
 
 def cases(cfg: BenchConfig) -> list[Case]:
     if cfg.toy:
-        return [_kernel_case(cfg, 4, 8, 256, False), _layer_case(cfg, 8, 128)]
+        return [_kernel_case(cfg, 4, 8, 256, False), _conv_case(cfg, 4, 8, 256), _layer_case(cfg, 8, 128)]
     if cfg.quick:
         return [_kernel_case(cfg, 64, 32, 2048, False), _kernel_case(cfg, 32, 32, 512, True),
-                _layer_case(cfg, 64, 512)]
+                _conv_case(cfg, 64, 32, 2048), _layer_case(cfg, 64, 512)]
     out = [_kernel_case(cfg, 256, 32, L, bw) for L in (1024, 4096, 16384) for bw in (False, True)]
+    out += [_conv_case(cfg, h, 32, L) for h in (64, 256) for L in (1024, 16384)]
     out += [_layer_case(cfg, h, L) for h in (64, 256) for L in (1024, 4096, 16384)]
     return out
 

@@ -4,14 +4,18 @@
 // permutation `perm` (B, H, S = n_hashes * Lp): the original position held by each slot of the concatenated
 // rounds (>= L for padding), and `inv` (B, H, n_hashes, L): the slot of each real position in each round.
 //
-// Forward, one task per (batch*head, chunk): gather the chunk's queries and the keys/values of the chunk
-// and the one before it through `perm` into small packed buffers, S = Q K^T (register-blocked SIMD GEMM),
-// masks (padding, key_padding_mask, causal, self), softmax with a vectorised exp, O = P V. Each task
-// writes o and lse for its own slots, so tasks never race. A second pass over positions combines the
-// rounds: out = sum_r o_r softmax_r(lse_r), or the query's own v when every round was empty.
-// When there are at least as many (batch, head) pairs as threads, one thread instead walks every chunk
-// of a head and folds each round into the output at once (an online softmax over rounds), with no
-// per-slot buffers. Memory: O(n_hashes * L * D) for the per-slot outputs at most; never O(L^2).
+// Keys are the qk rows normalised to unit length (as F.normalize), computed here while they are packed.
+//
+// Forward, one thread per (batch*head) when there are at least as many of those as threads: it walks the
+// chunks of its head in order, scores each chunk's queries (read in place) against the chunk's keys and
+// the previous chunk's (packed K^T, reused across consecutive chunks), masks (padding, key_padding_mask,
+// causal, self) and exponentiates in the GEMM's registers, and adds P V straight into the output rows
+// through pointers. Every score of query i is at most |q_i| / sqrt(D), so that bound serves as the
+// softmax shift of every round and the rounds combine by plain sums; queries whose bound is too large to
+// shift by safely use their row max with an online rescale instead. Otherwise (few heads, more threads)
+// one task per (batch*head, chunk) writes o and lse for its own slots, and a second pass over positions
+// combines the rounds: out = sum_r o_r softmax_r(lse_r), or the query's own v when every round was empty.
+// Memory: O(n_hashes * L * D) for the per-slot outputs at most; never O(L^2).
 //
 // Backward, same tasks: recompute S, P = exp(S - LSE) with the combined LSE, dP = G V^T,
 // dS = P (dP - delta) * scale; dQ, dK, dV per slot; dK/dV of the previous chunk's keys go to a second
@@ -39,6 +43,8 @@ inline v8f splat8(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+constexpr float kNormEps = 1e-12f;  // as F.normalize
+
 // Rows reached through the permutation are scattered in memory: fetch them ahead of use.
 inline void prefetch_row(const float* p, int64_t n, bool write = false) {
   for (int64_t k = 0; k < n; k += 16) {
@@ -65,6 +71,24 @@ inline v8f vexp_nonpos(v8f x) {
   y = y * reinterpret_cast<v8f&>(e);
   v8i bits = reinterpret_cast<v8i&>(y) & keep;
   return reinterpret_cast<v8f&>(bits);
+}
+
+// In-register 8 x 8 transpose: x[m][l] <- x[l][m].
+inline void transpose8(v8f* x) {
+  v8f t[8], u[8];
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[2 * k + 1] = __builtin_shufflevector(x[2 * k], x[2 * k + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int k = 0; k < 2; ++k)
+    for (int h = 0; h < 2; ++h) {
+      u[4 * k + 2 * h] = __builtin_shufflevector(t[4 * k + h], t[4 * k + h + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[4 * k + 2 * h + 1] = __builtin_shufflevector(t[4 * k + h], t[4 * k + h + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  for (int m = 0; m < 4; ++m) {
+    x[m] = __builtin_shufflevector(u[m], u[m + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    x[m + 4] = __builtin_shufflevector(u[m], u[m + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
 }
 
 // R rows of C[. x n] (+)= A[. x k] B[k x n]: an R x 16 register block (2R accumulators) per column step.
@@ -108,21 +132,15 @@ void gemm_nn(const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
   for (; i < m; ++i) gemm_rows<1>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, n, k, accumulate);
 }
 
-// Index of the first p[i] == x (n if none, e.g. NaN), 8 lanes at a time.
-inline int64_t first_equal(const float* p, int64_t n, float x) {
-  int64_t i = 0;
-  const v8f x8 = splat8(x);
-  for (; i + 8 <= n; i += 8) {
-    const v8i eq = load8(p + i) == x8;
-    int any = 0;
-    for (int l = 0; l < 8; ++l) any |= eq[l];
-    if (any)
-      for (int l = 0; l < 8; ++l)
-        if (eq[l]) return i + l;
-  }
-  for (; i < n; ++i)
-    if (p[i] == x) return i;
-  return n;
+// Bit l set where lane l of a comparison result is true.
+inline unsigned movemask8(v8i m) {
+#ifdef __AVX__
+  return static_cast<unsigned>(__builtin_ia32_movmskps256(reinterpret_cast<v8f&>(m)));
+#else
+  unsigned bits = 0;
+  for (int l = 0; l < 8; ++l) bits |= unsigned(m[l] != 0) << l;
+  return bits;
+#endif
 }
 
 // Buckets (B, H, NH, L) int64: argmax(concat[x R_r, -x R_r]) per round, first maximum on ties, as if the
@@ -159,7 +177,6 @@ at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot) {
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (RB * D * NRp));  // >= ~1M MACs per task
   at::parallel_for(0, (M + RB - 1) / RB, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> P(RB * NRp);
-    std::vector<double> pd(R2);
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t r0 = blk * RB, rows = std::min(RB, M - r0);
       for (int64_t j0 = 0; j0 < NRp; j0 += 16)
@@ -173,7 +190,7 @@ at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot) {
         const double xn = std::sqrt(double(xn2)) * (1.0 + 1e-5);  // an upper bound is all the test needs
         for (int64_t r = 0; r < NH; ++r) {
           const float* p = &P[i * NRp + r * R2];
-          // max and min of p (vectorised), then best = max(max p, -min p), first index on ties
+          // max and min of p (vectorised): best = max(max p, -min p)
           float mx = p[0], mn = p[0];
           int64_t t = 0;
           if (R2 >= 8) {
@@ -194,36 +211,42 @@ at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot) {
             mx = std::max(mx, p[t]);
             mn = std::min(mn, p[t]);
           }
-          const bool pos_side = mx >= -mn;
-          const float best = pos_side ? mx : -mn;
-          const float target = pos_side ? mx : mn;
-          int64_t ib = first_equal(p, R2, target);
-          if (!pos_side) ib += R2;
-          if (ib >= 2 * R2 || ib == R2 && pos_side) ib = 0;  // NaN inputs: any bucket, never out of range
+          const float best = std::max(mx, -mn);
           const double bound = 4.0 * double(D) * u * xn * colmax[r];
-          // another candidate within 2 * bound of the best: the fp32 order may be wrong, decide in fp64
+          // Candidates within 2 * bound of the best, counted on both sides: one means the fp32 order is
+          // certain and that candidate is the argmax; more (or a tie) are decided in fp64; none is NaN.
           const float thr = static_cast<float>(double(best) - 2.0 * bound);
-          int64_t close = 0, k = 0;
+          int64_t close = 0, ib = 0;
+          int64_t k = 0;
           if (R2 >= 8) {
             const v8f th = splat8(thr);
-            v8i cnt = v8i{0, 0, 0, 0, 0, 0, 0, 0};
             for (; k + 8 <= R2; k += 8) {
               const v8f x = load8(p + k);
-              cnt -= (x >= th) + (-x >= th);  // each true compare is -1
+              const unsigned hp = movemask8(x >= th), hn = movemask8(-x >= th);
+              if ((hp | hn) == 0) continue;
+              if (close == 0) ib = hp ? k + __builtin_ctz(hp) : R2 + k + __builtin_ctz(hn);
+              close += __builtin_popcount(hp) + __builtin_popcount(hn);
             }
-            for (int l = 0; l < 8; ++l) close += cnt[l];
           }
-          for (; k < R2; ++k) close += (p[k] >= thr) + (-p[k] >= thr);
-          if (close > 1) {
-            for (int64_t t = 0; t < R2; ++t) {
-              double acc = 0.0;
-              for (int64_t d = 0; d < D; ++d) acc += double(x[d]) * double(rp[d * NR + r * R2 + t]);
-              pd[t] = acc;
-            }
-            double bd = pd[0];
-            ib = 0;
-            for (int64_t t = 1; t < R2; ++t) if (pd[t] > bd) { bd = pd[t]; ib = t; }
-            for (int64_t t = 0; t < R2; ++t) if (-pd[t] > bd) { bd = -pd[t]; ib = R2 + t; }
+          for (; k < R2; ++k) {
+            const bool cp = p[k] >= thr, cn = -p[k] >= thr;
+            if (close == 0 && (cp || cn)) ib = cp ? k : R2 + k;
+            close += cp + cn;
+          }
+          if (close > 1) {  // only the candidates can win: recompute those in fp64, in concat order
+            const float* rr = rp + r * R2;
+            double bd = -std::numeric_limits<double>::infinity();
+            for (int side = 0; side < 2; ++side)
+              for (int64_t t = 0; t < R2; ++t) {
+                if ((side ? -p[t] : p[t]) < thr) continue;
+                double acc = 0.0;
+                for (int64_t d = 0; d < D; ++d) acc += double(x[d]) * double(rr[d * NR + t]);
+                if (side) acc = -acc;
+                if (acc > bd) {
+                  bd = acc;
+                  ib = side * R2 + t;
+                }
+              }
           }
           op[(bh * NH + r) * L + pos] = ib;
         }
@@ -264,12 +287,12 @@ Geometry geometry(const at::Tensor& q, const at::Tensor& perm, const at::Tensor&
   return g;
 }
 
-void check_inputs(const at::Tensor& q, const at::Tensor& kn, const at::Tensor& v, const at::Tensor& perm,
-                  const at::Tensor& inv, const c10::optional<at::Tensor>& kpm, int64_t bs) {
-  for (const at::Tensor* t : {&q, &kn, &v}) {
+void check_inputs(const at::Tensor& q, const at::Tensor& v, const at::Tensor& perm, const at::Tensor& inv,
+                  const c10::optional<at::Tensor>& kpm, int64_t bs) {
+  for (const at::Tensor* t : {&q, &v}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 4,
-                "lsh_attention (cpp): q/kn/v must be contiguous fp32 (B, H, L, D)");
-    TORCH_CHECK(t->sizes() == q.sizes(), "lsh_attention (cpp): q/kn/v shapes differ");
+                "lsh_attention (cpp): q/v must be contiguous fp32 (B, H, L, D)");
+    TORCH_CHECK(t->sizes() == q.sizes(), "lsh_attention (cpp): q/v shapes differ");
   }
   TORCH_CHECK(perm.scalar_type() == at::kLong && perm.is_contiguous() && perm.dim() == 3,
               "lsh_attention (cpp): perm must be contiguous int64 (B, H, S)");
@@ -284,75 +307,109 @@ void check_inputs(const at::Tensor& q, const at::Tensor& kn, const at::Tensor& v
   }
 }
 
-// The packed inputs of one task (bh, chunk c): positions, key validity, and Q / K^T / V buffers.
+// The inputs of one task (bh, chunk c): positions, key validity, unit keys K^T (normalised here, as
+// F.normalize: q / max(|q|, eps)), and packed Q / V copies (rows or panels) as a path needs them.
 // Key columns [own*bs, own*bs + bs) hold chunk c, the other half chunk c-1. A thread walks consecutive
 // chunks, so the previous task's own keys become this task's previous keys without a gather or a copy.
 struct Tile {
   std::vector<int32_t> qpos, kpos;
   std::vector<int32_t> kval;  // -1: a valid key (padding, key_padding_mask), 0: masked
-  std::vector<float> Qb, Kt, Vb, Sb, zero;
+  std::vector<float> knorm;   // max(|q|, eps) of each key column (0 for padding)
+  std::vector<float> Qb, Kt, Vb, Vp, Sb, zero;
+  bool pack_q, pack_v, panel_v = false;
   int64_t last_bh = -1, last_c = -1;
   int64_t own = 1;  // which half of the key columns holds chunk c (the other holds chunk c-1)
-  explicit Tile(const Geometry& g)
+  Tile(const Geometry& g, bool pack_q_ = true, bool pack_v_ = true)
       : qpos(g.bsp, static_cast<int32_t>(g.L)), kpos(g.NKp, static_cast<int32_t>(g.L)), kval(g.NKp, 0),
-        Qb(g.bsp * g.Dp, 0.0f), Kt(g.Dp * g.NKp, 0.0f), Vb(g.NKp * g.Dp, 0.0f), Sb(g.bsp * g.NKp),
-        zero(g.D, 0.0f) {}
+        knorm(g.NKp, 0.0f), Qb(pack_q_ ? g.bsp * g.Dp : 0, 0.0f), Kt(g.Dp * g.NKp, 0.0f),
+        Vb(pack_v_ ? g.NKp * g.Dp : 0, 0.0f), Sb(g.bsp * g.NKp), zero(g.Dp, 0.0f), pack_q(pack_q_),
+        pack_v(pack_v_) {}
+  // V as Dp/16 panels of NKp x 16 (the PV GEMM then streams one contiguous panel per column block)
+  void use_panels(const Geometry& g) {
+    panel_v = true;
+    Vp.assign(g.Dp * g.NKp, 0.0f);
+  }
 
   // Keys at positions perm_c[0, bs) into columns [j0, j0 + bs). K^T is written 8 columns at a time so
   // that each store of the transpose fills part of one line rather than touching a new line per key.
-  void keys(const Geometry& g, const float* kn, const float* v, const bool* kpm_b, int64_t j0,
+  void keys(const Geometry& g, const float* q, const float* v, const bool* kpm_b, int64_t j0,
             const int64_t* perm_c) {
     const float* rows[8];
+    float rn[8];
     for (int64_t jb = 0; jb < g.bs; jb += 8) {
       const int64_t nb = std::min<int64_t>(8, g.bs - jb);
       for (int64_t jj = 0; jj < nb; ++jj) {
         const int64_t j = j0 + jb + jj, p = perm_c[jb + jj];
+        const bool real = p < g.L;
         kpos[j] = static_cast<int32_t>(p);
-        kval[j] = (p < g.L && (kpm_b == nullptr || kpm_b[p])) ? -1 : 0;
-        rows[jj] = p < g.L ? kn + p * g.D : zero.data();
-        if (p < g.L) std::memcpy(&Vb[j * g.Dp], v + p * g.D, sizeof(float) * g.D);
-        else std::fill(&Vb[j * g.Dp], &Vb[j * g.Dp] + g.D, 0.0f);
+        kval[j] = (real && (kpm_b == nullptr || kpm_b[p])) ? -1 : 0;
+        rows[jj] = real ? q + p * g.D : zero.data();
+        float n2 = 0.f;
+        if (real) {
+          const float* x = q + p * g.D;
+#pragma omp simd reduction(+ : n2)
+          for (int64_t d = 0; d < g.D; ++d) n2 += x[d] * x[d];
+        }
+        const float nrm = std::max(std::sqrt(n2), kNormEps);
+        knorm[j] = real ? nrm : 0.0f;
+        rn[jj] = real ? 1.0f / nrm : 0.0f;
+        if (panel_v) {
+          const float* src = real ? v + p * g.D : zero.data();
+          int64_t d0 = 0;
+          for (; d0 + 16 <= g.D; d0 += 16) {  // inline: a libc memcpy call per 64 bytes costs more than the copy
+            float* dst = &Vp[d0 * g.NKp + j * 16];
+            store8(dst, load8(src + d0));
+            store8(dst + 8, load8(src + d0 + 8));
+          }
+          for (; d0 < g.D; ++d0) Vp[(d0 / 16 * 16) * g.NKp + j * 16 + d0 % 16] = src[d0];
+        }
+        if (pack_v) {
+          if (real) std::memcpy(&Vb[j * g.Dp], v + p * g.D, sizeof(float) * g.D);
+          else std::fill(&Vb[j * g.Dp], &Vb[j * g.Dp] + g.D, 0.0f);
+        }
       }
       float* dst = &Kt[j0 + jb];
-      if (nb == 8) {
-        for (int64_t d = 0; d < g.D; ++d) {
-          float* o = dst + d * g.NKp;
-          for (int jj = 0; jj < 8; ++jj) o[jj] = rows[jj][d];
+      if (nb == 8 && g.D % 8 == 0) {
+        const v8f r8 = load8(rn);
+        for (int64_t d = 0; d < g.D; d += 8) {
+          v8f x[8];
+          for (int jj = 0; jj < 8; ++jj) x[jj] = load8(rows[jj] + d);
+          transpose8(x);
+          for (int m = 0; m < 8; ++m) store8(dst + (d + m) * g.NKp, x[m] * r8);
         }
       } else {
         for (int64_t d = 0; d < g.D; ++d)
-          for (int64_t jj = 0; jj < nb; ++jj) dst[d * g.NKp + jj] = rows[jj][d];
+          for (int64_t jj = 0; jj < nb; ++jj) dst[d * g.NKp + jj] = rows[jj][d] * rn[jj];
       }
     }
   }
 
-  void load(const Geometry& g, const float* q, const float* kn, const float* v, const int64_t* perm,
-            const bool* kpm_b, int64_t bh, int64_t c) {
+  void load(const Geometry& g, const float* q, const float* v, const int64_t* perm, const bool* kpm_b,
+            int64_t bh, int64_t c) {
     const int64_t cprev = (c + g.C - 1) % g.C;
     for (int64_t i = 0; i < g.bs; ++i) {
       const int64_t p = perm[c * g.bs + i];
       qpos[i] = static_cast<int32_t>(p);
-      // q == nullptr: the queries are the unit keys, scaled back by their norms in mask_row
-      if (p < g.L) std::memcpy(&Qb[i * g.Dp], (q ? q : kn) + p * g.D, sizeof(float) * g.D);
+      if (!pack_q) continue;
+      if (p < g.L) std::memcpy(&Qb[i * g.Dp], q + p * g.D, sizeof(float) * g.D);
       else std::fill(&Qb[i * g.Dp], &Qb[i * g.Dp] + g.D, 0.0f);
     }
     if (bh == last_bh && c == last_c + 1) {
       own = 1 - own;  // the previous task's own keys are this task's previous keys: no copy, swap halves
     } else {
       own = 1;
-      keys(g, kn, v, kpm_b, 0, perm + cprev * g.bs);
+      keys(g, q, v, kpm_b, 0, perm + cprev * g.bs);
     }
-    keys(g, kn, v, kpm_b, own * g.bs, perm + c * g.bs);
+    keys(g, q, v, kpm_b, own * g.bs, perm + c * g.bs);
     last_bh = bh;
     last_c = c;
   }
 
-  // Scores of row i after masking; returns the row max (-inf when no valid key but itself).
-  float mask_row(const Geometry& g, int64_t i, bool causal, const float* qnorm = nullptr) {
+  // Scaled scores of packed row i after masking; returns the row max (-inf when no valid key but itself).
+  float mask_row(const Geometry& g, int64_t i, bool causal) {
     float* s = &Sb[i * g.NKp];
     const int32_t qp = qpos[i];
-    const float f = qnorm && qp < g.L ? g.scale * qnorm[qp] : g.scale;
-    const v8f ninf = splat8(-std::numeric_limits<float>::infinity()), sc = splat8(f);
+    const v8f ninf = splat8(-std::numeric_limits<float>::infinity()), sc = splat8(g.scale);
     const v8i q8 = v8i{qp, qp, qp, qp, qp, qp, qp, qp};
     v8f m8 = ninf;
     for (int64_t j = 0; j < g.NKp; j += 8) {  // NKp % 16 == 0
@@ -372,116 +429,243 @@ struct Tile {
   }
 };
 
-}  // namespace
+// Scores of R query rows (read in place through qrow) against every key column of the tile, masked.
+// EXP: P = exp(s - shift_r) with masked entries 0, and red_r = the row sum; otherwise the masked
+// scores themselves (-inf where masked) and red_r = the row max. One register block of R x 16 scores
+// goes from the dot products through the mask (and the exp) without a round trip through memory.
+template <int R, bool EXP>
+inline void score_rows(const Geometry& g, const Tile& t, const float* const* qrow, const int32_t* qpos,
+                       const float* shift, bool causal, float* S, float* red) {
+  const v8f ninf = splat8(-std::numeric_limits<float>::infinity()), sc = splat8(g.scale);
+  v8f red8[R];
+  for (int r = 0; r < R; ++r) red8[r] = EXP ? splat8(0.0f) : ninf;
+  for (int64_t j0 = 0; j0 < g.NKp; j0 += 16) {
+    v8f acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = splat8(0.0f);
+    const float* kt = t.Kt.data() + j0;
+    for (int64_t p = 0; p < g.D; ++p) {
+      const v8f b0 = load8(kt + p * g.NKp), b1 = load8(kt + p * g.NKp + 8);
+      for (int r = 0; r < R; ++r) {
+        const v8f a = splat8(qrow[r][p]);
+        acc[r][0] += a * b0;
+        acc[r][1] += a * b1;
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      v8i kp, kv;
+      std::memcpy(&kp, &t.kpos[j0 + 8 * h], sizeof(kp));
+      std::memcpy(&kv, &t.kval[j0 + 8 * h], sizeof(kv));
+      for (int r = 0; r < R; ++r) {
+        const int32_t qp = qpos[r];
+        const v8i q8 = v8i{qp, qp, qp, qp, qp, qp, qp, qp};
+        v8i ok = kv & (kp != q8);
+        if (causal) ok = ok & (kp <= q8);
+        float* s = S + r * g.NKp + j0 + 8 * h;
+        if (EXP) {
+          const v8f e = vexp_nonpos(acc[r][h] * sc - splat8(shift[r]));
+          const v8i bits = reinterpret_cast<const v8i&>(e) & ok;
+          const v8f x = reinterpret_cast<const v8f&>(bits);
+          store8(s, x);
+          red8[r] += x;
+        } else {
+          const v8f x = ok ? acc[r][h] * sc : ninf;
+          store8(s, x);
+          red8[r] = red8[r] > x ? red8[r] : x;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float x = red8[r][0];
+    for (int l = 1; l < 8; ++l) x = EXP ? x + red8[r][l] : std::max(x, red8[r][l]);
+    red[r] = x;
+  }
+}
 
-// qnorm (B, H, L): max(|q|, eps), so that q = qnorm * kn; the per-head path reads only kn and v.
-std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& kn, const at::Tensor& v,
-                                const at::Tensor& qnorm, const at::Tensor& perm, const at::Tensor& inv,
-                                const c10::optional<at::Tensor>& kpm, bool causal, int64_t bucket_size) {
-  check_inputs(q, kn, v, perm, inv, kpm, bucket_size);
-  TORCH_CHECK(qnorm.scalar_type() == at::kFloat && qnorm.is_contiguous() && qnorm.numel() == q.numel() / q.size(3),
-              "lsh_attention (cpp): qnorm must be contiguous fp32 (B, H, L)");
-  const Geometry g = geometry(q, perm, inv, bucket_size);
-  const int64_t BH = g.B * g.H;
-  const float ninf0 = -std::numeric_limits<float>::infinity();
-  if (BH >= at::get_num_threads()) {
-    // Enough (batch, head) pairs to keep every thread busy: one thread walks all chunks of a head and
-    // folds each round into the output at once (online softmax over rounds), so no per-slot buffers.
-    auto out = at::zeros_like(q);
-    auto lse = at::empty({g.B, g.H, g.L}, q.options());
-    const float* qnp = qnorm.data_ptr<float>();
-    const float* kp = kn.data_ptr<float>();
-    const float* vp = v.data_ptr<float>();
-    const int64_t* pp = perm.data_ptr<int64_t>();
-    const bool* mp = kpm.has_value() ? kpm->data_ptr<bool>() : nullptr;
-    float* outp = out.data_ptr<float>();
-    float* lsep = lse.data_ptr<float>();
-    at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
-      Tile t(g);
-      std::vector<float> Ob(g.bsp * g.Dp), rinv(g.bsp), lrow(g.bsp), mrun(g.L), zrun(g.L);
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t b = bh / g.H, off = bh * g.L * g.D;
-        float* acc = outp + off;
-        std::fill(mrun.begin(), mrun.end(), ninf0);
-        std::fill(zrun.begin(), zrun.end(), 0.0f);
-        const int64_t* perm_bh = pp + bh * g.S;
-        for (int64_t c = 0; c < g.C; ++c) {
-          t.load(g, nullptr, kp + off, vp + off, perm_bh, mp ? mp + b * g.L : nullptr, bh, c);
-          // this chunk's output rows (updated below) and the next chunk's inputs
+template <bool EXP>
+void score_block(const Geometry& g, const Tile& t, const float* const* qrow, const float* shift, bool causal,
+                 float* S, float* red) {
+  int64_t i = 0;
+  const int32_t* qp = t.qpos.data();
+  for (; i + 6 <= g.bs; i += 6)
+    score_rows<6, EXP>(g, t, qrow + i, qp + i, shift + i, causal, S + i * g.NKp, red + i);
+  for (; i + 2 <= g.bs; i += 2)
+    score_rows<2, EXP>(g, t, qrow + i, qp + i, shift + i, causal, S + i * g.NKp, red + i);
+  for (; i < g.bs; ++i) score_rows<1, EXP>(g, t, qrow + i, qp + i, shift + i, causal, S + i * g.NKp, red + i);
+}
+
+// R rows of C (+)= A[R x k] Vp[k x n], Vp in panels of k x 16; C rows through pointers; any n.
+template <int R>
+inline void gemm_rows_panel(const float* A, int64_t lda, const float* Vp, int64_t ldp, float* const* Crow,
+                            int64_t n, int64_t k, bool accumulate) {
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const bool full = j0 + 16 <= n;
+    v8f acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = acc[r][1] = splat8(0.0f);
+      if (accumulate && full) {
+        acc[r][0] = load8(Crow[r] + j0);
+        acc[r][1] = load8(Crow[r] + j0 + 8);
+      }
+    }
+    const float* b = Vp + j0 * ldp;
+    for (int64_t p = 0; p < k; ++p) {
+      const v8f b0 = load8(b + p * 16), b1 = load8(b + p * 16 + 8);
+      for (int r = 0; r < R; ++r) {
+        const v8f a = splat8(A[r * lda + p]);
+        acc[r][0] += a * b0;
+        acc[r][1] += a * b1;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      if (full) {
+        store8(Crow[r] + j0, acc[r][0]);
+        store8(Crow[r] + j0 + 8, acc[r][1]);
+      } else {
+        for (int64_t l = 0; j0 + l < n; ++l) {
+          const float x = l < 8 ? acc[r][0][l] : acc[r][1][l - 8];
+          Crow[r][j0 + l] = accumulate ? Crow[r][j0 + l] + x : x;
+        }
+      }
+    }
+  }
+}
+
+void gemm_panel(const float* A, int64_t lda, const float* Vp, int64_t ldp, float* const* Crow, int64_t m,
+                int64_t n, int64_t k, bool accumulate) {
+  int64_t i = 0;
+  for (; i + 6 <= m; i += 6) gemm_rows_panel<6>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
+  for (; i + 2 <= m; i += 2) gemm_rows_panel<2>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
+  for (; i < m; ++i) gemm_rows_panel<1>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
+}
+
+
+
+// One thread walks every chunk of a head and adds each round into the output at once. Every score of
+// query i is at most |q_i| * scale (the keys are unit vectors), so exp(s - |q_i| * scale) cannot overflow
+// and, while |q_i| * scale <= kShiftLimit, cannot underflow either: one shift serves every round, and
+// combining the rounds is a plain sum of P V and of the row sums, divided once at the end. A chunk with
+// a query above the limit takes that query's row max per round and rescales what it has accumulated
+// (an online softmax over rounds), so no input loses precision. No per-slot buffers.
+constexpr float kShiftLimit = 40.0f;  // exp(-2 * 40) is far above fp32's smallest normal
+
+void fwd_per_head(const Geometry& g, const float* qp, const float* vp, const int64_t* pp, const bool* mp,
+                  bool causal, float* outp, float* lsep) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t per_round = g.Lp / g.bs;
+  at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
+    Tile t(g, false, false);
+    t.use_panels(g);
+    std::vector<float> P(g.bs * g.NKp), red(g.bs), shift(g.bs), scratch(g.Dp), zsum(g.L), crun(g.L);
+    std::vector<const float*> qrow(g.bs);
+    std::vector<float*> orow(g.bs);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / g.H, off = bh * g.L * g.D;
+      const float* q = qp + off;
+      const float* v = vp + off;
+      float* out = outp + off;
+      const int64_t* perm = pp + bh * g.S;
+      std::fill(crun.begin(), crun.end(), ninf);
+      for (int64_t c = 0; c < g.C; ++c) {
+        t.load(g, q, v, perm, mp ? mp + b * g.L : nullptr, bh, c);
+        if (c + 1 < g.C) {  // the next chunk's rows, while this one computes
+          for (int64_t i = 0; i < g.bs; ++i) {
+            const int64_t p = perm[(c + 1) * g.bs + i];
+            if (p < g.L) {
+              prefetch_row(q + p * g.D, g.D);
+              prefetch_row(v + p * g.D, g.D);
+            }
+          }
+        }
+        const bool first = c < per_round;  // round 0 writes each position's output row, later rounds add
+        bool large = false;
+        for (int64_t i = 0; i < g.bs; ++i) {
+          const int64_t p = t.qpos[i];
+          const bool real = p < g.L;
+          qrow[i] = real ? q + p * g.D : t.zero.data();
+          orow[i] = real ? out + p * g.D : scratch.data();
+          if (real) prefetch_row(orow[i], g.D, true);
+          shift[i] = real ? g.scale * t.knorm[t.own * g.bs + i] : 0.0f;
+          large |= !(shift[i] <= kShiftLimit);  // NaN too
+        }
+        if (!large) {
+          score_block<true>(g, t, qrow.data(), shift.data(), causal, P.data(), red.data());
           for (int64_t i = 0; i < g.bs; ++i) {
             const int64_t p = t.qpos[i];
-            if (p < g.L) prefetch_row(acc + p * g.D, g.D, true);
+            if (p >= g.L) continue;
+            crun[p] = shift[i];
+            zsum[p] = first ? red[i] : zsum[p] + red[i];
           }
-          if (c + 1 < g.C) {
-            for (int64_t i = 0; i < g.bs; ++i) {
-              const int64_t p = perm_bh[(c + 1) * g.bs + i];
-              if (p < g.L) {
-                prefetch_row(kp + off + p * g.D, g.D);
-                prefetch_row(vp + off + p * g.D, g.D);
-              }
-            }
-          }
-          gemm_nn(t.Qb.data(), g.Dp, t.Kt.data(), g.NKp, t.Sb.data(), g.NKp, g.bsp, g.NKp, g.D, false);
-          for (int64_t i = 0; i < g.bsp; ++i) {
-            const float mx = t.mask_row(g, i, causal, qnp + bh * g.L);
-            float* srow = &t.Sb[i * g.NKp];
-            if (mx == ninf0) {
-              std::fill(srow, srow + g.NKp, 0.0f);
-              lrow[i] = ninf0;
+        } else {
+          score_block<false>(g, t, qrow.data(), shift.data(), causal, P.data(), red.data());
+          for (int64_t i = 0; i < g.bs; ++i) {
+            const int64_t p = t.qpos[i];
+            float* s = &P[i * g.NKp];
+            if (p >= g.L || red[i] == ninf) {  // dropped, or no valid key but itself this round
+              std::fill(s, s + g.NKp, 0.0f);
+              if (p < g.L && first) zsum[p] = 0.0f;
+              if (p < g.L && shift[i] <= kShiftLimit) crun[p] = shift[i];
               continue;
             }
+            float cs = shift[i];
+            if (!(cs <= kShiftLimit)) {
+              cs = std::max(crun[p], red[i]);
+              if (!first && crun[p] != ninf && cs > crun[p]) {
+                const float f = std::exp(crun[p] - cs);
+                for (int64_t d = 0; d < g.D; ++d) orow[i][d] *= f;
+                zsum[p] *= f;
+              }
+            }
+            crun[p] = cs;
             v8f a8 = splat8(0.0f);
-            const v8f m8 = splat8(mx);
+            const v8f c8 = splat8(cs);
             for (int64_t j = 0; j < g.NKp; j += 8) {
-              const v8f e = vexp_nonpos(load8(srow + j) - m8);
-              store8(srow + j, e);
+              const v8f e = vexp_nonpos(load8(s + j) - c8);  // masked: -inf -> 0
+              store8(s + j, e);
               a8 += e;
             }
             float sum = 0.0f;
             for (int l = 0; l < 8; ++l) sum += a8[l];
-            lrow[i] = mx + std::log(sum);
-            rinv[i] = 1.0f / sum;
-          }
-          gemm_nn(t.Sb.data(), g.NKp, t.Vb.data(), g.Dp, Ob.data(), g.Dp, g.bsp, g.Dp, g.NKp, false);
-          for (int64_t i = 0; i < g.bs; ++i) {
-            const float l = lrow[i];
-            const int64_t p = t.qpos[i];
-            if (l == ninf0 || p >= g.L) continue;
-            const float* o = &Ob[i * g.Dp];
-            float* a = acc + p * g.D;
-            float wo, wa;  // weights of this round and of what is accumulated
-            if (l > mrun[p]) {
-              wa = mrun[p] == ninf0 ? 0.0f : std::exp(mrun[p] - l);
-              wo = 1.0f;
-              mrun[p] = l;
-            } else {
-              wa = 1.0f;
-              wo = std::exp(l - mrun[p]);
-            }
-            zrun[p] = zrun[p] * wa + wo;
-            wo *= rinv[i];
-            for (int64_t d = 0; d < g.D; ++d) a[d] = a[d] * wa + o[d] * wo;
+            zsum[p] = first ? sum : zsum[p] + sum;
           }
         }
-        for (int64_t p = 0; p < g.L; ++p) {
-          float* a = acc + p * g.D;
-          if (mrun[p] == ninf0) {  // every round fell back to the query itself
-            std::memcpy(a, vp + off + p * g.D, sizeof(float) * g.D);
-            lsep[bh * g.L + p] = ninf0;
-          } else {
-            const float rz = 1.0f / zrun[p];
-            for (int64_t d = 0; d < g.D; ++d) a[d] *= rz;
-            lsep[bh * g.L + p] = mrun[p] + std::log(zrun[p]);
-          }
+        gemm_panel(P.data(), g.NKp, t.Vp.data(), g.NKp, orow.data(), g.bs, g.D, g.NK, !first);
+      }
+      for (int64_t p = 0; p < g.L; ++p) {
+        float* a = out + p * g.D;
+        if (zsum[p] == 0.0f) {  // every round fell back to the query itself
+          std::memcpy(a, v + p * g.D, sizeof(float) * g.D);
+          lsep[bh * g.L + p] = ninf;
+        } else {
+          const float rz = 1.0f / zsum[p];
+          for (int64_t d = 0; d < g.D; ++d) a[d] *= rz;
+          lsep[bh * g.L + p] = crun[p] + std::log(zsum[p]);
         }
       }
-    });
+    }
+  });
+}
+
+}  // namespace
+
+// (out, lse): out (B, H, L, D), lse (B, H, L) of the combined rounds (-inf where every round was empty).
+std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& v, const at::Tensor& perm,
+                                const at::Tensor& inv, const c10::optional<at::Tensor>& kpm, bool causal,
+                                int64_t bucket_size) {
+  check_inputs(q, v, perm, inv, kpm, bucket_size);
+  const Geometry g = geometry(q, perm, inv, bucket_size);
+  const int64_t BH = g.B * g.H;
+  if (BH >= at::get_num_threads()) {
+    auto out = at::empty_like(q);
+    auto lse = at::empty({g.B, g.H, g.L}, q.options());
+    fwd_per_head(g, q.data_ptr<float>(), v.data_ptr<float>(), perm.data_ptr<int64_t>(),
+                 kpm.has_value() ? kpm->data_ptr<bool>() : nullptr, causal, out.data_ptr<float>(),
+                 lse.data_ptr<float>());
     return {out, lse};
   }
   auto o_s = at::empty({BH, g.S, g.D}, q.options());
   auto lse_s = at::empty({BH, g.S}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = kn.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   const int64_t* pp = perm.data_ptr<int64_t>();
   const bool* mp = kpm.has_value() ? kpm->data_ptr<bool>() : nullptr;
@@ -495,7 +679,7 @@ std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& kn, const
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / g.C, c = task % g.C, b = bh / g.H;
       const int64_t off = bh * g.L * g.D;
-      t.load(g, qp + off, kp + off, vp + off, pp + bh * g.S, mp ? mp + b * g.L : nullptr, bh, c);
+      t.load(g, qp + off, vp + off, pp + bh * g.S, mp ? mp + b * g.L : nullptr, bh, c);
       gemm_nn(t.Qb.data(), g.Dp, t.Kt.data(), g.NKp, t.Sb.data(), g.NKp, g.bsp, g.NKp, g.D, false);
       for (int64_t i = 0; i < g.bsp; ++i) {
         const float mx = t.mask_row(g, i, causal);
@@ -562,11 +746,10 @@ std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& kn, const
   return {out, lse};
 }
 
-std::vector<at::Tensor> lsh_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& kn,
-                                const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+std::vector<at::Tensor> lsh_bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                 const at::Tensor& perm, const at::Tensor& inv,
                                 const c10::optional<at::Tensor>& kpm, bool causal, int64_t bucket_size) {
-  check_inputs(q, kn, v, perm, inv, kpm, bucket_size);
+  check_inputs(q, v, perm, inv, kpm, bucket_size);
   TORCH_CHECK(dout.sizes() == q.sizes() && dout.scalar_type() == at::kFloat && dout.is_contiguous(),
               "lsh_attention (cpp): dout must be contiguous fp32 like q");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == at::kFloat && out.is_contiguous(),
@@ -584,7 +767,6 @@ std::vector<at::Tensor> lsh_bwd(const at::Tensor& dout, const at::Tensor& q, con
   auto dv_prev = at::empty({BH, g.S, g.D}, q.options());
   const float* gp = dout.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
-  const float* kp = kn.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   const float* lsep = lse.data_ptr<float>();
   const float* dp = delta.data_ptr<float>();
@@ -606,7 +788,7 @@ std::vector<at::Tensor> lsh_bwd(const at::Tensor& dout, const at::Tensor& q, con
       const int64_t bh = task / g.C, c = task % g.C, b = bh / g.H;
       const int64_t cprev = (c + g.C - 1) % g.C;
       const int64_t off = bh * g.L * g.D;
-      t.load(g, qp + off, kp + off, vp + off, pp + bh * g.S, mp ? mp + b * g.L : nullptr, bh, c);
+      t.load(g, qp + off, vp + off, pp + bh * g.S, mp ? mp + b * g.L : nullptr, bh, c);
       std::fill(Gb.begin(), Gb.end(), 0.0f);
       for (int64_t i = 0; i < g.bsp; ++i) {
         const int64_t p = t.qpos[i];

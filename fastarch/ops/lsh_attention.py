@@ -518,15 +518,10 @@ class CppLSHAttention(Implementation):
         return tuple(self.lib.lsh_sort(buckets.contiguous(), bucket_size, n_buckets))
 
     def forward(self, qk, v, perm, inv, kpm, causal, bucket_size, n_hashes):
-        q = qk.float().contiguous()
-        # as F.normalize: kn = q / max(|q|, eps), so q = qnorm * kn
-        qnorm = q.norm(dim=-1, keepdim=True).clamp_min(_NORM_EPS)
-        kn = q / qnorm
+        # the kernel normalises the keys itself (as F.normalize) while it packs them
         out, lse = self.lib.lsh_fwd(
-            q,
-            kn,
+            qk.float().contiguous(),
             v.float().contiguous(),
-            qnorm.squeeze(-1).contiguous(),
             perm.contiguous(),
             inv.contiguous(),
             kpm,
@@ -536,11 +531,10 @@ class CppLSHAttention(Implementation):
         return out.to(qk.dtype), lse
 
     def backward(self, dout, qk, v, out, lse, perm, inv, kpm, causal, bucket_size, n_hashes):
-        q, kn, vf, kpm = _kernel_inputs(qk, v, kpm)
+        q, vf = qk.float().contiguous(), v.float().contiguous()
         dq, dkn, dv = self.lib.lsh_bwd(
             dout.float().contiguous(),
             q,
-            kn,
             vf,
             out.float().contiguous(),
             lse,

@@ -185,6 +185,51 @@ def test_cpp_both_schedules(causal):
     torch.testing.assert_close(per_head, ref, atol=2e-5, rtol=1e-4)
 
 
+def _per_head(fn):
+    """Run ``fn`` with one thread, so the C++ forward takes its per-head path whatever B*H is."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    "norm_scale,D,bs,causal",
+    [
+        (1.0, 20, 8, False),  # D not a multiple of 8 or 16: scalar transpose and the panel GEMM's tail
+        (1.0, 16, 5, True),  # bucket_size not a multiple of 8: padded key columns
+        (60.0, 16, 16, False),  # |q| / sqrt(D) far above the shift limit: row max and online rescale
+        (60.0, 32, 16, True),
+        (None, 16, 16, False),  # some rows above the limit, the rest below, in the same chunks
+        (None, 16, 16, True),
+    ],
+)
+def test_cpp_per_head_shift_paths(norm_scale, D, bs, causal):
+    # the per-head forward shifts every row by its score bound |q| / sqrt(D) while that is <= 40, else by
+    # its row max with a rescale across rounds; both must equal the reference, outputs and lse-driven grads
+    B, H, L = 1, 2, 150
+    qk, v = _inputs(B, H, L, D)
+    if norm_scale is None:
+        big = torch.rand(B, H, L, 1) < 0.3
+        qk = torch.where(big, qk * 60.0, qk)
+    else:
+        qk = qk * norm_scale
+    qk.requires_grad_(True)
+    v.requires_grad_(True)
+    kpm = torch.rand(B, L) > 0.2
+    kw = dict(n_hashes=3, bucket_size=bs, seed=4, causal=causal, key_padding_mask=kpm)
+    ref = lsh_attention_ref(qk, v, **kw)
+    g = torch.randn_like(ref)
+    dq_ref, dv_ref = torch.autograd.grad(ref, (qk, v), g)
+    out = _per_head(lambda: lsh_attention(qk, v, backend="cpp", **kw))
+    dq, dv = torch.autograd.grad(out, (qk, v), g)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(dv, dv_ref, atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(dq, dq_ref, atol=5e-5 * (norm_scale or 60.0), rtol=1e-4)
+
+
 @pytest.mark.parametrize("backend", ["cpp", "triton"])
 def test_half_precision(backend):
     B, H, L, D = 1, 2, 70, 16

@@ -200,6 +200,8 @@ def _per_head(fn):
     [
         (1.0, 20, 8, False),  # D not a multiple of 8 or 16: scalar transpose and the panel GEMM's tail
         (1.0, 16, 5, True),  # bucket_size not a multiple of 8: padded key columns
+        (1.0, 16, 32, False),  # bucket_size % 16 == 0: own-chunk scores from the symmetric Gram matrix
+        (1.0, 24, 64, True),
         (60.0, 16, 16, False),  # |q| / sqrt(D) far above the shift limit: row max and online rescale
         (60.0, 32, 16, True),
         (None, 16, 16, False),  # some rows above the limit, the rest below, in the same chunks

@@ -151,21 +151,48 @@ void gemm_nn(const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
   for (; i < m; ++i) gemm_rows<1>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, n, k, accumulate);
 }
 
-// Bit l set where lane l of a comparison result is true.
-inline unsigned movemask8(v8i m) {
-#ifdef __AVX__
-  return static_cast<unsigned>(__builtin_ia32_movmskps256(reinterpret_cast<v8f&>(m)));
-#else
-  unsigned bits = 0;
-  for (int l = 0; l < 8; ++l) bits |= unsigned(m[l] != 0) << l;
-  return bits;
-#endif
+// One tile of the hash projections, transposed: T projections (rows t0.. of Rt) x 16 rows of x (Xt, D x 16),
+// in T x 2 registers; then, per row (a lane), the running best of the round over concat[xR, -xR]:
+// m1 = the largest |p| so far, m2 = the second largest, i1 = the index of m1 in concat order (first wins).
+template <int T>
+__attribute__((noinline)) void hash_tile(const float* Rt, int64_t D, const float* Xt, int64_t t0, int64_t tr0, int64_t R2, v8f* m1,
+                      v8f* m2, v8i* i1) {
+  v8f acc[T][2];
+  for (int u = 0; u < T; ++u) acc[u][0] = acc[u][1] = splat8(0.0f);
+  const float* ra = Rt + t0 * D;
+  for (int64_t d = 0; d < D; ++d) {
+    const v8f b0 = load8(Xt + d * 16), b1 = load8(Xt + d * 16 + 8);
+    for (int u = 0; u < T; ++u) {
+      const v8f a = splat8(ra[u * D + d]);
+      acc[u][0] += a * b0;
+      acc[u][1] += a * b1;
+    }
+  }
+  const v8i absmask = v8i{0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff,
+                          0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
+  const int32_t r2 = static_cast<int32_t>(R2);
+  const v8i r2v = v8i{r2, r2, r2, r2, r2, r2, r2, r2};
+  for (int u = 0; u < T; ++u) {
+    const int32_t t = static_cast<int32_t>(tr0 + u);
+    const v8i tv = v8i{t, t, t, t, t, t, t, t};
+    for (int h = 0; h < 2; ++h) {
+      const v8f v = acc[u][h];
+      const v8i ai = reinterpret_cast<const v8i&>(v) & absmask;
+      const v8f a = reinterpret_cast<const v8f&>(ai);
+      const v8i gt = a > m1[h];  // NaN: false, so a NaN never becomes the best
+      const v8f lo = gt ? m1[h] : a;
+      m2[h] = lo > m2[h] ? lo : m2[h];
+      m1[h] = gt ? a : m1[h];
+      i1[h] = gt ? tv + ((v < splat8(0.0f)) & r2v) : i1[h];
+    }
+  }
 }
 
 // Buckets (B, H, NH, L) int64: argmax(concat[x R_r, -x R_r]) per round, first maximum on ties, as if the
-// projections were exact. Projections go through the fp32 SIMD GEMM in blocks of rows; a (row, round)
-// whose top two candidates are closer than the fp32 error bound (4 D u |x| max_t |R_{., r, t}|) is
-// recomputed in fp64, so the result matches an fp64 reference up to ties below fp64 rounding.
+// projections were exact. The projections are computed transposed, 16 rows of x to a tile, and the argmax
+// is kept per row in the tile's registers (no projection matrix is stored). A (row, round) whose second
+// best is within twice the fp32 error bound (4 D u |x| max_t |R_{., r, t}|) of the best is recomputed in
+// fp64, so the result matches an fp64 reference up to ties below fp64 rounding.
 at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot) {
   TORCH_CHECK(qk.scalar_type() == at::kFloat && qk.is_contiguous() && qk.dim() == 4,
               "lsh_attention (cpp): qk must be contiguous fp32 (B, H, L, D)");
@@ -173,100 +200,106 @@ at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot) {
                   rot.size(0) == qk.size(3),
               "lsh_attention (cpp): rotations must be contiguous fp32 (D, NH, R2)");
   const int64_t B = qk.size(0), H = qk.size(1), L = qk.size(2), D = qk.size(3);
-  const int64_t NH = rot.size(1), R2 = rot.size(2), NR = NH * R2, NRp = round_up(NR, 16);
+  const int64_t NH = rot.size(1), R2 = rot.size(2), NR = NH * R2;
   const int64_t M = B * H * L;
-  // R in panels of 16 columns, each D x 16 contiguous: the GEMM then streams one panel per column
-  // strip instead of D rows NRp floats apart (a power-of-two stride that aliases in L1).
-  std::vector<float> Rp(D * NRp, 0.0f);
   const float* rp = rot.data_ptr<float>();
+  std::vector<float> Rt(NR * D);  // projection t's column of R, contiguous
   for (int64_t d = 0; d < D; ++d)
-    for (int64_t t = 0; t < NR; ++t) Rp[(t / 16) * D * 16 + d * 16 + t % 16] = rp[d * NR + t];
-  std::vector<double> colmax(NH, 0.0);
-  for (int64_t r = 0; r < NH; ++r)
+    for (int64_t t = 0; t < NR; ++t) Rt[t * D + d] = rp[d * NR + t];
+  std::vector<float> cr(NH, 0.0f);  // 4 D u max_t |R_t| per round, inflated so that float rounding stays safe
+  const double u = std::ldexp(1.0, -24);
+  for (int64_t r = 0; r < NH; ++r) {
+    double cm = 0.0;
     for (int64_t t = 0; t < R2; ++t) {
       double n2 = 0.0;
-      for (int64_t d = 0; d < D; ++d) n2 += double(rp[d * NR + r * R2 + t]) * rp[d * NR + r * R2 + t];
-      colmax[r] = std::max(colmax[r], std::sqrt(n2));
+      for (int64_t d = 0; d < D; ++d) n2 += double(Rt[(r * R2 + t) * D + d]) * Rt[(r * R2 + t) * D + d];
+      cm = std::max(cm, std::sqrt(n2));
     }
+    cr[r] = static_cast<float>(4.0 * double(D) * u * cm * (1.0 + 1e-4));
+  }
   auto out = at::empty({B, H, NH, L}, qk.options().dtype(at::kLong));
   const float* xp = qk.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  const int64_t RB = 48;  // rows per block: the projections (RB x NRp) stay in L2
-  const double u = std::ldexp(1.0, -24);
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (RB * D * NRp));  // >= ~1M MACs per task
-  at::parallel_for(0, (M + RB - 1) / RB, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> P(RB * NRp);
+  const int64_t nblk = (M + 15) / 16;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (16 * D * NR));  // >= ~1M MACs per task
+  at::parallel_for(0, nblk, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> Xt(D * 16), zero(D + 8, 0.0f);
+    std::vector<double> proj64(R2);
+    const float ninf = -std::numeric_limits<float>::infinity();
     for (int64_t blk = begin; blk < end; ++blk) {
-      const int64_t r0 = blk * RB, rows = std::min(RB, M - r0);
-      for (int64_t j0 = 0; j0 < NRp; j0 += 16)
-        gemm_nn(xp + r0 * D, D, Rp.data() + j0 * D, 16, P.data() + j0, NRp, rows, 16, D, false);
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t row = r0 + i, bh = row / L, pos = row % L;
-        const float* x = xp + row * D;
-        float xn2 = 0.f;
-#pragma omp simd reduction(+ : xn2)
-        for (int64_t d = 0; d < D; ++d) xn2 += x[d] * x[d];
-        const double xn = std::sqrt(double(xn2)) * (1.0 + 1e-5);  // an upper bound is all the test needs
-        for (int64_t r = 0; r < NH; ++r) {
-          const float* p = &P[i * NRp + r * R2];
-          // max and min of p (vectorised): best = max(max p, -min p)
-          float mx = p[0], mn = p[0];
-          int64_t t = 0;
-          if (R2 >= 8) {
-            v8f a = load8(p), b = a;
-            for (t = 8; t + 8 <= R2; t += 8) {
-              const v8f x = load8(p + t);
-              a = a > x ? a : x;
-              b = b < x ? b : x;
-            }
-            mx = a[0];
-            mn = b[0];
-            for (int l = 1; l < 8; ++l) {
-              mx = std::max(mx, a[l]);
-              mn = std::min(mn, b[l]);
-            }
+      const int64_t r0 = blk * 16, rows = std::min<int64_t>(16, M - r0);
+      const float* xr[16];
+      for (int l = 0; l < 16; ++l) xr[l] = l < rows ? xp + (r0 + l) * D : zero.data();
+      if (D % 8 == 0) {
+        for (int64_t d0 = 0; d0 < D; d0 += 8)
+          for (int h = 0; h < 2; ++h) {
+            v8f x8[8];
+            for (int l = 0; l < 8; ++l) x8[l] = load8(xr[8 * h + l] + d0);
+            transpose8(x8);
+            for (int m = 0; m < 8; ++m) store8(&Xt[(d0 + m) * 16 + 8 * h], x8[m]);
           }
-          for (; t < R2; ++t) {
-            mx = std::max(mx, p[t]);
-            mn = std::min(mn, p[t]);
-          }
-          const float best = std::max(mx, -mn);
-          const double bound = 4.0 * double(D) * u * xn * colmax[r];
-          // Candidates within 2 * bound of the best, counted on both sides: one means the fp32 order is
-          // certain and that candidate is the argmax; more (or a tie) are decided in fp64; none is NaN.
-          const float thr = static_cast<float>(double(best) - 2.0 * bound);
-          int64_t close = 0, ib = 0;
-          int64_t k = 0;
-          if (R2 >= 8) {
-            const v8f th = splat8(thr);
-            for (; k + 8 <= R2; k += 8) {
-              const v8f x = load8(p + k);
-              const unsigned hp = movemask8(x >= th), hn = movemask8(-x >= th);
-              if ((hp | hn) == 0) continue;
-              if (close == 0) ib = hp ? k + __builtin_ctz(hp) : R2 + k + __builtin_ctz(hn);
-              close += __builtin_popcount(hp) + __builtin_popcount(hn);
-            }
-          }
-          for (; k < R2; ++k) {
-            const bool cp = p[k] >= thr, cn = -p[k] >= thr;
-            if (close == 0 && (cp || cn)) ib = cp ? k : R2 + k;
-            close += cp + cn;
-          }
-          if (close > 1) {  // only the candidates can win: recompute those in fp64, in concat order
-            const float* rr = rp + r * R2;
+      } else {
+        for (int64_t d = 0; d < D; ++d)
+          for (int l = 0; l < 16; ++l) Xt[d * 16 + l] = xr[l][d];
+      }
+      v8f n2[2] = {splat8(0.0f), splat8(0.0f)};
+      for (int64_t d = 0; d < D; ++d)
+        for (int h = 0; h < 2; ++h) {
+          const v8f x = load8(&Xt[d * 16 + 8 * h]);
+          n2[h] += x * x;
+        }
+      alignas(32) float xn[16];
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 8; ++l) xn[8 * h + l] = std::sqrt(n2[h][l]) * (1.0f + 1e-5f);
+      for (int64_t r = 0; r < NH; ++r) {
+        v8f m1[2] = {splat8(ninf), splat8(ninf)}, m2[2] = {splat8(ninf), splat8(ninf)};
+        v8i i1[2] = {v8i{0, 0, 0, 0, 0, 0, 0, 0}, v8i{0, 0, 0, 0, 0, 0, 0, 0}};
+        int64_t t = 0;
+        for (; t + 6 <= R2; t += 6) hash_tile<6>(Rt.data(), D, Xt.data(), r * R2 + t, t, R2, m1, m2, i1);
+        for (; t + 2 <= R2; t += 2) hash_tile<2>(Rt.data(), D, Xt.data(), r * R2 + t, t, R2, m1, m2, i1);
+        for (; t < R2; ++t) hash_tile<1>(Rt.data(), D, Xt.data(), r * R2 + t, t, R2, m1, m2, i1);
+        for (int l = 0; l < rows; ++l) {
+          const int h = l / 8, k = l % 8;
+          const float best = m1[h][k], second = m2[h][k], bnd = cr[r] * xn[l];
+          int64_t ib = i1[h][k];
+          // a close second (or a best near 0, where the other side of the best is close) is decided in
+          // fp64 over the whole round, in concat order
+          if (second >= best - 2.0f * bnd || best <= 2.0f * bnd) {
+            const float* x = xr[l];
+            const float* rr = Rt.data() + r * R2 * D;
             double bd = -std::numeric_limits<double>::infinity();
+            ib = 0;
+            std::vector<double>& pd = proj64;
+            int64_t c = 0;
+            for (; c + 4 <= R2; c += 4) {  // four independent sums, each in the order of d
+              double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+              for (int64_t d = 0; d < D; ++d) {
+                const double xd = x[d];
+                a0 += xd * double(rr[c * D + d]);
+                a1 += xd * double(rr[(c + 1) * D + d]);
+                a2 += xd * double(rr[(c + 2) * D + d]);
+                a3 += xd * double(rr[(c + 3) * D + d]);
+              }
+              pd[c] = a0;
+              pd[c + 1] = a1;
+              pd[c + 2] = a2;
+              pd[c + 3] = a3;
+            }
+            for (; c < R2; ++c) {
+              double acc = 0.0;
+              for (int64_t d = 0; d < D; ++d) acc += double(x[d]) * double(rr[c * D + d]);
+              pd[c] = acc;
+            }
             for (int side = 0; side < 2; ++side)
-              for (int64_t t = 0; t < R2; ++t) {
-                if ((side ? -p[t] : p[t]) < thr) continue;
-                double acc = 0.0;
-                for (int64_t d = 0; d < D; ++d) acc += double(x[d]) * double(rr[d * NR + t]);
-                if (side) acc = -acc;
+              for (int64_t c2 = 0; c2 < R2; ++c2) {
+                const double acc = side ? -pd[c2] : pd[c2];
                 if (acc > bd) {
                   bd = acc;
-                  ib = side * R2 + t;
+                  ib = side * R2 + c2;
                 }
               }
           }
+          const int64_t row = r0 + l, bh = row / L, pos = row % L;
           op[(bh * NH + r) * L + pos] = ib;
         }
       }
@@ -555,6 +588,8 @@ void score_block(const Geometry& g, const Tile& t, const float* const* qrow, con
   int64_t i = 0;
   for (; i + 6 <= g.bs; i += 6)
     score_rows<6, EXP, SYM>(g, t, qrow + i, i, shift + i, qscale + i, causal, S + i * g.NKp, G, red + i);
+  for (; i + 4 <= g.bs; i += 4)
+    score_rows<4, EXP, SYM>(g, t, qrow + i, i, shift + i, qscale + i, causal, S + i * g.NKp, G, red + i);
   for (; i + 2 <= g.bs; i += 2)
     score_rows<2, EXP, SYM>(g, t, qrow + i, i, shift + i, qscale + i, causal, S + i * g.NKp, G, red + i);
   for (; i < g.bs; ++i)
@@ -602,6 +637,7 @@ void gemm_panel(const float* A, int64_t lda, const float* Vp, int64_t ldp, float
                 int64_t n, int64_t k, bool accumulate) {
   int64_t i = 0;
   for (; i + 6 <= m; i += 6) gemm_rows_panel<6>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
+  for (; i + 4 <= m; i += 4) gemm_rows_panel<4>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
   for (; i + 2 <= m; i += 2) gemm_rows_panel<2>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
   for (; i < m; ++i) gemm_rows_panel<1>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
 }

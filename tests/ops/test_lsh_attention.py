@@ -9,7 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastarch.ops.lsh_attention import lsh_attention, lsh_attention_ref, lsh_n_buckets, lsh_rotations
+from fastarch.ops.lsh_attention import (
+    lsh_attention,
+    lsh_attention_ref,
+    lsh_hash,
+    lsh_n_buckets,
+    lsh_rotations,
+)
 from tests._tolerance import assert_fa_close
 
 
@@ -267,6 +273,31 @@ def test_buckets_and_seed():
     torch.testing.assert_close(o1, o3)
     _, b4 = lsh_attention(qk, v, n_hashes=2, bucket_size=8, seed=12, return_buckets=True)
     assert not torch.equal(b1, b4)
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+def test_hash_ties_and_near_ties_match_fp64(backend):
+    # exact ties (a duplicated column, a column and its negation), near ties below fp32 resolution, zero
+    # rows and ordinary rows: every backend's buckets equal the fp64 reference, first maximum in concat order
+    L, D, NH, bs = 96, 24, 3, 4
+    nb = lsh_n_buckets(L, bs)
+    assert nb // 2 == 12
+    rot = lsh_rotations(D, NH, nb, seed=3)
+    rot[:, 0, 7] = rot[:, 0, 3]  # exact duplicate
+    rot[:, 1, 5] = -rot[:, 1, 2]  # column 5's positive side equals column 2's negative side
+    rot[:, 2, 9] = rot[:, 2, 4] * (1 + 3e-7)  # a tie below fp32 resolution of the projections
+    qk = torch.randn(1, 2, L, D)
+    qk[0, 0, :8] = rot[:, 0, 3] * torch.arange(1, 9)[:, None]
+    qk[0, 0, 8:16] = -rot[:, 1, 2] * torch.arange(1, 9)[:, None]
+    qk[0, 0, 16:24] = rot[:, 2, 4] * torch.arange(1, 9)[:, None]
+    qk[0, 1, :4] = 0.0
+    v = torch.randn_like(qk)
+    want = lsh_hash(qk, rot)
+    assert int(want[0, 0, 0, 0]) == 3 and int(want[0, 0, 1, 8]) == 5
+    _, got = lsh_attention(qk, v, n_hashes=NH, bucket_size=bs, rotations=rot, return_buckets=True,
+                           backend=backend)
+    assert torch.equal(got, want)
+    assert int(got[0, 1, 0, 0]) == 0  # all projections 0: the first index
 
 
 def test_n_buckets_rule():

@@ -489,6 +489,25 @@ struct Tile {
   }
 };
 
+// Prefetches the rows of q and v that the next chunk packs, a few at a time between the row blocks of
+// this chunk's GEMMs: a burst of hundreds of prefetches fills the miss buffers and stalls.
+struct RowPrefetcher {
+  const float* q = nullptr;
+  const float* v = nullptr;
+  const int64_t* perm = nullptr;  // the next chunk's positions, or nullptr
+  int64_t n = 0, i = 0, L = 0, D = 0;
+  void step(int64_t rows) {
+    if (perm == nullptr) return;
+    for (const int64_t e = std::min(n, i + rows); i < e; ++i) {
+      const int64_t p = perm[i];
+      if (p < L) {
+        prefetch_row(q + p * D, D);
+        prefetch_row(v + p * D, D);
+      }
+    }
+  }
+};
+
 // Scores of R query rows (rows i0.. of the chunk) against every key column of the tile, masked.
 // EXP: P = exp(s - shift_r) with masked entries 0, and red_r = the row sum; otherwise the masked
 // scores themselves (-inf where masked) and red_r = the row max. One register block of R x 16 scores
@@ -584,10 +603,12 @@ __attribute__((noinline)) void score_rows(const Geometry& g, const Tile& t, cons
 
 template <bool EXP, bool SYM>
 void score_block(const Geometry& g, const Tile& t, const float* const* qrow, const float* shift,
-                 const float* qscale, bool causal, float* S, float* G, float* red) {
+                 const float* qscale, bool causal, float* S, float* G, float* red, RowPrefetcher& pf) {
   int64_t i = 0;
-  for (; i + 6 <= g.bs; i += 6)
+  for (; i + 6 <= g.bs; i += 6) {
     score_rows<6, EXP, SYM>(g, t, qrow + i, i, shift + i, qscale + i, causal, S + i * g.NKp, G, red + i);
+    pf.step(4);
+  }
   for (; i + 4 <= g.bs; i += 4)
     score_rows<4, EXP, SYM>(g, t, qrow + i, i, shift + i, qscale + i, causal, S + i * g.NKp, G, red + i);
   for (; i + 2 <= g.bs; i += 2)
@@ -634,9 +655,12 @@ inline void gemm_rows_panel(const float* A, int64_t lda, const float* Vp, int64_
 }
 
 void gemm_panel(const float* A, int64_t lda, const float* Vp, int64_t ldp, float* const* Crow, int64_t m,
-                int64_t n, int64_t k, bool accumulate) {
+                int64_t n, int64_t k, bool accumulate, RowPrefetcher& pf) {
   int64_t i = 0;
-  for (; i + 6 <= m; i += 6) gemm_rows_panel<6>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
+  for (; i + 6 <= m; i += 6) {
+    gemm_rows_panel<6>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
+    pf.step(4);
+  }
   for (; i + 4 <= m; i += 4) gemm_rows_panel<4>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
   for (; i + 2 <= m; i += 2) gemm_rows_panel<2>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
   for (; i < m; ++i) gemm_rows_panel<1>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
@@ -672,14 +696,14 @@ void fwd_per_head(const Geometry& g, const float* qp, const float* vp, const int
       std::fill(crun.begin(), crun.end(), ninf);
       for (int64_t c = 0; c < g.C; ++c) {
         t.load(g, q, v, perm, mp ? mp + b * g.L : nullptr, bh, c);
-        if (c + 1 < g.C) {  // the next chunk's rows, while this one computes
-          for (int64_t i = 0; i < g.bs; ++i) {
-            const int64_t p = perm[(c + 1) * g.bs + i];
-            if (p < g.L) {
-              prefetch_row(q + p * g.D, g.D);
-              prefetch_row(v + p * g.D, g.D);
-            }
-          }
+        RowPrefetcher pf;  // the next chunk's rows, spread over this one's GEMMs
+        if (c + 1 < g.C) {
+          pf.q = q;
+          pf.v = v;
+          pf.perm = perm + (c + 1) * g.bs;
+          pf.n = g.bs;
+          pf.L = g.L;
+          pf.D = g.D;
         }
         const bool first = c < per_round;  // round 0 writes each position's output row, later rounds add
         bool large = false;
@@ -696,10 +720,10 @@ void fwd_per_head(const Geometry& g, const float* qp, const float* vp, const int
         if (!large) {
           if (g.bs % 16 == 0)
             score_block<true, true>(g, t, qrow.data(), shift.data(), qscale.data(), causal, P.data(), G.data(),
-                                    red.data());
+                                    red.data(), pf);
           else
             score_block<true, false>(g, t, qrow.data(), shift.data(), qscale.data(), causal, P.data(), G.data(),
-                                     red.data());
+                                     red.data(), pf);
           for (int64_t i = 0; i < g.bs; ++i) {
             const int64_t p = t.qpos[i];
             if (p >= g.L) continue;
@@ -708,7 +732,7 @@ void fwd_per_head(const Geometry& g, const float* qp, const float* vp, const int
           }
         } else {
           score_block<false, false>(g, t, qrow.data(), shift.data(), qscale.data(), causal, P.data(), G.data(),
-                                    red.data());
+                                    red.data(), pf);
           for (int64_t i = 0; i < g.bs; ++i) {
             const int64_t p = t.qpos[i];
             float* s = &P[i * g.NKp];
@@ -740,7 +764,8 @@ void fwd_per_head(const Geometry& g, const float* qp, const float* vp, const int
             zsum[p] = first ? sum : zsum[p] + sum;
           }
         }
-        gemm_panel(P.data(), g.NKp, t.Vp.data(), g.NKp, orow.data(), g.bs, g.D, g.NK, !first);
+        gemm_panel(P.data(), g.NKp, t.Vp.data(), g.NKp, orow.data(), g.bs, g.D, g.NK, !first, pf);
+        pf.step(g.bs);  // whatever the row blocks left
       }
       for (int64_t p = 0; p < g.L; ++p) {
         float* a = out + p * g.D;

@@ -1,8 +1,8 @@
 // Reformer LSH attention on the CPU: chunked attention with look-one-back over the sorted hash rounds.
 //
-// The hashing and the sort happen in torch (fastarch/ops/lsh_attention.py); this file gets the sort
-// permutation `perm` (B, H, S = n_hashes * Lp): the original position held by each slot of the concatenated
-// rounds (>= L for padding), and `inv` (B, H, n_hashes, L): the slot of each real position in each round.
+// lsh_hash gives the buckets and lsh_sort the permutation `perm` (B, H, S = n_hashes * Lp): the original
+// position held by each slot of the concatenated rounds (>= L for padding), and `inv` (B, H, n_hashes, L):
+// the slot of each real position in each round. fastarch/ops/lsh_attention.py strings them together.
 //
 // Keys are the qk rows normalised to unit length (as F.normalize), computed here while they are packed.
 //

@@ -110,6 +110,18 @@ inline v8f vexp2_bounded(v8f x) {
   return y * reinterpret_cast<v8f&>(e);
 }
 
+// One k-step of an R x 16 register block: acc[r] += a[r * astride] * (b0 | b1). Every GEMM below is a loop
+// of this step over k; they differ only in where A, B and C live.
+template <int R>
+__attribute__((always_inline)) inline void rank1_16(v8f (&acc)[R][2], const float* a, int64_t astride, v8f b0,
+                                                    v8f b1) {
+  for (int r = 0; r < R; ++r) {
+    const v8f x = splat8(a[r * astride]);
+    acc[r][0] += x * b0;
+    acc[r][1] += x * b1;
+  }
+}
+
 // R rows of C[. x n] (+)= A[. x k] B[k x n]: an R x 16 register block (2R accumulators) per column step.
 template <int R>
 inline void gemm_rows(const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
@@ -125,15 +137,7 @@ inline void gemm_rows(const float* A, int64_t lda, const float* B, int64_t ldb, 
         acc[r][1] = splat8(0.0f);
       }
     }
-    for (int64_t p = 0; p < k; ++p) {
-      const v8f b0 = load8(B + p * ldb + j0);
-      const v8f b1 = load8(B + p * ldb + j0 + 8);
-      for (int r = 0; r < R; ++r) {
-        const v8f ar = splat8(A[r * lda + p]);
-        acc[r][0] += ar * b0;
-        acc[r][1] += ar * b1;
-      }
-    }
+    for (int64_t p = 0; p < k; ++p) rank1_16<R>(acc, A + p, lda, load8(B + p * ldb + j0), load8(B + p * ldb + j0 + 8));
     for (int r = 0; r < R; ++r) {
       store8(C + r * ldc + j0, acc[r][0]);
       store8(C + r * ldc + j0 + 8, acc[r][1]);
@@ -160,14 +164,7 @@ __attribute__((noinline)) void hash_tile(const float* Rt, int64_t D, const float
   v8f acc[T][2];
   for (int u = 0; u < T; ++u) acc[u][0] = acc[u][1] = splat8(0.0f);
   const float* ra = Rt + t0 * D;
-  for (int64_t d = 0; d < D; ++d) {
-    const v8f b0 = load8(Xt + d * 16), b1 = load8(Xt + d * 16 + 8);
-    for (int u = 0; u < T; ++u) {
-      const v8f a = splat8(ra[u * D + d]);
-      acc[u][0] += a * b0;
-      acc[u][1] += a * b1;
-    }
-  }
+  for (int64_t d = 0; d < D; ++d) rank1_16<T>(acc, ra + d, D, load8(Xt + d * 16), load8(Xt + d * 16 + 8));
   const v8i absmask = v8i{0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff,
                           0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
   const int32_t r2 = static_cast<int32_t>(R2);
@@ -544,14 +541,8 @@ __attribute__((noinline)) void score_rows(const Geometry& g, const Tile& t, cons
       const float* kt = t.Kt.data() + j0;
       if (own) {
         const float* ka = t.Kt.data() + O + i0;
-        for (int64_t p = 0; p < g.D; ++p) {
-          const v8f b0 = load8(kt + p * g.NKp), b1 = load8(kt + p * g.NKp + 8);
-          for (int r = 0; r < R; ++r) {
-            const v8f a = splat8(ka[p * g.NKp + r]);
-            acc[r][0] += a * b0;
-            acc[r][1] += a * b1;
-          }
-        }
+        for (int64_t p = 0; p < g.D; ++p)
+          rank1_16<R>(acc, ka + p * g.NKp, 1, load8(kt + p * g.NKp), load8(kt + p * g.NKp + 8));
         for (int r = 0; r < R; ++r) {
           store8(G + (i0 + r) * g.bs + jr, acc[r][0]);
           store8(G + (i0 + r) * g.bs + jr + 8, acc[r][1]);
@@ -632,14 +623,7 @@ inline void gemm_rows_panel(const float* A, int64_t lda, const float* Vp, int64_
       }
     }
     const float* b = Vp + j0 * ldp;
-    for (int64_t p = 0; p < k; ++p) {
-      const v8f b0 = load8(b + p * 16), b1 = load8(b + p * 16 + 8);
-      for (int r = 0; r < R; ++r) {
-        const v8f a = splat8(A[r * lda + p]);
-        acc[r][0] += a * b0;
-        acc[r][1] += a * b1;
-      }
-    }
+    for (int64_t p = 0; p < k; ++p) rank1_16<R>(acc, A + p, lda, load8(b + p * 16), load8(b + p * 16 + 8));
     for (int r = 0; r < R; ++r) {
       if (full) {
         store8(Crow[r] + j0, acc[r][0]);

@@ -8,9 +8,9 @@
 //
 // Forward, one thread per (batch*head) when there are at least as many of those as threads: it walks the
 // chunks of its head in order, scores each chunk's queries (read in place) against the chunk's keys and
-// the previous chunk's (packed K^T, reused across consecutive chunks), masks (padding, key_padding_mask,
-// causal, self) and exponentiates in the GEMM's registers, and adds P V straight into the output rows
-// through pointers. Every score of query i is at most |q_i| / sqrt(D), so that bound serves as the
+// the previous chunk's (packed K^T, reused across consecutive chunks), exponentiates and masks (padding,
+// key_padding_mask, causal, self) each block of rows while it is in L1, and adds P V straight into the
+// output rows through pointers. Every score of query i is at most |q_i| / sqrt(D), so that bound serves as the
 // softmax shift of every round and the rounds combine by plain sums; queries whose bound is too large to
 // shift by safely use their row max with an online rescale instead. Otherwise (few heads, more threads)
 // one task per (batch*head, chunk) writes o and lse for its own slots, and a second pass over positions
@@ -40,17 +40,21 @@ typedef float v8fu __attribute__((vector_size(32), aligned(4)));
 inline v8f load8(const float* p) { return *reinterpret_cast<const v8fu*>(p); }
 inline void store8(float* p, v8f x) { *reinterpret_cast<v8fu*>(p) = x; }
 inline v8f splat8(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+// x where m is all ones, +0 where m is 0
+inline v8f and8(v8f x, v8i m) { return (v8f)((v8i)x & m); }
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 constexpr float kNormEps = 1e-12f;  // as F.normalize
 constexpr float kLog2e = 1.44269504088896341f;
 
-// Rows reached through the permutation are scattered in memory: fetch them ahead of use.
+// Rows reached through the permutation are scattered in memory: fetch them ahead of use, into L1
+// (Locality 3) or into L2 only (Locality 2).
+template <int Locality = 3>
 inline void prefetch_row(const float* p, int64_t n, bool write = false) {
   for (int64_t k = 0; k < n; k += 16) {
-    if (write) __builtin_prefetch(p + k, 1, 3);
-    else __builtin_prefetch(p + k, 0, 3);
+    if (write) __builtin_prefetch(p + k, 1, Locality);
+    else __builtin_prefetch(p + k, 0, Locality);
   }
 }
 
@@ -93,18 +97,17 @@ inline void transpose8(v8f* x) {
 }
 
 // 2^x for -126 <= x <= 1, without range checks: for the fused score path, whose arguments are bounded by
-// construction. Round to nearest, then a degree-6 polynomial for 2^f on [-1/2, 1/2] (relative error
-// below 1e-7, fitted in float64 on Chebyshev nodes with p(0) = 1).
+// construction. Round to nearest, then a degree-5 polynomial for 2^f on [-1/2, 1/2] (relative error 9e-8
+// in exact arithmetic, 2e-7 evaluated in fp32; a weighted least-squares fit in float64 with p(0) = 1).
 inline v8f vexp2_bounded(v8f x) {
   const v8f magic = splat8(12582912.0f);  // 1.5 * 2^23
   const v8f n = (x + magic) - magic;
   const v8f f = x - n;
-  v8f y = splat8(1.5370710752904415e-4f);
-  y = y * f + splat8(1.339985290542245e-3f);
-  y = y * f + splat8(9.618373587727547e-3f);
-  y = y * f + splat8(5.550329014658928e-2f);
-  y = y * f + splat8(2.4022647738456726e-1f);
-  y = y * f + splat8(6.931471824645996e-1f);
+  v8f y = splat8(1.326472614891827e-3f);
+  y = y * f + splat8(9.671512991189957e-3f);
+  y = y * f + splat8(5.550733581185341e-2f);
+  y = y * f + splat8(2.4022242426872253e-1f);
+  y = y * f + splat8(6.931470036506653e-1f);
   y = y * f + splat8(1.0f);
   v8i e = (__builtin_convertvector(n, v8i) + 127) << 23;
   return y * reinterpret_cast<v8f&>(e);
@@ -486,11 +489,13 @@ struct Tile {
   }
 };
 
-// Prefetches the rows of q and v that the next chunk packs, a few at a time between the row blocks of
-// this chunk's GEMMs: a burst of hundreds of prefetches fills the miss buffers and stalls.
+// Prefetches the rows of q, v and out that the next chunk reads, a few at a time between the row blocks of
+// this chunk's GEMMs (a burst of hundreds of prefetches fills the miss buffers and stalls), into L2: L1
+// holds this chunk's P, V panels and K^T, and rows fetched into it were evicted before the next chunk.
 struct RowPrefetcher {
   const float* q = nullptr;
   const float* v = nullptr;
+  float* out = nullptr;
   const int64_t* perm = nullptr;  // the next chunk's positions, or nullptr
   int64_t n = 0, i = 0, L = 0, D = 0;
   void step(int64_t rows) {
@@ -498,8 +503,9 @@ struct RowPrefetcher {
     for (const int64_t e = std::min(n, i + rows); i < e; ++i) {
       const int64_t p = perm[i];
       if (p < L) {
-        prefetch_row(q + p * D, D);
-        prefetch_row(v + p * D, D);
+        prefetch_row<2>(q + p * D, D);
+        prefetch_row<2>(v + p * D, D);
+        if (out != nullptr) prefetch_row<2>(out + p * D, D, true);
       }
     }
   }
@@ -507,8 +513,11 @@ struct RowPrefetcher {
 
 // Scores of R query rows (rows i0.. of the chunk) against every key column of the tile, masked.
 // EXP: P = exp(s - shift_r) with masked entries 0, and red_r = the row sum; otherwise the masked
-// scores themselves (-inf where masked) and red_r = the row max. One register block of R x 16 scores
-// goes from the dot products through the mask (and the exp) without a round trip through memory.
+// scores themselves (-inf where masked) and red_r = the row max. EXP stores the exponents of a 16-column
+// register block and then runs the exp and the mask along the R rows (in L1): done in the GEMM's
+// registers, the exp's constants and the mask operands spilled (the forward was ~3% slower).
+// plain (EXP only): every key valid and no query repeated among the keys but in its own column O + i0 + r,
+// so that column is the only one masked.
 // SYM (bs % 16 == 0): the chunk's queries are its own keys, q_i = |q_i| k_i, so its own-key scores are
 // |q_i| (k_i . k_j) * scale with a symmetric Gram matrix: the row blocks compute its 16-column blocks
 // from their own diagonal on (saving ~35% of those products), keep them in G (bs x bs), and read the
@@ -516,7 +525,8 @@ struct RowPrefetcher {
 // Kept out of line: inlined into the per-head loop, the register allocation of the whole loop suffers (13%).
 template <int R, bool EXP, bool SYM>
 __attribute__((noinline)) void score_rows(const Geometry& g, const Tile& t, const float* const* qrow, int64_t i0,
-                       const float* shift, const float* qscale, bool causal, float* S, float* G, float* red) {
+                       const float* shift, const float* qscale, bool causal, bool plain, float* S, float* G,
+                       float* red) {
   const v8f ninf = splat8(-std::numeric_limits<float>::infinity()), sc = splat8(g.scale);
   const v8f l2e = splat8(kLog2e);
   const int64_t O = t.own * g.bs, mirror_end = i0 / 16 * 16;
@@ -560,6 +570,14 @@ __attribute__((noinline)) void score_rows(const Geometry& g, const Tile& t, cons
         for (int r = 0; r < R; ++r) mult[r] = sc;
       }
     }
+    if (EXP) {  // the exponent (s - shift) log2 e now; the exp and the mask in a row pass below
+      for (int r = 0; r < R; ++r) {
+        const v8f m = mult[r] * l2e, b = splat8(shift[r] * kLog2e);
+        store8(S + r * g.NKp + j0, acc[r][0] * m - b);
+        store8(S + r * g.NKp + j0 + 8, acc[r][1] * m - b);
+      }
+      continue;
+    }
     for (int h = 0; h < 2; ++h) {
       v8i kp, kv;
       std::memcpy(&kp, &t.kpos[j0 + 8 * h], sizeof(kp));
@@ -569,20 +587,45 @@ __attribute__((noinline)) void score_rows(const Geometry& g, const Tile& t, cons
         const v8i q8 = v8i{qp, qp, qp, qp, qp, qp, qp, qp};
         v8i ok = kv & (kp != q8);
         if (causal) ok = ok & (kp <= q8);
-        float* s = S + r * g.NKp + j0 + 8 * h;
-        if (EXP) {
-          // exp(s - shift) = 2^((s - shift) log2 e); s - shift >= -2 * kShiftLimit keeps 2^x in range
-          const v8f e = vexp2_bounded(acc[r][h] * (mult[r] * l2e) - splat8(shift[r] * kLog2e));
-          const v8i bits = reinterpret_cast<const v8i&>(e) & ok;
-          const v8f x = reinterpret_cast<const v8f&>(bits);
-          store8(s, x);
-          red8[r] += x;
-        } else {
-          const v8f x = ok ? acc[r][h] * mult[r] : ninf;
-          store8(s, x);
-          red8[r] = red8[r] > x ? red8[r] : x;
+        const v8f x = ok ? acc[r][h] * mult[r] : ninf;
+        store8(S + r * g.NKp + j0 + 8 * h, x);
+        red8[r] = red8[r] > x ? red8[r] : x;
+      }
+    }
+  }
+  if (EXP) {  // P = 2^x (s - shift >= -2 * kShiftLimit keeps 2^x in range), masked entries 0
+    const v8i lane = v8i{0, 1, 2, 3, 4, 5, 6, 7};
+    for (int r = 0; r < R; ++r) {
+      float* s = S + r * g.NKp;
+      v8f a0 = splat8(0.0f), a1 = splat8(0.0f);
+      if (plain) {
+        const int64_t self = O + i0 + r, sv = self / 8 * 8;
+        const int32_t sl = static_cast<int32_t>(self - sv);
+        const v8i keep = lane != v8i{sl, sl, sl, sl, sl, sl, sl, sl};
+        for (int64_t j = 0; j < g.NKp; j += 16) {
+          v8f e0 = vexp2_bounded(load8(s + j)), e1 = vexp2_bounded(load8(s + j + 8));
+          if (j == sv) e0 = and8(e0, keep);
+          if (j + 8 == sv) e1 = and8(e1, keep);
+          store8(s + j, e0);
+          store8(s + j + 8, e1);
+          a0 += e0;
+          a1 += e1;
+        }
+      } else {
+        const int32_t qp = qpos[r];
+        const v8i q8 = v8i{qp, qp, qp, qp, qp, qp, qp, qp};
+        for (int64_t j = 0; j < g.NKp; j += 8) {
+          v8i kp, kv;
+          std::memcpy(&kp, &t.kpos[j], sizeof(kp));
+          std::memcpy(&kv, &t.kval[j], sizeof(kv));
+          v8i ok = kv & (kp != q8);
+          if (causal) ok = ok & (kp <= q8);
+          const v8f e = and8(vexp2_bounded(load8(s + j)), ok);
+          store8(s + j, e);
+          a0 += e;
         }
       }
+      red8[r] = a0 + a1;
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -594,18 +637,18 @@ __attribute__((noinline)) void score_rows(const Geometry& g, const Tile& t, cons
 
 template <bool EXP, bool SYM>
 void score_block(const Geometry& g, const Tile& t, const float* const* qrow, const float* shift,
-                 const float* qscale, bool causal, float* S, float* G, float* red, RowPrefetcher& pf) {
+                 const float* qscale, bool causal, bool plain, float* S, float* G, float* red, RowPrefetcher& pf) {
   int64_t i = 0;
   for (; i + 6 <= g.bs; i += 6) {
-    score_rows<6, EXP, SYM>(g, t, qrow + i, i, shift + i, qscale + i, causal, S + i * g.NKp, G, red + i);
-    pf.step(4);
+    score_rows<6, EXP, SYM>(g, t, qrow + i, i, shift + i, qscale + i, causal, plain, S + i * g.NKp, G, red + i);
+    pf.step(3);
   }
   for (; i + 4 <= g.bs; i += 4)
-    score_rows<4, EXP, SYM>(g, t, qrow + i, i, shift + i, qscale + i, causal, S + i * g.NKp, G, red + i);
+    score_rows<4, EXP, SYM>(g, t, qrow + i, i, shift + i, qscale + i, causal, plain, S + i * g.NKp, G, red + i);
   for (; i + 2 <= g.bs; i += 2)
-    score_rows<2, EXP, SYM>(g, t, qrow + i, i, shift + i, qscale + i, causal, S + i * g.NKp, G, red + i);
+    score_rows<2, EXP, SYM>(g, t, qrow + i, i, shift + i, qscale + i, causal, plain, S + i * g.NKp, G, red + i);
   for (; i < g.bs; ++i)
-    score_rows<1, EXP, SYM>(g, t, qrow + i, i, shift + i, qscale + i, causal, S + i * g.NKp, G, red + i);
+    score_rows<1, EXP, SYM>(g, t, qrow + i, i, shift + i, qscale + i, causal, plain, S + i * g.NKp, G, red + i);
 }
 
 // R rows of C (+)= A[R x k] Vp[k x n], Vp in panels of k x 16; C rows through pointers; any n.
@@ -643,7 +686,7 @@ void gemm_panel(const float* A, int64_t lda, const float* Vp, int64_t ldp, float
   int64_t i = 0;
   for (; i + 6 <= m; i += 6) {
     gemm_rows_panel<6>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
-    pf.step(4);
+    pf.step(3);
   }
   for (; i + 4 <= m; i += 4) gemm_rows_panel<4>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
   for (; i + 2 <= m; i += 2) gemm_rows_panel<2>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
@@ -684,29 +727,34 @@ void fwd_per_head(const Geometry& g, const float* qp, const float* vp, const int
         if (c + 1 < g.C) {
           pf.q = q;
           pf.v = v;
+          pf.out = out;
           pf.perm = perm + (c + 1) * g.bs;
           pf.n = g.bs;
           pf.L = g.L;
           pf.D = g.D;
         }
         const bool first = c < per_round;  // round 0 writes each position's output row, later rounds add
+        // no padding, key mask or causal mask, and chunk c-1 from the same round (distinct positions): the
+        // only masked score of a query is its own column
+        bool plain = !causal && mp == nullptr && g.NK == g.NKp && c % per_round != 0;
         bool large = false;
         for (int64_t i = 0; i < g.bs; ++i) {
           const int64_t p = t.qpos[i];
           const bool real = p < g.L;
           qrow[i] = real ? q + p * g.D : t.zero.data();
           orow[i] = real ? out + p * g.D : scratch.data();
-          if (real) prefetch_row(orow[i], g.D, true);
+          if (real && c == 0) prefetch_row(orow[i], g.D, true);  // later chunks: by the previous chunk's pf
+          plain &= real;
           shift[i] = real ? g.scale * t.knorm[t.own * g.bs + i] : 0.0f;
           qscale[i] = shift[i];  // |q_i| * scale: the own-key scores from the unit Gram matrix
           large |= !(shift[i] <= kShiftLimit);  // NaN too
         }
         if (!large) {
           if (g.bs % 16 == 0)
-            score_block<true, true>(g, t, qrow.data(), shift.data(), qscale.data(), causal, P.data(), G.data(),
+            score_block<true, true>(g, t, qrow.data(), shift.data(), qscale.data(), causal, plain, P.data(), G.data(),
                                     red.data(), pf);
           else
-            score_block<true, false>(g, t, qrow.data(), shift.data(), qscale.data(), causal, P.data(), G.data(),
+            score_block<true, false>(g, t, qrow.data(), shift.data(), qscale.data(), causal, plain, P.data(), G.data(),
                                      red.data(), pf);
           for (int64_t i = 0; i < g.bs; ++i) {
             const int64_t p = t.qpos[i];
@@ -715,7 +763,7 @@ void fwd_per_head(const Geometry& g, const float* qp, const float* vp, const int
             zsum[p] = first ? red[i] : zsum[p] + red[i];
           }
         } else {
-          score_block<false, false>(g, t, qrow.data(), shift.data(), qscale.data(), causal, P.data(), G.data(),
+          score_block<false, false>(g, t, qrow.data(), shift.data(), qscale.data(), causal, plain, P.data(), G.data(),
                                     red.data(), pf);
           for (int64_t i = 0; i < g.bs; ++i) {
             const int64_t p = t.qpos[i];

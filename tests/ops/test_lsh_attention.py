@@ -202,22 +202,31 @@ def _per_head(fn):
 
 
 @pytest.mark.parametrize(
-    "norm_scale,D,bs,causal",
+    "norm_scale,D,bs,causal,L,use_kpm",
     [
-        (1.0, 20, 8, False),  # D not a multiple of 8 or 16: scalar transpose and the panel GEMM's tail
-        (1.0, 16, 5, True),  # bucket_size not a multiple of 8: padded key columns
-        (1.0, 16, 32, False),  # bucket_size % 16 == 0: own-chunk scores from the symmetric Gram matrix
-        (1.0, 24, 64, True),
-        (60.0, 16, 16, False),  # |q| / sqrt(D) far above the shift limit: row max and online rescale
-        (60.0, 32, 16, True),
-        (None, 16, 16, False),  # some rows above the limit, the rest below, in the same chunks
-        (None, 16, 16, True),
+        # D not a multiple of 8 or 16: scalar transpose and the panel GEMM's tail
+        (1.0, 20, 8, False, 150, True),
+        (1.0, 16, 5, True, 150, True),  # bucket_size not a multiple of 8: padded key columns
+        # bucket_size % 16 == 0: own-chunk scores from the symmetric Gram matrix
+        (1.0, 16, 32, False, 150, True),
+        (1.0, 24, 64, True, 150, True),
+        # |q| / sqrt(D) far above the shift limit: row max and online rescale
+        (60.0, 16, 16, False, 150, True),
+        (60.0, 32, 16, True, 150, True),
+        (None, 16, 16, False, 150, True),  # some rows above the limit, the rest below, in the same chunks
+        (None, 16, 16, True, 150, True),
+        # no padding, key mask or causal mask: "plain" chunks mask only each query's own column
+        (1.0, 16, 16, False, 160, False),
+        (1.0, 24, 32, False, 192, False),
+        (1.0, 16, 8, False, 96, False),  # plain without the Gram matrix (bucket_size % 16 != 0)
+        (1.0, 16, 16, False, 150, False),  # plain chunks, and padded last chunks in each round
+        (None, 16, 16, False, 160, False),
     ],
 )
-def test_cpp_per_head_shift_paths(norm_scale, D, bs, causal):
+def test_cpp_per_head_shift_paths(norm_scale, D, bs, causal, L, use_kpm):
     # the per-head forward shifts every row by its score bound |q| / sqrt(D) while that is <= 40, else by
     # its row max with a rescale across rounds; both must equal the reference, outputs and lse-driven grads
-    B, H, L = 1, 2, 150
+    B, H = 1, 2
     qk, v = _inputs(B, H, L, D)
     if norm_scale is None:
         big = torch.rand(B, H, L, 1) < 0.3
@@ -226,7 +235,7 @@ def test_cpp_per_head_shift_paths(norm_scale, D, bs, causal):
         qk = qk * norm_scale
     qk.requires_grad_(True)
     v.requires_grad_(True)
-    kpm = torch.rand(B, L) > 0.2
+    kpm = torch.rand(B, L) > 0.2 if use_kpm else None
     kw = dict(n_hashes=3, bucket_size=bs, seed=4, causal=causal, key_padding_mask=kpm)
     ref = lsh_attention_ref(qk, v, **kw)
     g = torch.randn_like(ref)
@@ -294,8 +303,9 @@ def test_hash_ties_and_near_ties_match_fp64(backend):
     v = torch.randn_like(qk)
     want = lsh_hash(qk, rot)
     assert int(want[0, 0, 0, 0]) == 3 and int(want[0, 0, 1, 8]) == 5
-    _, got = lsh_attention(qk, v, n_hashes=NH, bucket_size=bs, rotations=rot, return_buckets=True,
-                           backend=backend)
+    _, got = lsh_attention(
+        qk, v, n_hashes=NH, bucket_size=bs, rotations=rot, return_buckets=True, backend=backend
+    )
     assert torch.equal(got, want)
     assert int(got[0, 1, 0, 0]) == 0  # all projections 0: the first index
 

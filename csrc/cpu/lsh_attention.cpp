@@ -172,19 +172,26 @@ __attribute__((noinline)) void hash_tile(const float* Rt, int64_t D, const float
                           0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
   const int32_t r2 = static_cast<int32_t>(R2);
   const v8i r2v = v8i{r2, r2, r2, r2, r2, r2, r2, r2};
+  // in locals: updated through the pointers, every step went through memory (they may alias)
+  v8f b1[2] = {m1[0], m1[1]}, b2[2] = {m2[0], m2[1]};
+  v8i j1[2] = {i1[0], i1[1]};
   for (int u = 0; u < T; ++u) {
     const int32_t t = static_cast<int32_t>(tr0 + u);
     const v8i tv = v8i{t, t, t, t, t, t, t, t};
     for (int h = 0; h < 2; ++h) {
       const v8f v = acc[u][h];
-      const v8i ai = reinterpret_cast<const v8i&>(v) & absmask;
-      const v8f a = reinterpret_cast<const v8f&>(ai);
-      const v8i gt = a > m1[h];  // NaN: false, so a NaN never becomes the best
-      const v8f lo = gt ? m1[h] : a;
-      m2[h] = lo > m2[h] ? lo : m2[h];
-      m1[h] = gt ? a : m1[h];
-      i1[h] = gt ? tv + ((v < splat8(0.0f)) & r2v) : i1[h];
+      const v8f a = and8(v, absmask);
+      const v8i gt = a > b1[h];  // NaN: false, so a NaN never becomes the best
+      const v8f lo = gt ? b1[h] : a;
+      b2[h] = lo > b2[h] ? lo : b2[h];
+      b1[h] = gt ? a : b1[h];
+      j1[h] = gt ? tv + ((v < splat8(0.0f)) & r2v) : j1[h];
     }
+  }
+  for (int h = 0; h < 2; ++h) {
+    m1[h] = b1[h];
+    m2[h] = b2[h];
+    i1[h] = j1[h];
   }
 }
 
@@ -651,10 +658,11 @@ void score_block(const Geometry& g, const Tile& t, const float* const* qrow, con
     score_rows<1, EXP, SYM>(g, t, qrow + i, i, shift + i, qscale + i, causal, plain, S + i * g.NKp, G, red + i);
 }
 
-// R rows of C (+)= A[R x k] Vp[k x n], Vp in panels of k x 16; C rows through pointers; any n.
+// R rows of C (+)= A[R x k] Vp[k x n], Vp in panels of k x 16; C rows through pointers; any n. With rs,
+// row r of the result is then multiplied by rs[r].
 template <int R>
 inline void gemm_rows_panel(const float* A, int64_t lda, const float* Vp, int64_t ldp, float* const* Crow,
-                            int64_t n, int64_t k, bool accumulate) {
+                            int64_t n, int64_t k, bool accumulate, const float* rs) {
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const bool full = j0 + 16 <= n;
     v8f acc[R][2];
@@ -668,13 +676,19 @@ inline void gemm_rows_panel(const float* A, int64_t lda, const float* Vp, int64_
     const float* b = Vp + j0 * ldp;
     for (int64_t p = 0; p < k; ++p) rank1_16<R>(acc, A + p, lda, load8(b + p * 16), load8(b + p * 16 + 8));
     for (int r = 0; r < R; ++r) {
+      if (rs != nullptr && full) {
+        const v8f f = splat8(rs[r]);
+        acc[r][0] *= f;
+        acc[r][1] *= f;
+      }
       if (full) {
         store8(Crow[r] + j0, acc[r][0]);
         store8(Crow[r] + j0 + 8, acc[r][1]);
       } else {
         for (int64_t l = 0; j0 + l < n; ++l) {
           const float x = l < 8 ? acc[r][0][l] : acc[r][1][l - 8];
-          Crow[r][j0 + l] = accumulate ? Crow[r][j0 + l] + x : x;
+          const float y = accumulate ? Crow[r][j0 + l] + x : x;
+          Crow[r][j0 + l] = rs != nullptr ? y * rs[r] : y;
         }
       }
     }
@@ -682,15 +696,15 @@ inline void gemm_rows_panel(const float* A, int64_t lda, const float* Vp, int64_
 }
 
 void gemm_panel(const float* A, int64_t lda, const float* Vp, int64_t ldp, float* const* Crow, int64_t m,
-                int64_t n, int64_t k, bool accumulate, RowPrefetcher& pf) {
+                int64_t n, int64_t k, bool accumulate, const float* rs, RowPrefetcher& pf) {
   int64_t i = 0;
   for (; i + 6 <= m; i += 6) {
-    gemm_rows_panel<6>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
+    gemm_rows_panel<6>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate, rs ? rs + i : nullptr);
     pf.step(3);
   }
-  for (; i + 4 <= m; i += 4) gemm_rows_panel<4>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
-  for (; i + 2 <= m; i += 2) gemm_rows_panel<2>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
-  for (; i < m; ++i) gemm_rows_panel<1>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate);
+  for (; i + 4 <= m; i += 4) gemm_rows_panel<4>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate, rs ? rs + i : nullptr);
+  for (; i + 2 <= m; i += 2) gemm_rows_panel<2>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate, rs ? rs + i : nullptr);
+  for (; i < m; ++i) gemm_rows_panel<1>(A + i * lda, lda, Vp, ldp, Crow + i, n, k, accumulate, rs ? rs + i : nullptr);
 }
 
 
@@ -710,7 +724,7 @@ void fwd_per_head(const Geometry& g, const float* qp, const float* vp, const int
   at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
     Tile t(g, false, false);
     t.use_panels(g);
-    std::vector<float> P(g.bs * g.NKp), red(g.bs), shift(g.bs), qscale(g.bs), G(g.bs * g.bs), scratch(g.Dp);
+    std::vector<float> P(g.bs * g.NKp), red(g.bs), shift(g.bs), qscale(g.bs), rz(g.bs), G(g.bs * g.bs), scratch(g.Dp);
     std::vector<float> zsum(g.L), crun(g.L);
     std::vector<const float*> qrow(g.bs);
     std::vector<float*> orow(g.bs);
@@ -796,19 +810,27 @@ void fwd_per_head(const Geometry& g, const float* qp, const float* vp, const int
             zsum[p] = first ? sum : zsum[p] + sum;
           }
         }
-        gemm_panel(P.data(), g.NKp, t.Vp.data(), g.NKp, orow.data(), g.bs, g.D, g.NK, !first, pf);
+        // the last round holds every position once: normalise its output rows as P V is added
+        const bool last = c >= (g.NH - 1) * per_round;
+        if (last)
+          for (int64_t i = 0; i < g.bs; ++i) {
+            const int64_t p = t.qpos[i];
+            if (p >= g.L) {
+              rz[i] = 0.0f;
+              continue;
+            }
+            rz[i] = zsum[p] == 0.0f ? 0.0f : 1.0f / zsum[p];
+            lsep[bh * g.L + p] = zsum[p] == 0.0f ? ninf : crun[p] + std::log(zsum[p]);
+          }
+        gemm_panel(P.data(), g.NKp, t.Vp.data(), g.NKp, orow.data(), g.bs, g.D, g.NK, !first,
+                   last ? rz.data() : nullptr, pf);
         pf.step(g.bs);  // whatever the row blocks left
-      }
-      for (int64_t p = 0; p < g.L; ++p) {
-        float* a = out + p * g.D;
-        if (zsum[p] == 0.0f) {  // every round fell back to the query itself
-          std::memcpy(a, v + p * g.D, sizeof(float) * g.D);
-          lsep[bh * g.L + p] = ninf;
-        } else {
-          const float rz = 1.0f / zsum[p];
-          for (int64_t d = 0; d < g.D; ++d) a[d] *= rz;
-          lsep[bh * g.L + p] = crun[p] + std::log(zsum[p]);
-        }
+        if (last)
+          for (int64_t i = 0; i < g.bs; ++i) {
+            const int64_t p = t.qpos[i];
+            if (p < g.L && zsum[p] == 0.0f)  // every round fell back to the query itself
+              std::memcpy(orow[i], v + p * g.D, sizeof(float) * g.D);
+          }
       }
     }
   });

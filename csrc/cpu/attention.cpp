@@ -18,8 +18,9 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "fastarch_parallel.h"
+
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -245,19 +246,7 @@ at::Tensor key_panels(const at::Tensor& k) {
   return out;
 }
 
-// Dynamic scheduling over tasks: threads pull task indices from an atomic counter, heaviest first (for
-// causal and banded problems the later query blocks see more keys). A static split would leave one thread
-// idle when tasks are uneven (causal) or when a core is shared with other processes.
-template <class Body>
-void run_tasks(int64_t n, const Body& body) {
-  std::atomic<int64_t> next{0};
-  const int64_t nt = std::min<int64_t>(at::get_num_threads(), n);
-  at::parallel_for(0, std::max<int64_t>(nt, 1), 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) body(n - 1 - i, n - i);
-    }
-  });
-}
+using fastarch::run_tasks;
 
 // ---- dropout hash (SHARED_APIS.md) -------------------------------------------------------------------
 inline uint32_t mix32(uint32_t x) {

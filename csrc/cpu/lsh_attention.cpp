@@ -24,6 +24,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "fastarch_parallel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -228,8 +230,9 @@ at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot) {
   const float* xp = qk.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   const int64_t nblk = (M + 15) / 16;
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 20) / (16 * D * NR));  // >= ~1M MACs per task
-  at::parallel_for(0, nblk, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 23) / (16 * D * NR));  // >= ~8M MACs per task
+  fastarch::run_tasks((nblk + grain - 1) / grain, [&](int64_t task, int64_t) {
+    const int64_t begin = task * grain, end = std::min(nblk, begin + grain);
     std::vector<float> Xt(D * 16), zero(D + 8, 0.0f);
     std::vector<double> proj64(R2);
     const float ninf = -std::numeric_limits<float>::infinity();
@@ -721,7 +724,7 @@ void fwd_per_head(const Geometry& g, const float* qp, const float* vp, const int
                   bool causal, float* outp, float* lsep) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t per_round = g.Lp / g.bs;
-  at::parallel_for(0, g.B * g.H, 1, [&](int64_t begin, int64_t end) {
+  fastarch::run_tasks(g.B * g.H, [&](int64_t begin, int64_t end) {
     Tile t(g, false, false);
     t.use_panels(g);
     std::vector<float> P(g.bs * g.NKp), red(g.bs), shift(g.bs), qscale(g.bs), rz(g.bs), G(g.bs * g.bs), scratch(g.Dp);

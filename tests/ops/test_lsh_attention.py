@@ -310,6 +310,34 @@ def test_hash_ties_and_near_ties_match_fp64(backend):
     assert int(got[0, 1, 0, 0]) == 0  # all projections 0: the first index
 
 
+@pytest.mark.parametrize("D,L,bs", [(64, 300, 16), (24, 200, 8), (17, 90, 7), (3, 40, 3)])
+def test_cpp_hash_integer_projections(D, L, bs):
+    # the C++ hash scales x per row and R per round to int16 and takes the argmax of exact integer dot
+    # products, deciding close calls in fp32 and then fp64: the AVX2 tile (asm) and the portable one give
+    # the same buckets, and both equal the fp64 reference on finite rows of any scale
+    from fastarch.extensions import load_extension
+
+    lib = load_extension("lsh_attention", "cpu")
+    NH = 4
+    nb = lsh_n_buckets(L, bs)
+    rot = lsh_rotations(D, NH, nb, seed=7)
+    qk = torch.randn(2, 3, L, D)
+    qk[0, 0, :10] *= 1e-20  # tiny rows: large integer scales
+    qk[0, 1, :10] *= 1e-41  # subnormal rows: the scale overflows, decided in fp64
+    qk[0, 2, :10] *= 1e30
+    qk[1, 0, :5] = 0.0
+    qk[1, 0, 5:10] = rot[:, 0, 1] * 3.0  # projections that tie other columns of the round closely
+    qk[1, 1, 3, 0] = float("nan")
+    qk[1, 1, 4, 1] = float("inf")
+    fast = lib.lsh_hash(qk, rot)
+    generic = lib.lsh_hash(qk, rot, True)
+    assert torch.equal(fast, generic)
+    finite = qk.isfinite().all(-1)  # (B, H, L)
+    want = lsh_hash(qk, rot)
+    mask = finite[:, :, None, :].expand_as(want)
+    assert torch.equal(fast[mask], want[mask])
+
+
 def test_n_buckets_rule():
     assert lsh_n_buckets(1, 64) == 2
     assert lsh_n_buckets(100, 64) == 2

@@ -45,6 +45,12 @@ inline v8f splat8(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 // x where m is all ones, +0 where m is 0
 inline v8f and8(v8f x, v8i m) { return (v8f)((v8i)x & m); }
 
+// Round to nearest even, for |x| < 2^22: adding and subtracting 1.5 * 2^23 drops the fraction bits.
+inline v8f round_nearest8(v8f x) {
+  const v8f magic = splat8(12582912.0f);
+  return (x + magic) - magic;
+}
+
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 constexpr float kNormEps = 1e-12f;  // as F.normalize
@@ -64,8 +70,7 @@ inline void prefetch_row(const float* p, int64_t n, bool write = false) {
 inline v8f vexp_nonpos(v8f x) {
   const v8i keep = x > splat8(-87.0f);
   x = x > splat8(-87.0f) ? x : splat8(-87.0f);
-  const v8f magic = splat8(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds to nearest
-  v8f n = (x * splat8(1.44269504088896341f) + magic) - magic;
+  v8f n = round_nearest8(x * splat8(1.44269504088896341f));
   v8f r = x - n * splat8(0.693359375f) + n * splat8(2.12194440e-4f);
   v8f y = splat8(1.9875691500e-4f);
   y = y * r + splat8(1.3981999507e-3f);
@@ -102,8 +107,7 @@ inline void transpose8(v8f* x) {
 // construction. Round to nearest, then a degree-5 polynomial for 2^f on [-1/2, 1/2] (relative error 9e-8
 // in exact arithmetic, 2e-7 evaluated in fp32; a weighted least-squares fit in float64 with p(0) = 1).
 inline v8f vexp2_bounded(v8f x) {
-  const v8f magic = splat8(12582912.0f);  // 1.5 * 2^23
-  const v8f n = (x + magic) - magic;
+  const v8f n = round_nearest8(x);
   const v8f f = x - n;
   v8f y = splat8(1.326472614891827e-3f);
   y = y * f + splat8(9.671512991189957e-3f);
@@ -219,17 +223,16 @@ template <int T>
 __attribute__((noinline)) void hash_tile(const int32_t* Rp, int64_t Dh, const int32_t* Xp, int64_t t0,
                                          int64_t tr0, int64_t R2, v8i* m1, v8i* m2, v8i* i1, bool generic) {
   v8i acc[T][2];
+  bool done = false;
 #if defined(__AVX2__)
   if constexpr (T == 6) {
-    if (!generic) tile_dots_avx2_6(Rp + t0 * Dh, Dh, Xp, acc);
-    else tile_dots_generic<T>(Rp + t0 * Dh, Dh, Xp, acc);
-  } else {
-    tile_dots_generic<T>(Rp + t0 * Dh, Dh, Xp, acc);
+    if (!generic) {
+      tile_dots_avx2_6(Rp + t0 * Dh, Dh, Xp, acc);
+      done = true;
+    }
   }
-#else
-  (void)generic;
-  tile_dots_generic<T>(Rp + t0 * Dh, Dh, Xp, acc);
 #endif
+  if (!done) tile_dots_generic<T>(Rp + t0 * Dh, Dh, Xp, acc);
   // in locals: updated through the pointers, every step went through memory (they may alias)
   v8i b1[2] = {m1[0], m1[1]}, b2[2] = {m2[0], m2[1]}, j1[2] = {i1[0], i1[1]};
   const int32_t r2 = static_cast<int32_t>(R2);
@@ -297,6 +300,42 @@ int64_t round_argmax_fp32(const float* x, const float* R, int64_t NR, int64_t D,
   return ib;
 }
 
+// The same in fp64, exact up to fp64 rounding: the first maximum of concat[p, -p] (positive side first).
+int64_t round_argmax_fp64(const float* x, const float* R, int64_t NR, int64_t D, int64_t R2, double* p) {
+  int64_t c = 0;
+  for (; c + 4 <= R2; c += 4) {  // four independent sums, each in the order of d
+    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+    for (int64_t d = 0; d < D; ++d) {
+      const double xd = x[d];
+      const float* rd = R + d * NR + c;
+      a0 += xd * double(rd[0]);
+      a1 += xd * double(rd[1]);
+      a2 += xd * double(rd[2]);
+      a3 += xd * double(rd[3]);
+    }
+    p[c] = a0;
+    p[c + 1] = a1;
+    p[c + 2] = a2;
+    p[c + 3] = a3;
+  }
+  for (; c < R2; ++c) {
+    double acc = 0.0;
+    for (int64_t d = 0; d < D; ++d) acc += double(x[d]) * double(R[d * NR + c]);
+    p[c] = acc;
+  }
+  double best = -std::numeric_limits<double>::infinity();
+  int64_t ib = 0;
+  for (int side = 0; side < 2; ++side)
+    for (int64_t t = 0; t < R2; ++t) {
+      const double a = side ? -p[t] : p[t];
+      if (a > best) {
+        best = a;
+        ib = side * R2 + t;
+      }
+    }
+  return ib;
+}
+
 // Buckets (B, H, NH, L) int64: argmax(concat[x R_r, -x R_r]) per round, first maximum on ties, as if the
 // projections were exact. Argmax per round is unchanged by a positive scale of x's row or of the whole
 // round of R, so both are scaled to integers of at most qmax = sqrt((2^31 - 1) / D) (so a dot product fits
@@ -319,30 +358,27 @@ at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot, bool generic) {
   const int64_t M = B * H * L, Dh = (D + 1) / 2;  // int16 pairs; an odd D gets a zero pad
   const float qmax = std::min(32767.0f, std::floor(std::sqrt(2147483647.0f / float(2 * Dh)) * 0.999f));
   constexpr double eta = 1e-3;
-  const float* rp = rot.data_ptr<float>();
-  std::vector<float> Rt(NR * D);  // projection t's column of R, contiguous (for the fp64 recheck)
-  for (int64_t d = 0; d < D; ++d)
-    for (int64_t t = 0; t < NR; ++t) Rt[t * D + d] = rp[d * NR + t];
+  const float* rp = rot.data_ptr<float>();  // R[d, t] at rp[d * NR + t], rounds side by side
   std::vector<float> cr(NH, 0.0f);  // fp32 bound: 4 D u max_t |R_t| per round, inflated for float rounding
+  std::vector<int32_t> Rp(NR * Dh, 0);  // Rq as int16 pairs, a row per projection
+  std::vector<double> r1(NH, 0.0);      // max_t |Rq_t|_1 per round
   for (int64_t r = 0; r < NH; ++r) {
     double cm = 0.0;
+    float mr = 0.0f;
     for (int64_t t = r * R2; t < (r + 1) * R2; ++t) {
       double n2 = 0.0;
-      for (int64_t d = 0; d < D; ++d) n2 += double(Rt[t * D + d]) * Rt[t * D + d];
+      for (int64_t d = 0; d < D; ++d) {
+        n2 += double(rp[d * NR + t]) * rp[d * NR + t];
+        mr = std::max(mr, std::fabs(rp[d * NR + t]));
+      }
       cm = std::max(cm, std::sqrt(n2));
     }
     cr[r] = static_cast<float>(4.0 * double(D) * std::ldexp(1.0, -24) * cm * (1.0 + 1e-4));
-  }
-  std::vector<int32_t> Rp(NR * Dh, 0);  // Rq as int16 pairs
-  std::vector<double> r1(NH, 0.0);      // max_t |Rq_t|_1 per round
-  for (int64_t r = 0; r < NH; ++r) {
-    float mr = 0.0f;
-    for (int64_t i = r * R2 * D; i < (r + 1) * R2 * D; ++i) mr = std::max(mr, std::fabs(Rt[i]));
     const float sr = mr > 0.0f && std::isfinite(mr) ? qmax / mr : 0.0f;
     for (int64_t t = r * R2; t < (r + 1) * R2; ++t) {
       double n1 = 0.0;
       for (int64_t d = 0; d < D; ++d) {
-        const int32_t x = static_cast<int32_t>(std::nearbyint(Rt[t * D + d] * sr));
+        const int32_t x = static_cast<int32_t>(std::nearbyint(rp[d * NR + t] * sr));
         n1 += std::abs(x);
         const int32_t w = static_cast<int32_t>(static_cast<uint16_t>(static_cast<int16_t>(x)));
         Rp[t * Dh + d / 2] |= d % 2 ? static_cast<int32_t>(static_cast<uint32_t>(w) << 16) : w;
@@ -395,11 +431,9 @@ at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot, bool generic) {
         // rows that are zero, tiny (the scale overflows) or not finite are decided in fp64
         const v8i ok = (sc > splat8(0.0f)) & (sc < inf) & finite;
         const v8f s8 = and8(sc, ok);
-        // round to nearest even by the 1.5 * 2^23 trick (|x s| <= qmax < 2^22); bad lanes give 0
-        const v8f magic = splat8(12582912.0f);
+        // |x s| <= qmax < 2^22; bad lanes give 0
         auto quantise = [&](int64_t d) {
-          const v8f y = and8(load8(&Xt[d * 16 + 8 * h]) * s8, ok);
-          return __builtin_convertvector((y + magic) - magic, v8i);
+          return __builtin_convertvector(round_nearest8(and8(load8(&Xt[d * 16 + 8 * h]) * s8, ok)), v8i);
         };
         const v8i zero = v8i{0, 0, 0, 0, 0, 0, 0, 0};
         v8i n1 = zero;
@@ -429,43 +463,11 @@ at::Tensor lsh_hash(const at::Tensor& qk, const at::Tensor& rot, bool generic) {
           const double best = m1[h][k], second = m2[h][k];
           const double e2 = 2.0 * ((0.5 + eta) * (double(l1[l]) + r1[r]) + double(D) * (0.5 + eta) * (0.5 + eta));
           int64_t ib = i1[h][k];
-          // a close second (or a best near 0, where the other side of the best is close) is decided in
-          // fp64 over the whole round, in concat order
-          if ((bad[l] || second >= best - e2 || best <= e2) &&
-              (ib = round_argmax_fp32(xr[l], rp + r * R2, NR, D, R2, cr[r], proj32.data())) < 0) {
-            const float* x = xr[l];
-            const float* rr = Rt.data() + r * R2 * D;
-            double bd = -std::numeric_limits<double>::infinity();
-            ib = 0;
-            std::vector<double>& pd = proj64;
-            int64_t c = 0;
-            for (; c + 4 <= R2; c += 4) {  // four independent sums, each in the order of d
-              double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
-              for (int64_t d = 0; d < D; ++d) {
-                const double xd = x[d];
-                a0 += xd * double(rr[c * D + d]);
-                a1 += xd * double(rr[(c + 1) * D + d]);
-                a2 += xd * double(rr[(c + 2) * D + d]);
-                a3 += xd * double(rr[(c + 3) * D + d]);
-              }
-              pd[c] = a0;
-              pd[c + 1] = a1;
-              pd[c + 2] = a2;
-              pd[c + 3] = a3;
-            }
-            for (; c < R2; ++c) {
-              double acc = 0.0;
-              for (int64_t d = 0; d < D; ++d) acc += double(x[d]) * double(rr[c * D + d]);
-              pd[c] = acc;
-            }
-            for (int side = 0; side < 2; ++side)
-              for (int64_t c2 = 0; c2 < R2; ++c2) {
-                const double acc = side ? -pd[c2] : pd[c2];
-                if (acc > bd) {
-                  bd = acc;
-                  ib = side * R2 + c2;
-                }
-              }
+          // a close second (or a best near 0, where the other side of the best is close): fp32 with its
+          // own bound over the whole round, then fp64 where fp32 cannot separate them
+          if (bad[l] || second >= best - e2 || best <= e2) {
+            ib = round_argmax_fp32(xr[l], rp + r * R2, NR, D, R2, cr[r], proj32.data());
+            if (ib < 0) ib = round_argmax_fp64(xr[l], rp + r * R2, NR, D, R2, proj64.data());
           }
           const int64_t row = r0 + l, bh = row / L, pos = row % L;
           op[(bh * NH + r) * L + pos] = ib;

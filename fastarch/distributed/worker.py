@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import json
 import os
 import sys
@@ -175,6 +176,9 @@ def run(args: argparse.Namespace) -> None:
     if bar is not None:
         bar.close()
     if args.parallel != "none":
+        # Free the wrapped model and optimizer (and the collectives they hold) while the group lives.
+        del net, opt, sched, model, base_opt, fsdp
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 
@@ -246,7 +250,15 @@ def _load_state(net, opt, state, sharded: bool) -> None:
 def main() -> None:
     from .launch import build_parser
 
-    run(build_parser().parse_args(json.loads(os.environ["FASTARCH_TRAIN_ARGS"])))
+    args = build_parser().parse_args(json.loads(os.environ["FASTARCH_TRAIN_ARGS"]))
+    run(args)
+    if args.parallel != "none":
+        # The work is done and the process group destroyed; skip interpreter finalization, where
+        # gloo's worker threads can be torn down unjoined and abort the process (std::terminate).
+        gc.collect()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

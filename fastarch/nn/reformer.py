@@ -180,7 +180,6 @@ class ReformerLayer(nn.Module):
         self.attn = LSHAttention(d_model, n_heads, n_hashes, bucket_size, dropout, causal=causal)
         self.norm_ff = nn.LayerNorm(d_model)
         self.ff = ChunkedFeedForward(d_model, d_ff or 4 * d_model, dropout, ff_chunks)
-        self._f_rng, self._g_rng = _Replay(), _Replay()
 
     def f(self, x2: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         return self.attn(self.norm_attn(x2), mask)
@@ -189,22 +188,31 @@ class ReformerLayer(nn.Module):
         return self.ff(self.norm_ff(y1))
 
     def forward(
-        self, x1: torch.Tensor, x2: torch.Tensor, mask: torch.Tensor | None = None, *, record: bool = False
+        self,
+        x1: torch.Tensor,
+        x2: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        *,
+        rng: tuple[_Replay, _Replay] | None = None,
     ):
-        if record:
-            self._f_rng.record(x2)
+        """``rng``: empty ``(f, g)`` records to fill with the random state before each half, so that
+        :meth:`backward_pass` can replay this very call (rotations and dropout masks)."""
+        if rng is not None:
+            rng[0].record(x2)
         y1 = x1 + self.f(x2, mask)
-        if record:
-            self._g_rng.record(y1)
+        if rng is not None:
+            rng[1].record(y1)
         y2 = x2 + self.g(y1)
         return y1, y2
 
-    def backward_pass(self, y1, y2, dy1, dy2, mask):
-        """Recompute the inputs from the outputs and return ``(x1, x2, dx1, dx2, parameter grads)``."""
+    def backward_pass(self, y1, y2, dy1, dy2, mask, rng: tuple[_Replay, _Replay]):
+        """Recompute the inputs from the outputs, replaying the random state ``rng`` recorded by the forward
+        call that produced them; return ``(x1, x2, dx1, dx2, parameter grads)``."""
+        f_rng, g_rng = rng
         params = [p for p in self.parameters() if p.requires_grad]
         with torch.enable_grad():
             y1r = y1.detach().requires_grad_(True)
-            with self._g_rng.replay():
+            with g_rng.replay():
                 gy = self.g(y1r)
             g_grads = torch.autograd.grad(gy, [y1r, *params], dy2, allow_unused=True)
         with torch.no_grad():
@@ -212,7 +220,7 @@ class ReformerLayer(nn.Module):
             dy1_total = dy1 + g_grads[0]
         with torch.enable_grad():
             x2r = x2.detach().requires_grad_(True)
-            with self._f_rng.replay():
+            with f_rng.replay():
                 fx = self.f(x2r, mask)
             f_grads = torch.autograd.grad(fx, [x2r, *params], dy1_total, allow_unused=True)
         with torch.no_grad():
@@ -225,14 +233,21 @@ class ReformerLayer(nn.Module):
 
 
 class _ReversibleSequence(torch.autograd.Function):
-    """Runs the layers without saving activations; the backward walks them in reverse, recomputing."""
+    """Runs the layers without saving activations; the backward walks them in reverse, recomputing.
+
+    The random states are kept per call in ``ctx`` (not on the layers), so several forward calls of the
+    same model before one backward (micro-batches, siamese losses) each replay their own."""
 
     @staticmethod
     def forward(ctx, x1, x2, mask, layers, *params):
+        rngs = []
         with torch.no_grad():
             for layer in layers:
-                x1, x2 = layer(x1, x2, mask, record=True)
+                rng = (_Replay(), _Replay())
+                x1, x2 = layer(x1, x2, mask, rng=rng)
+                rngs.append(rng)
         ctx.layers = layers
+        ctx.rngs = rngs
         ctx.mask = mask
         ctx.save_for_backward(x1, x2)
         return x1, x2
@@ -241,8 +256,8 @@ class _ReversibleSequence(torch.autograd.Function):
     def backward(ctx, dy1, dy2):
         y1, y2 = ctx.saved_tensors
         grads_per_layer = []
-        for layer in reversed(ctx.layers):
-            y1, y2, dy1, dy2, grads = layer.backward_pass(y1, y2, dy1, dy2, ctx.mask)
+        for layer, rng in zip(reversed(ctx.layers), reversed(ctx.rngs)):
+            y1, y2, dy1, dy2, grads = layer.backward_pass(y1, y2, dy1, dy2, ctx.mask, rng)
             grads_per_layer.append(grads)
         flat = []
         for grads in reversed(grads_per_layer):

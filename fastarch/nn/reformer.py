@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..ops.lsh_attention import lsh_attention
+from ..ops.lsh_attention import lsh_attention, lsh_hash, lsh_rotations
 
 __all__ = ["LSHAttention", "ChunkedFeedForward", "ReformerLayer", "Reformer", "ReformerLM"]
 
@@ -43,6 +43,8 @@ class LSHAttention(nn.Module):
       to unit length and a position never attends itself unless it has nothing else. ``w_k`` is kept so
       the guide's ``state_dict`` loads, but it is unused and frozen (``requires_grad=False``);
     - ``dropout`` is applied to the attention output (before ``w_o``), not to the probabilities;
+    - ``hash_vectors(vecs, num_buckets)`` is one round of the Reformer hash ``argmax(concat[xR, -xR])``
+      (the guide's is ``argmax(xR)``), so ``num_buckets`` must be even;
     - ``mask`` may only be a key mask (``(B, L)`` or ``(B, 1, 1, L)``); a full ``(L, L)`` mask has no
       meaning after the sort (use ``causal=True`` for causal masking).
     """
@@ -90,6 +92,32 @@ class LSHAttention(nn.Module):
                 f"got {tuple(mask.shape)}"
             )
         return mask != 0
+
+    def hash_vectors(self, vecs: torch.Tensor, num_buckets: int) -> torch.Tensor:
+        """The guide's hashing entry point, as one round of the Reformer's angular LSH.
+
+        vecs ``(B, H, L, d_k)``; returns ``(B, H, L)`` int64 buckets in ``[0, num_buckets)``:
+        ``argmax(concat[x R, -x R])`` with random rotations ``R`` ``(d_k, num_buckets / 2)`` drawn from
+        ``seed`` (or torch's default generator). The guide's ``argmax(x R)`` over ``num_buckets`` columns
+        is replaced by the Reformer's rule, which needs an even ``num_buckets`` >= 2.
+        """
+        if vecs.dim() != 4 or vecs.shape[-1] != self.d_k:
+            raise ValueError(
+                f"LSHAttention.hash_vectors: argument 'vecs' must be (B, H, L, {self.d_k}), "
+                f"got {tuple(vecs.shape)}"
+            )
+        if (
+            isinstance(num_buckets, bool)
+            or not isinstance(num_buckets, int)
+            or num_buckets < 2
+            or num_buckets % 2
+        ):
+            raise ValueError(
+                f"LSHAttention.hash_vectors: argument 'num_buckets' must be an even integer >= 2 (the Reformer "
+                f"hash splits the buckets into +/- projections), got {num_buckets!r}"
+            )
+        rotations = lsh_rotations(self.d_k, 1, num_buckets, self.seed, vecs.device)
+        return lsh_hash(vecs, rotations)[:, :, 0]
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.d_model:

@@ -7,7 +7,7 @@ import torch
 
 from fastarch.models.registry import create_model
 from fastarch.nn import LSHAttention, Reformer, ReformerLM
-from fastarch.ops.lsh_attention import lsh_attention_ref
+from fastarch.ops.lsh_attention import lsh_attention, lsh_attention_ref
 
 
 def test_lsh_attention_module_matches_op_and_keeps_guide_keys():
@@ -45,6 +45,23 @@ def test_lsh_attention_module_causal_and_errors():
         LSHAttention(10, 3)
     with pytest.raises(ValueError, match="'x'"):
         m(torch.randn(12, 16))
+
+
+def test_lsh_attention_module_hash_vectors():
+    # the guide's hashing method: one round of the op's hash, same rotations for the same seed
+    m = LSHAttention(32, 4, n_hashes=1, bucket_size=8, dropout=0.0, seed=9)
+    x = torch.randn(2, 40, 32)
+    qk = m.w_q(x).view(2, 40, 4, 8).transpose(1, 2).detach()
+    h = m.hash_vectors(qk, 6)
+    assert h.shape == (2, 4, 40) and h.dtype == torch.long
+    assert int(h.min()) >= 0 and int(h.max()) < 6 and len(h.unique()) > 1
+    _, buckets = lsh_attention(qk, qk, n_hashes=1, bucket_size=8, seed=9, return_buckets=True)
+    assert torch.equal(h, buckets[:, :, 0])  # lsh_n_buckets(40, 8) == 6
+    for bad in (0, 5, 1.0):
+        with pytest.raises(ValueError, match="num_buckets"):
+            m.hash_vectors(qk, bad)
+    with pytest.raises(ValueError, match="vecs"):
+        m.hash_vectors(qk[..., :4], 6)
 
 
 def _grads(model, x, seed):

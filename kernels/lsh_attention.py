@@ -1,14 +1,22 @@
 """Triton kernels for Reformer LSH attention: chunked attention with look-one-back over the sorted rounds.
 
-The hashing and sorting happen in torch (fastarch/ops/lsh_attention.py). ``perm`` ``(B, H, S)`` gives the
-original position in every slot of the concatenated sorted rounds (``>= L`` is padding). One program
-handles one chunk of one (batch, head): it loads its queries and the keys/values of its chunk and of the
-chunk before it (chunk 0 wraps to the last) straight through ``perm``, so nothing is gathered in memory.
+The hashing and sorting happen before (fastarch/ops/lsh_attention.py). ``perm`` ``(B, H, S)`` gives the
+original position in every slot of the concatenated sorted rounds (``>= L`` is padding); chunk ``c`` is slots
+``[c bs, (c+1) bs)`` and its queries attend the ``2 bs`` keys of chunk ``c-1`` (chunk 0 wraps to the last)
+and of chunk ``c``. Every tile is read straight through ``perm``: nothing is gathered in memory, and the keys
+are normalised to unit length as they are loaded (no normalised copy of ``qk``).
 
-Forward writes, per slot, the round's output and log-sum-exp; the op combines rounds (cheap, O(L·D)).
-Backward uses the combined LSE: ``P = exp(s - LSE)``, ``dS = P (G V^T - delta)``, and writes dQ per slot,
-and dK/dV of the chunk's own keys and of the previous chunk's keys into two separate buffers, so every
-buffer slot has exactly one writer (no atomics, deterministic). The op sums each position's slots.
+The kernels are tiled like flash attention, so any bucket size fits in shared memory:
+
+- forward: one program per (query block of a chunk, batch*head), an online softmax over key blocks of the
+  chunk's ``2 bs`` keys; writes the round's output and log-sum-exp per slot (the op combines rounds);
+- backward, with the combined ``LSE`` (``P = exp(s - LSE)``, ``dS = P (G V^T - delta)``): one kernel for dQ
+  per slot, one for dK/dV per (half, key block) where half 0 is a chunk's look-back keys (slots of chunk
+  ``c-1``) and half 1 its own keys. A key slot gets one contribution of each half, written to separate
+  buffers, so every buffer slot has exactly one writer (no atomics, deterministic).
+
+fp16/bf16 tiles go to the tensor cores (operands in the input dtype, fp32 accumulation, as flash attention);
+fp32 tiles use exact fp32 products (``input_precision="ieee"``).
 """
 
 from __future__ import annotations
@@ -17,13 +25,30 @@ import torch
 import triton
 import triton.language as tl
 
+_NORM_EPS = 1e-12  # as F.normalize
 
-def _block(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def _blocks(bucket_size: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D): query rows, key rows and padded head dim per tile.
+
+    Chosen so that the q/k/v tiles and the score tile stay well inside the shared memory of an A100
+    (164 KiB) in fp32 as well; ``tests/kernels/compile_triton_lsh.py`` compiles them for sm_80/sm_90 and
+    prints the shared memory each uses.
+    """
+    bd = _pow2(head_dim)
+    budget = 64 * 64 if dtype == torch.float32 else 128 * 64  # rows x head-dim elements per tile
+    rows = max(16, min(64, budget // bd))
+    bm = min(rows, _pow2(bucket_size))
+    bn = min(rows, _pow2(2 * bucket_size))
+    return bm, bn, bd
 
 
 @triton.jit
-def _load_rows(ptr, pos, L, D, cols, dmask):
+def _rows(ptr, pos, L, D, cols, dmask):
     # rows of a (L, D) matrix at positions pos; out-of-range (padding) rows read as 0
     return tl.load(
         ptr + pos[:, None] * D + cols[None, :], mask=(pos < L)[:, None] & dmask[None, :], other=0.0
@@ -31,7 +56,24 @@ def _load_rows(ptr, pos, L, D, cols, dmask):
 
 
 @triton.jit
+def _unit_rows(ptr, pos, L, D, cols, dmask, eps):
+    # keys: the rows normalised to unit length, as F.normalize (x / max(|x|, eps)), in the input dtype
+    x = _rows(ptr, pos, L, D, cols, dmask)
+    xf = x.to(tl.float32)
+    n = tl.sqrt(tl.sum(xf * xf, axis=1))
+    return (xf / tl.maximum(n, eps)[:, None]).to(x.dtype)
+
+
+@triton.jit
+def _key_positions(PERM_bh, c, cprev, j, bs, L):
+    # key j of chunk c's look-one-back list: j < bs is slot j of chunk c-1, else slot j-bs of chunk c
+    slot = tl.where(j < bs, cprev * bs + j, c * bs + j - bs)
+    return tl.load(PERM_bh + slot, mask=j < 2 * bs, other=L)
+
+
+@triton.jit
 def _valid(qpos, kpos, KPM_b, L, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr):
+    # (query, key) pairs that may attend: real key, not the query itself, unmasked, causal
     ok = (kpos < L)[None, :] & (kpos[None, :] != qpos[:, None])
     if HAS_KPM:
         kv = tl.load(KPM_b + kpos, mask=kpos < L, other=0).to(tl.int1)
@@ -43,135 +85,138 @@ def _valid(qpos, kpos, KPM_b, L, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr):
 
 @triton.jit
 def _lsh_fwd_kernel(
-    Q,
-    KN,
-    V,
-    PERM,
-    KPM,
-    O_S,
-    LSE_S,
-    L,
-    D,
-    S,
-    C,
-    bs,
-    H,
-    scale,
-    HAS_KPM: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    c = tl.program_id(0)
+    Q, V, PERM, KPM, O_S, LSE_S,
+    L, D, S, C, bs, H, scale, eps,
+    HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    n_mb = tl.cdiv(bs, BLOCK_M)
+    c = tl.program_id(0) // n_mb
+    i = (tl.program_id(0) % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
     cprev = (c + C - 1) % C
-    rows = tl.arange(0, BLOCK_M)
-    rmask = rows < bs
     cols = tl.arange(0, BLOCK_D)
     dmask = cols < D
-    qpos = tl.load(PERM + bh * S + c * bs + rows, mask=rmask, other=L)
-    ppos = tl.load(PERM + bh * S + cprev * bs + rows, mask=rmask, other=L)
+    PERM_bh = PERM + bh * S
+    KPM_b = KPM + (bh // H) * L
     base = bh * L * D
-    q = _load_rows(Q + base, qpos, L, D, cols, dmask).to(tl.float32)
-    k_own = _load_rows(KN + base, qpos, L, D, cols, dmask).to(tl.float32)
-    k_prev = _load_rows(KN + base, ppos, L, D, cols, dmask).to(tl.float32)
-    v_own = _load_rows(V + base, qpos, L, D, cols, dmask).to(tl.float32)
-    v_prev = _load_rows(V + base, ppos, L, D, cols, dmask).to(tl.float32)
-    KPM_b = KPM + b * L
-    ok1 = _valid(qpos, ppos, KPM_b, L, HAS_KPM, CAUSAL)
-    ok2 = _valid(qpos, qpos, KPM_b, L, HAS_KPM, CAUSAL)
-    s1 = tl.where(ok1, tl.dot(q, tl.trans(k_prev), input_precision="ieee") * scale, float("-inf"))
-    s2 = tl.where(ok2, tl.dot(q, tl.trans(k_own), input_precision="ieee") * scale, float("-inf"))
-    m = tl.maximum(tl.max(s1, axis=1), tl.max(s2, axis=1))
-    has = (m > float("-inf")) & (qpos < L)
-    ms = tl.where(has, m, 0.0)
-    p1 = tl.where(ok1, tl.exp(s1 - ms[:, None]), 0.0)
-    p2 = tl.where(ok2, tl.exp(s2 - ms[:, None]), 0.0)
-    z = tl.sum(p1, axis=1) + tl.sum(p2, axis=1)
-    zs = tl.where(has, z, 1.0)
-    o = tl.dot(p1, v_prev, input_precision="ieee") + tl.dot(p2, v_own, input_precision="ieee")
-    o = tl.where(has[:, None], o / zs[:, None], 0.0)
-    lse = tl.where(has, ms + tl.log(zs), float("-inf"))
-    slot = bh * S + c * bs + rows
-    tl.store(O_S + slot[:, None] * D + cols[None, :], o, mask=rmask[:, None] & dmask[None, :])
-    tl.store(LSE_S + slot, lse, mask=rmask)
+    imask = i < bs
+    qpos = tl.load(PERM_bh + c * bs + i, mask=imask, other=L)
+    q = _rows(Q + base, qpos, L, D, cols, dmask)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, 2 * bs, BLOCK_N):
+        kpos = _key_positions(PERM_bh, c, cprev, n0 + tl.arange(0, BLOCK_N), bs, L)
+        k = _unit_rows(Q + base, kpos, L, D, cols, dmask, eps)
+        v = _rows(V + base, kpos, L, D, cols, dmask)
+        ok = _valid(qpos, kpos, KPM_b, L, HAS_KPM, CAUSAL)
+        s = tl.where(ok, tl.dot(q, tl.trans(k), input_precision=PREC) * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: keep exp(-inf) = 0
+        p = tl.exp(s - shift[:, None])
+        alpha = tl.exp(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    has = (l_i > 0.0) & (qpos < L)
+    ls = tl.where(has, l_i, 1.0)
+    o = tl.where(has[:, None], acc / ls[:, None], 0.0)
+    lse = tl.where(has, m_i + tl.log(ls), float("-inf"))
+    slot = bh * S + c * bs + i
+    tl.store(O_S + slot[:, None] * D + cols[None, :], o, mask=imask[:, None] & dmask[None, :])
+    tl.store(LSE_S + slot, lse, mask=imask)
 
 
 @triton.jit
-def _lsh_bwd_kernel(
-    G,
-    Q,
-    KN,
-    V,
-    LSE,
-    DELTA,
-    PERM,
-    KPM,
-    DQ_S,
-    DK_OWN,
-    DK_PREV,
-    DV_OWN,
-    DV_PREV,
-    L,
-    D,
-    S,
-    C,
-    bs,
-    H,
-    scale,
-    HAS_KPM: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    c = tl.program_id(0)
+def _lsh_bwd_dq_kernel(
+    G, Q, V, LSE, DELTA, PERM, KPM, DQ_S,
+    L, D, S, C, bs, H, scale, eps,
+    HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    n_mb = tl.cdiv(bs, BLOCK_M)
+    c = tl.program_id(0) // n_mb
+    i = (tl.program_id(0) % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1).to(tl.int64)
-    b = bh // H
     cprev = (c + C - 1) % C
-    rows = tl.arange(0, BLOCK_M)
-    rmask = rows < bs
     cols = tl.arange(0, BLOCK_D)
     dmask = cols < D
-    qpos = tl.load(PERM + bh * S + c * bs + rows, mask=rmask, other=L)
-    ppos = tl.load(PERM + bh * S + cprev * bs + rows, mask=rmask, other=L)
+    PERM_bh = PERM + bh * S
+    KPM_b = KPM + (bh // H) * L
     base = bh * L * D
-    q = _load_rows(Q + base, qpos, L, D, cols, dmask).to(tl.float32)
-    g = _load_rows(G + base, qpos, L, D, cols, dmask).to(tl.float32)
-    k_own = _load_rows(KN + base, qpos, L, D, cols, dmask).to(tl.float32)
-    k_prev = _load_rows(KN + base, ppos, L, D, cols, dmask).to(tl.float32)
-    v_own = _load_rows(V + base, qpos, L, D, cols, dmask).to(tl.float32)
-    v_prev = _load_rows(V + base, ppos, L, D, cols, dmask).to(tl.float32)
+    imask = i < bs
+    qpos = tl.load(PERM_bh + c * bs + i, mask=imask, other=L)
+    q = _rows(Q + base, qpos, L, D, cols, dmask)
+    g = _rows(G + base, qpos, L, D, cols, dmask)
     real = qpos < L
     lse = tl.load(LSE + bh * L + qpos, mask=real, other=float("-inf"))
     delta = tl.load(DELTA + bh * L + qpos, mask=real, other=0.0)
     live = lse > float("-inf")
     lses = tl.where(live, lse, 0.0)
-    KPM_b = KPM + b * L
-    ok1 = _valid(qpos, ppos, KPM_b, L, HAS_KPM, CAUSAL) & live[:, None]
-    ok2 = _valid(qpos, qpos, KPM_b, L, HAS_KPM, CAUSAL) & live[:, None]
-    s1 = tl.dot(q, tl.trans(k_prev), input_precision="ieee") * scale
-    s2 = tl.dot(q, tl.trans(k_own), input_precision="ieee") * scale
-    # s - LSE <= 0 up to rounding
-    p1 = tl.where(ok1, tl.exp(tl.minimum(s1 - lses[:, None], 0.0)), 0.0)
-    p2 = tl.where(ok2, tl.exp(tl.minimum(s2 - lses[:, None], 0.0)), 0.0)
-    dp1 = tl.dot(g, tl.trans(v_prev), input_precision="ieee")
-    dp2 = tl.dot(g, tl.trans(v_own), input_precision="ieee")
-    ds1 = p1 * (dp1 - delta[:, None]) * scale
-    ds2 = p2 * (dp2 - delta[:, None]) * scale
-    dq = tl.dot(ds1, k_prev, input_precision="ieee") + tl.dot(ds2, k_own, input_precision="ieee")
-    dk_prev = tl.dot(tl.trans(ds1), q, input_precision="ieee")
-    dk_own = tl.dot(tl.trans(ds2), q, input_precision="ieee")
-    dv_prev = tl.dot(tl.trans(p1), g, input_precision="ieee")
-    dv_own = tl.dot(tl.trans(p2), g, input_precision="ieee")
-    m2 = rmask[:, None] & dmask[None, :]
-    own = (bh * S + c * bs + rows)[:, None] * D + cols[None, :]
-    prev = (bh * S + cprev * bs + rows)[:, None] * D + cols[None, :]
-    tl.store(DQ_S + own, dq, mask=m2)
-    tl.store(DK_OWN + own, dk_own, mask=m2)
-    tl.store(DV_OWN + own, dv_own, mask=m2)
-    tl.store(DK_PREV + prev, dk_prev, mask=m2)
-    tl.store(DV_PREV + prev, dv_prev, mask=m2)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, 2 * bs, BLOCK_N):
+        kpos = _key_positions(PERM_bh, c, cprev, n0 + tl.arange(0, BLOCK_N), bs, L)
+        k = _unit_rows(Q + base, kpos, L, D, cols, dmask, eps)
+        v = _rows(V + base, kpos, L, D, cols, dmask)
+        ok = _valid(qpos, kpos, KPM_b, L, HAS_KPM, CAUSAL) & live[:, None]
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        p = tl.where(ok, tl.exp(tl.minimum(s - lses[:, None], 0.0)), 0.0)  # s <= LSE up to rounding
+        dp = tl.dot(g, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None]) * scale
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
+    slot = bh * S + c * bs + i
+    tl.store(DQ_S + slot[:, None] * D + cols[None, :], dq, mask=imask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _lsh_bwd_dkv_kernel(
+    G, Q, V, LSE, DELTA, PERM, KPM, DK_S, DV_S,
+    L, D, S, C, bs, H, scale, eps,
+    HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # program (c, half, key block): half 0 = chunk c's look-back keys (slots of chunk c-1), 1 = its own keys
+    n_nb = tl.cdiv(bs, BLOCK_N)
+    c = tl.program_id(0) // (2 * n_nb)
+    half = ((tl.program_id(0) // n_nb) % 2).to(tl.int64)
+    j = (tl.program_id(0) % n_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
+    bh = tl.program_id(1).to(tl.int64)
+    cprev = (c + C - 1) % C
+    cols = tl.arange(0, BLOCK_D)
+    dmask = cols < D
+    PERM_bh = PERM + bh * S
+    KPM_b = KPM + (bh // H) * L
+    base = bh * L * D
+    jmask = j < bs
+    kslot = tl.where(half == 0, cprev, c) * bs + j
+    kpos = tl.load(PERM_bh + kslot, mask=jmask, other=L)
+    k = _unit_rows(Q + base, kpos, L, D, cols, dmask, eps)
+    v = _rows(V + base, kpos, L, D, cols, dmask)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for m0 in range(0, bs, BLOCK_M):
+        i = m0 + tl.arange(0, BLOCK_M)
+        qpos = tl.load(PERM_bh + c * bs + i, mask=i < bs, other=L)
+        q = _rows(Q + base, qpos, L, D, cols, dmask)
+        g = _rows(G + base, qpos, L, D, cols, dmask)
+        real = qpos < L
+        lse = tl.load(LSE + bh * L + qpos, mask=real, other=float("-inf"))
+        delta = tl.load(DELTA + bh * L + qpos, mask=real, other=0.0)
+        live = lse > float("-inf")
+        lses = tl.where(live, lse, 0.0)
+        ok = _valid(qpos, kpos, KPM_b, L, HAS_KPM, CAUSAL) & live[:, None]  # (BLOCK_M, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        p = tl.where(ok, tl.exp(tl.minimum(s - lses[:, None], 0.0)), 0.0)
+        dv = tl.dot(tl.trans(p.to(g.dtype)), g, dv, input_precision=PREC)
+        dp = tl.dot(g, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None]) * scale
+        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PREC)
+    # dK/dV buffers are (2, B*H, S, D): one plane per half
+    out = (half * tl.num_programs(1) * S + bh * S + kslot)[:, None] * D + cols[None, :]
+    m2 = jmask[:, None] & dmask[None, :]
+    tl.store(DK_S + out, dk, mask=m2)
+    tl.store(DV_S + out, dv, mask=m2)
 
 
 def _kpm_arg(kpm: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -180,50 +225,45 @@ def _kpm_arg(kpm: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor
     return kpm.to(torch.int8).contiguous(), True
 
 
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for fp16/bf16 operands
+
+
 def lsh_chunk_fwd(
-    q: torch.Tensor,
-    kn: torch.Tensor,
+    qk: torch.Tensor,
     v: torch.Tensor,
     perm: torch.Tensor,
     kpm: torch.Tensor | None,
     causal: bool,
     bucket_size: int,
+    blocks: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, kn, v ``(B, H, L, D)`` contiguous; perm ``(B, H, S)`` int64. Returns the per-slot output
-    ``(B, H, S, D)`` fp32 and log-sum-exp ``(B, H, S)`` fp32 (``-inf``: no valid key but the query)."""
-    B, H, L, D = q.shape
+    """Per-round chunk attention. qk, v ``(B, H, L, D)`` contiguous, same dtype (fp32/fp16/bf16); perm
+    ``(B, H, S)`` int64; kpm ``(B, L)`` bool or None. ``blocks`` overrides (BLOCK_M, BLOCK_N) (tests).
+
+    Returns the per-slot output ``(B, H, S, D)`` fp32 and log-sum-exp ``(B, H, S)`` fp32 (``-inf``: no valid
+    key but the query itself)."""
+    B, H, L, D = qk.shape
     S = perm.shape[-1]
     C = S // bucket_size
-    o_s = torch.empty(B, H, S, D, dtype=torch.float32, device=q.device)
-    lse_s = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    km, has_kpm = _kpm_arg(kpm, q)
-    _lsh_fwd_kernel[(C, B * H)](
-        q,
-        kn,
-        v,
-        perm.contiguous(),
-        km,
-        o_s,
-        lse_s,
-        L,
-        D,
-        S,
-        C,
-        bucket_size,
-        H,
-        D**-0.5,
-        HAS_KPM=has_kpm,
-        CAUSAL=bool(causal),
-        BLOCK_M=_block(bucket_size),
-        BLOCK_D=_block(D),
-    )
+    bm, bn, bd = _blocks(bucket_size, D, qk.dtype)
+    if blocks is not None:
+        bm, bn = blocks
+    o_s = torch.empty(B, H, S, D, dtype=torch.float32, device=qk.device)
+    lse_s = torch.empty(B, H, S, dtype=torch.float32, device=qk.device)
+    km, has_kpm = _kpm_arg(kpm, qk)
+    grid = (C * triton.cdiv(bucket_size, bm), B * H)
+    _lsh_fwd_kernel[grid](
+        qk, v, perm.contiguous(), km, o_s, lse_s,
+        L, D, S, C, bucket_size, H, D**-0.5, _NORM_EPS,
+        HAS_KPM=has_kpm, CAUSAL=bool(causal), PREC=_prec(qk.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd,
+    )  # fmt: skip
     return o_s, lse_s
 
 
 def lsh_chunk_bwd(
     g: torch.Tensor,
-    q: torch.Tensor,
-    kn: torch.Tensor,
+    qk: torch.Tensor,
     v: torch.Tensor,
     lse: torch.Tensor,
     delta: torch.Tensor,
@@ -232,48 +272,39 @@ def lsh_chunk_bwd(
     kpm: torch.Tensor | None,
     causal: bool,
     bucket_size: int,
+    blocks: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients w.r.t. the raw queries, the normalised keys and the values, ``(B, H, L, D)`` fp32 each.
 
-    lse/delta ``(B, H, L)`` are the combined log-sum-exp and ``dout . out``; inv ``(B, H, NH, L)``.
-    (The all-rounds-empty fallback ``out = v`` is the caller's.)
+    g, qk, v ``(B, H, L, D)`` contiguous in one dtype; lse/delta ``(B, H, L)`` fp32, the combined log-sum-exp
+    and ``dout . out``; inv ``(B, H, NH, L)``. (The all-rounds-empty fallback ``out = v`` is the caller's.)
     """
-    B, H, L, D = q.shape
+    B, H, L, D = qk.shape
     S = perm.shape[-1]
     C = S // bucket_size
     NH = inv.shape[2]
-    bufs = [torch.empty(B, H, S, D, dtype=torch.float32, device=q.device) for _ in range(5)]
-    dq_s, dk_own, dk_prev, dv_own, dv_prev = bufs
-    km, has_kpm = _kpm_arg(kpm, q)
-    _lsh_bwd_kernel[(C, B * H)](
-        g,
-        q,
-        kn,
-        v,
-        lse,
-        delta,
-        perm.contiguous(),
-        km,
-        dq_s,
-        dk_own,
-        dk_prev,
-        dv_own,
-        dv_prev,
-        L,
-        D,
-        S,
-        C,
-        bucket_size,
-        H,
-        D**-0.5,
-        HAS_KPM=has_kpm,
-        CAUSAL=bool(causal),
-        BLOCK_M=_block(bucket_size),
-        BLOCK_D=_block(D),
+    bm, bn, bd = _blocks(bucket_size, D, qk.dtype)
+    if blocks is not None:
+        bm, bn = blocks
+    dq_s = torch.empty(B, H, S, D, dtype=torch.float32, device=qk.device)
+    dk_s = torch.empty(2, B, H, S, D, dtype=torch.float32, device=qk.device)  # [look-back, own] halves
+    dv_s = torch.empty_like(dk_s)
+    km, has_kpm = _kpm_arg(kpm, qk)
+    perm = perm.contiguous()
+    args = (L, D, S, C, bucket_size, H, D**-0.5, _NORM_EPS)
+    meta = dict(
+        HAS_KPM=has_kpm, CAUSAL=bool(causal), PREC=_prec(qk.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd
+    )
+    _lsh_bwd_dq_kernel[(C * triton.cdiv(bucket_size, bm), B * H)](
+        g, qk, v, lse, delta, perm, km, dq_s, *args, **meta
+    )
+    bn_own = min(bn, _pow2(bucket_size))  # key blocks of one half (bucket_size keys)
+    _lsh_bwd_dkv_kernel[(C * 2 * triton.cdiv(bucket_size, bn_own), B * H)](
+        g, qk, v, lse, delta, perm, km, dk_s, dv_s, *args, **dict(meta, BLOCK_N=bn_own)
     )
     idx = inv.reshape(B, H, NH * L, 1).expand(B, H, NH * L, D)
 
     def unsort(x: torch.Tensor) -> torch.Tensor:
         return x.gather(2, idx).view(B, H, NH, L, D).sum(2)
 
-    return unsort(dq_s), unsort(dk_own + dk_prev), unsort(dv_own + dv_prev)
+    return unsort(dq_s), unsort(dk_s[0] + dk_s[1]), unsort(dv_s[0] + dv_s[1])

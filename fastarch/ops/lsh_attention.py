@@ -114,11 +114,13 @@ def _chunked_ref(
     causal: bool,
     bucket_size: int,
     n_hashes: int,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunked attention over the sorted rounds and the combination, in fp32 with torch autograd.
+    """Chunked attention over the sorted rounds and the combination, in ``dtype`` (fp32 for the reference)
+    with torch autograd.
 
-    qk, v ``(B, H, L, D)``; perm ``(B, H, NH*Lp)``; inv ``(B, H, NH, L)``. Returns out ``(B, H, L, D)`` fp32
-    and LSE ``(B, H, L)`` fp32 (``-inf`` where out is the query's own v).
+    qk, v ``(B, H, L, D)``; perm ``(B, H, NH*Lp)``; inv ``(B, H, NH, L)``. Returns out ``(B, H, L, D)`` and
+    LSE ``(B, H, L)`` in ``dtype`` (``-inf`` where out is the query's own v).
     Memory: the scores are ``(B, H, NH*Lp/bs, bs, 2 bs)``.
     """
     B, H, L, D = qk.shape
@@ -126,9 +128,10 @@ def _chunked_ref(
     S = perm.shape[-1]
     C = S // bs
     Lp = S // n_hashes
-    q = F.pad(qk.float(), (0, 0, 0, Lp - L))
-    vv = F.pad(v.float(), (0, 0, 0, Lp - L))
-    kn = F.normalize(q, p=2.0, dim=-1, eps=_NORM_EPS)
+    q = F.pad(qk.to(dtype), (0, 0, 0, Lp - L))
+    vv = F.pad(v.to(dtype), (0, 0, 0, Lp - L))
+    # normalised in fp32 (eps 1e-12 is 0 in half precision), then rounded, as the kernels do
+    kn = F.normalize(q.float(), p=2.0, dim=-1, eps=_NORM_EPS).to(dtype)
     idx = perm[..., None].expand(B, H, S, D)
     qs = q.gather(2, idx).view(B, H, C, bs, D)
     ks = kn.gather(2, idx).view(B, H, C, bs, D)
@@ -165,7 +168,7 @@ def _chunked_ref(
         .view(B, H, n_hashes, L, D)
     )
     lse_r = lse.reshape(B, H, S).gather(2, flat).view(B, H, n_hashes, L)
-    return _combine_rounds(o_r, lse_r, v.float())
+    return _combine_rounds(o_r, lse_r, v.to(dtype))
 
 
 def _combine_rounds(
@@ -196,15 +199,18 @@ def lsh_attention_ref(
     seed: int | None = None,
     rotations: torch.Tensor | None = None,
     return_buckets: bool = False,
+    upcast: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The oracle: the whole rule in composed PyTorch (fp32), differentiable by torch autograd.
 
     Same arguments and results as :func:`lsh_attention`. Pass the same ``seed`` or ``rotations`` to get the
-    same buckets.
+    same buckets. ``upcast=False`` computes in the input dtype instead: PyTorch's own low-precision error,
+    the baseline of the FlashAttention test criterion (the buckets are the same either way).
     """
     _validate(qk, v, n_hashes, bucket_size, key_padding_mask, rotations)
     rotations, buckets, perm, inv = _prepare(qk, n_hashes, bucket_size, seed, rotations)
-    out, _ = _chunked_ref(qk, v, perm, inv, key_padding_mask, causal, bucket_size, n_hashes)
+    dtype = torch.float32 if upcast else qk.dtype
+    out, _ = _chunked_ref(qk, v, perm, inv, key_padding_mask, causal, bucket_size, n_hashes, dtype)
     out = out.to(qk.dtype)
     return (out, buckets) if return_buckets else out
 
@@ -259,9 +265,25 @@ def _prepare(
     L, D = qk.shape[-2], qk.shape[-1]
     nb = lsh_n_buckets(L, bucket_size)
     if rotations is None:
-        rotations = lsh_rotations(D, n_hashes, nb, seed, qk.device)
+        rotations = _draw_rotations(D, n_hashes, nb, None if seed is None else int(seed), qk.device)
     buckets, perm, inv = _lsh_prepare(qk.detach(), rotations.detach(), int(bucket_size), backend)
     return rotations, buckets, perm, inv
+
+
+# A custom op so that torch.compile traces calls with a seed (a torch.Generator cannot be created inside a
+# graph) and keeps unseeded draws apart (tagged nondeterministic: never merged or reordered).
+@torch.library.custom_op(
+    "fastarch::lsh_rotations", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,)
+)
+def _draw_rotations(
+    head_dim: int, n_hashes: int, n_buckets: int, seed: int | None, device: torch.device
+) -> torch.Tensor:
+    return lsh_rotations(head_dim, n_hashes, n_buckets, seed, device)
+
+
+@_draw_rotations.register_fake
+def _(head_dim, n_hashes, n_buckets, seed, device):
+    return torch.empty(head_dim, n_hashes, n_buckets // 2, dtype=torch.float32, device=device)
 
 
 @torch.library.custom_op("fastarch::lsh_attention_prepare", mutates_args=())
@@ -441,7 +463,8 @@ class TorchLSHAttention(Implementation):
         B, H, L, D = qk.shape
         bs, S = bucket_size, perm.shape[-1]
         C, Lp = S // bs, S // n_hashes
-        q, kn, vf, _ = _kernel_inputs(qk, v, None)
+        q, vf = qk.float(), v.float()
+        kn = F.normalize(q, p=2.0, dim=-1, eps=_NORM_EPS)
         g = dout.float()
         pad = (0, 0, 0, Lp - L)
         idx = perm[..., None].expand(B, H, S, D)
@@ -496,12 +519,6 @@ def _normalize_bwd(qk: torch.Tensor, dkn: torch.Tensor) -> torch.Tensor:
     return (dkn - kh * proj) / ns
 
 
-def _kernel_inputs(qk: torch.Tensor, v: torch.Tensor, kpm: torch.Tensor | None):
-    q = qk.float().contiguous()
-    kn = F.normalize(q, p=2.0, dim=-1, eps=_NORM_EPS).contiguous()
-    return q, kn, v.float().contiguous(), kpm
-
-
 class CppLSHAttention(Implementation):
     op, backend = OP, "cpp"
     devices = ("cpu",)
@@ -550,15 +567,16 @@ class CppLSHAttention(Implementation):
 class TritonLSHAttention(TritonImplementation):
     op = OP
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
-    description = "Triton chunk kernels, one program per (chunk, batch*head), fp32 accumulation"
+    description = (
+        "Triton flash-style chunk kernels through the permutation (online softmax over key blocks; "
+        "dQ and dK/dV kernels), fp32 accumulation"
+    )
 
     def check(self, call):
-        reasons = []
+        # the kernels tile queries and keys, so any bucket size fits; a tile row holds the whole head dim
         if call.get("head_dim", 0) > 256:
-            reasons.append(f"head_dim {call['head_dim']} > 256")
-        if call.get("bucket_size", 0) > 256:
-            reasons.append(f"bucket_size {call['bucket_size']} > 256")
-        return reasons
+            return [f"head_dim {call['head_dim']} > 256"]
+        return []
 
     def load(self):
         from ..kernels import lsh_attention
@@ -572,25 +590,24 @@ class TritonLSHAttention(TritonImplementation):
         return _sort(buckets, seq_len, bucket_size, n_buckets)
 
     def forward(self, qk, v, perm, inv, kpm, causal, bucket_size, n_hashes):
-        q, kn, vf, kpm = _kernel_inputs(qk, v, kpm)
-        o_s, lse_s = self.lib.lsh_chunk_fwd(q, kn, vf, perm, kpm, causal, bucket_size)
+        # the kernels read qk/v in their own dtype and normalise the keys as they load them
+        o_s, lse_s = self.lib.lsh_chunk_fwd(qk, v, perm, kpm, causal, bucket_size)
         B, H, L, D = qk.shape
         flat = inv.reshape(B, H, n_hashes * L)
         o_r = o_s.gather(2, flat[..., None].expand(B, H, n_hashes * L, D)).view(B, H, n_hashes, L, D)
         lse_r = lse_s.gather(2, flat).view(B, H, n_hashes, L)
-        out, lse = _combine_rounds(o_r, lse_r, vf)
+        out, lse = _combine_rounds(o_r, lse_r, v.float())
         return out.to(qk.dtype), lse
 
     def backward(self, dout, qk, v, out, lse, perm, inv, kpm, causal, bucket_size, n_hashes):
-        q, kn, vf, kpm = _kernel_inputs(qk, v, kpm)
-        g = dout.float().contiguous()
-        delta = (g * out.float()).sum(-1).contiguous()
+        delta = (dout.float() * out.float()).sum(-1).contiguous()
+        g = dout.to(qk.dtype).contiguous()
         dq, dkn, dv = self.lib.lsh_chunk_bwd(
-            g, q, kn, vf, lse.contiguous(), delta, perm, inv, kpm, causal, bucket_size
+            g, qk, v, lse.contiguous(), delta, perm, inv, kpm, causal, bucket_size
         )
         # every round fell back to the query's own value: out_i = v_i
-        dv = dv + torch.where(torch.isinf(lse)[..., None], g, torch.zeros_like(g))
-        return dq + _normalize_bwd(q, dkn), dv
+        dv = dv + torch.where(torch.isinf(lse)[..., None], dout.float(), 0.0)
+        return dq + _normalize_bwd(qk, dkn), dv
 
 
 for _impl in (TorchLSHAttention, CppLSHAttention, TritonLSHAttention):

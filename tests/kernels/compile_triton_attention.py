@@ -36,15 +36,19 @@ def _jit(kernel) -> JITFunction:
     return fn
 
 
-def compile_one(kernel, ptrs: dict, consts: dict, target: GPUTarget, ones: dict, warps=4, stages=3) -> None:
+def compile_one(kernel, ptrs: dict, consts: dict, target: GPUTarget, ones: dict, warps=4, stages=3,
+                floats=FLOATS):
+    """Compile one specialisation to a cubin; returns its shared memory in bytes. Arguments not in ``ptrs``,
+    ``consts`` or ``floats`` are i32."""
     fn = _jit(kernel)
     consts = dict(consts, **{k: v for k, v in ones.items() if k in fn.arg_names})
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in FLOATS else "i32") for n in fn.arg_names}
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
     t = time.time()
     k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
                        options={"num_warps": warps, "num_stages": stages})
     shown = {n: v for n, v in consts.items() if n.startswith("BLOCK") or n.startswith("HAS") or n == "SPLIT"}
     print(f"{fn.__name__:24s} {shown} ok {time.time() - t:.1f}s shared={k.metadata.shared}", flush=True)
+    return k.metadata.shared
 
 
 def main() -> int:

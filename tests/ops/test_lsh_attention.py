@@ -258,14 +258,61 @@ def test_half_precision(backend):
     g = torch.randn_like(ref)
     ref.backward(g)
     qkt, vt = qk.detach().clone().requires_grad_(True), v.detach().clone().requires_grad_(True)
-    tor = lsh_attention_ref(qkt.float(), vt.float(), **kw).half()  # torch in half: rounding of the output
+    tor = lsh_attention_ref(qkt, vt, upcast=False, **kw)  # PyTorch's own error in half
     tor.float().backward(g)
     out = lsh_attention(qk, v, backend=backend, **kw)
     assert out.dtype == torch.float16
     out.float().backward(g)
     assert_fa_close(out, ref, tor, 2.0)
-    assert_fa_close(qk.grad, qkr.grad, qkt.grad.half(), 3.0, atol=1e-3, what="dqk")
-    assert_fa_close(v.grad, vr.grad, vt.grad.half(), 3.0, atol=1e-3, what="dv")
+    assert_fa_close(qk.grad, qkr.grad, qkt.grad, 3.0, atol=1e-3, what="dqk")
+    assert_fa_close(v.grad, vr.grad, vt.grad, 3.0, atol=1e-3, what="dv")
+
+
+def test_reference_upcast_false_computes_in_the_input_dtype():
+    qk, v = _inputs(1, 2, 40, 16)
+    kw = dict(n_hashes=2, bucket_size=8, seed=1)
+    low = lsh_attention_ref(qk.half(), v.half(), upcast=False, **kw)
+    up = lsh_attention_ref(qk.half(), v.half(), **kw)
+    assert low.dtype == up.dtype == torch.float16
+    err_low = (low.float() - lsh_attention_ref(qk.half().float(), v.half().float(), **kw)).abs().max()
+    assert 0 < err_low < 2e-2
+
+
+@pytest.mark.parametrize(
+    "L,D,bs,blocks,causal,use_kpm",
+    [
+        (70, 24, 40, (16, 16), False, True),  # 3 query blocks per chunk, a key block across the halves
+        (70, 24, 40, (16, 32), True, True),
+        (45, 17, 24, (16, 16), True, False),  # odd head dim, padded last chunk
+        (30, 16, 5, (16, 16), False, False),  # bucket smaller than a block
+    ],
+)
+def test_triton_tiles(L, D, bs, blocks, causal, use_kpm):
+    # the kernels tile queries and keys: force small tiles so that a chunk spans several of them, then
+    # compare the launchers' per-slot results (forward, and every gradient) with the torch backend
+    pytest.importorskip("triton")
+    from fastarch.kernels import lsh_attention as K
+    from fastarch.ops.lsh_attention import TorchLSHAttention, _prepare
+
+    B, H, NH = 1, 1, 2
+    qk, v = _inputs(B, H, L, D)
+    kpm = torch.rand(B, L) > 0.2 if use_kpm else None
+    _, _, perm, inv = _prepare(qk, NH, bs, 3, None)
+    torch_impl = TorchLSHAttention()
+    out_ref, lse_ref = torch_impl.forward(qk, v, perm, inv, kpm, causal, bs, NH)
+    o_s, lse_s = K.lsh_chunk_fwd(qk, v, perm, kpm, causal, bs, blocks=blocks)
+    flat = inv.reshape(B, H, NH * L)
+    lse_r = lse_s.gather(2, flat).view(B, H, NH, L)
+    torch.testing.assert_close(torch.logsumexp(lse_r, 2), lse_ref, atol=1e-5, rtol=1e-5)
+    g = torch.randn_like(qk)
+    dqk_ref, dv_ref = torch_impl.backward(g, qk, v, out_ref, lse_ref, perm, inv, kpm, causal, bs, NH)
+    delta = (g * out_ref).sum(-1)
+    dq, dkn, dv = K.lsh_chunk_bwd(g, qk, v, lse_ref, delta, perm, inv, kpm, causal, bs, blocks=blocks)
+    dv = dv + torch.where(torch.isinf(lse_ref)[..., None], g, 0.0)
+    from fastarch.ops.lsh_attention import _normalize_bwd
+
+    torch.testing.assert_close(dv, dv_ref, atol=5e-5, rtol=1e-4)
+    torch.testing.assert_close(dq + _normalize_bwd(qk, dkn), dqk_ref, atol=5e-5, rtol=1e-4)
 
 
 def test_buckets_and_seed():
@@ -364,3 +411,74 @@ def test_bad_inputs():
         lsh_attention(qk, v, key_padding_mask=torch.ones(1, 10))
     with pytest.raises(TypeError, match="'v'"):
         lsh_attention(qk, v.double())
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_torch_compile_fullgraph_and_opcheck(backend):
+    # the op is made of custom ops (rotations, hash+sort, forward, backward): it traces without graph
+    # breaks, forward and backward equal the eager reference, and opcheck passes on each
+    from fastarch.ops.lsh_attention import _lsh_fwd, _lsh_prepare, _prepare
+
+    qk, v = _inputs(1, 2, 50, 16, grad=True)
+    kpm = torch.rand(1, 50) > 0.2
+    kw = dict(n_hashes=2, bucket_size=8, seed=3, key_padding_mask=kpm)
+    f = torch.compile(
+        lambda a, b: lsh_attention(a, b, backend=backend, **kw), fullgraph=True, backend="aot_eager"
+    )
+    out = f(qk, v)
+    grads = torch.autograd.grad(out.sum(), (qk, v))
+    ref = lsh_attention_ref(qk, v, **kw)
+    grads_ref = torch.autograd.grad(ref.sum(), (qk, v))
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, atol=5e-5, rtol=1e-4)
+    _, _, perm, inv = _prepare(qk, 2, 8, 3, None)
+    torch.library.opcheck(_lsh_fwd, (qk, v, perm, inv, kpm, True, 8, 2, backend))
+    torch.library.opcheck(_lsh_prepare, (qk.detach(), lsh_rotations(16, 2, 8, seed=1), 8, backend))
+
+
+def test_compiled_unseeded_calls_draw_their_own_rotations():
+    qk, v = _inputs(1, 2, 64, 16)
+
+    def two_calls(a, b):
+        _, b1 = lsh_attention(a, b, n_hashes=2, bucket_size=8, return_buckets=True)
+        _, b2 = lsh_attention(a, b, n_hashes=2, bucket_size=8, return_buckets=True)
+        return b1, b2
+
+    b1, b2 = torch.compile(two_calls, fullgraph=True, backend="aot_eager")(qk, v)
+    assert not torch.equal(b1, b2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "L,D,bs,causal", [(4096, 64, 64, False), (1000, 128, 64, True), (777, 96, 128, False)]
+)
+def test_gpu_triton(dtype, L, D, bs, causal):
+    # the Triton backend on a GPU (the auto choice there) against the fp32 reference, FlashAttention's
+    # criterion for fp16/bf16 (judged against PyTorch's own error in that dtype)
+    g32 = torch.Generator().manual_seed(0)
+    qk32 = torch.randn(2, 4, L, D, generator=g32)
+    v32 = torch.randn(2, 4, L, D, generator=g32)
+    kpm = torch.rand(2, L, generator=g32) > 0.1
+    kw = dict(n_hashes=4, bucket_size=bs, causal=causal, seed=1)
+    qk, v = (t.cuda().to(dtype).requires_grad_(True) for t in (qk32, v32))
+    kpm = kpm.cuda()
+    out = lsh_attention(qk, v, key_padding_mask=kpm, **kw)
+    assert out.dtype == dtype
+    g = torch.randn(out.shape, generator=g32).cuda()
+    dqk, dv = torch.autograd.grad(out, (qk, v), g.to(dtype))
+    qkr, vr = (t.detach().float().requires_grad_(True) for t in (qk, v))
+    ref = lsh_attention_ref(qkr, vr, key_padding_mask=kpm, **kw)
+    dqk_r, dv_r = torch.autograd.grad(ref, (qkr, vr), g)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(dv, dv_r, atol=5e-5, rtol=1e-4)
+        torch.testing.assert_close(dqk, dqk_r, atol=5e-5, rtol=1e-4)
+        return
+    qkt, vt = (t.detach().clone().requires_grad_(True) for t in (qk, v))
+    tor = lsh_attention_ref(qkt, vt, key_padding_mask=kpm, upcast=False, **kw)
+    dqk_t, dv_t = torch.autograd.grad(tor, (qkt, vt), g.to(dtype))
+    assert_fa_close(out, ref, tor, 2.0)
+    assert_fa_close(dqk, dqk_r, dqk_t, 3.0, atol=1e-3, what="dqk")
+    assert_fa_close(dv, dv_r, dv_t, 3.0, atol=1e-3, what="dv")

@@ -48,6 +48,15 @@ def _blocks(bucket_size: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
 
 
 @triton.jit
+def _program(PERM, KPM, c, S, C, H, L, D, BLOCK_D: tl.constexpr):
+    # this program's (batch*head) bh, chunk c's look-back chunk, the head-dim columns, and bh's rows of the
+    # permutation, the key mask and qk/v
+    bh = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    return bh, (c + C - 1) % C, cols, cols < D, PERM + bh * S, KPM + (bh // H) * L, bh * L * D
+
+
+@triton.jit
 def _rows(ptr, pos, L, D, cols, dmask):
     # rows of a (L, D) matrix at positions pos; out-of-range (padding) rows read as 0
     return tl.load(
@@ -84,6 +93,29 @@ def _valid(qpos, kpos, KPM_b, L, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _query_block(PERM_bh, Q, G, LSE_bh, DELTA_bh, base, c, i, bs, L, D, cols, dmask):
+    # backward: rows i of chunk c's queries, their output gradient, combined LSE and delta = g . out
+    qpos = tl.load(PERM_bh + c * bs + i, mask=i < bs, other=L)
+    q = _rows(Q + base, qpos, L, D, cols, dmask)
+    g = _rows(G + base, qpos, L, D, cols, dmask)
+    real = qpos < L
+    lse = tl.load(LSE_bh + qpos, mask=real, other=float("-inf"))
+    delta = tl.load(DELTA_bh + qpos, mask=real, other=0.0)
+    return qpos, q, g, lse, delta
+
+
+@triton.jit
+def _probs(
+    q, k, qpos, kpos, lse, KPM_b, L, scale, HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr
+):
+    # backward: P = exp(s - LSE) on valid pairs, 0 elsewhere and on rows that attended nothing (LSE = -inf)
+    live = lse > float("-inf")
+    ok = _valid(qpos, kpos, KPM_b, L, HAS_KPM, CAUSAL) & live[:, None]
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+    return tl.where(ok, tl.exp(tl.minimum(s - tl.where(live, lse, 0.0)[:, None], 0.0)), 0.0)  # s <= LSE
+
+
+@triton.jit
 def _lsh_fwd_kernel(
     Q, V, PERM, KPM, O_S, LSE_S,
     L, D, S, C, bs, H, scale, eps,
@@ -93,13 +125,7 @@ def _lsh_fwd_kernel(
     n_mb = tl.cdiv(bs, BLOCK_M)
     c = tl.program_id(0) // n_mb
     i = (tl.program_id(0) % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1).to(tl.int64)
-    cprev = (c + C - 1) % C
-    cols = tl.arange(0, BLOCK_D)
-    dmask = cols < D
-    PERM_bh = PERM + bh * S
-    KPM_b = KPM + (bh // H) * L
-    base = bh * L * D
+    bh, cprev, cols, dmask, PERM_bh, KPM_b, base = _program(PERM, KPM, c, S, C, H, L, D, BLOCK_D)
     imask = i < bs
     qpos = tl.load(PERM_bh + c * bs + i, mask=imask, other=L)
     q = _rows(Q + base, qpos, L, D, cols, dmask)
@@ -138,30 +164,17 @@ def _lsh_bwd_dq_kernel(
     n_mb = tl.cdiv(bs, BLOCK_M)
     c = tl.program_id(0) // n_mb
     i = (tl.program_id(0) % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
-    bh = tl.program_id(1).to(tl.int64)
-    cprev = (c + C - 1) % C
-    cols = tl.arange(0, BLOCK_D)
-    dmask = cols < D
-    PERM_bh = PERM + bh * S
-    KPM_b = KPM + (bh // H) * L
-    base = bh * L * D
+    bh, cprev, cols, dmask, PERM_bh, KPM_b, base = _program(PERM, KPM, c, S, C, H, L, D, BLOCK_D)
     imask = i < bs
-    qpos = tl.load(PERM_bh + c * bs + i, mask=imask, other=L)
-    q = _rows(Q + base, qpos, L, D, cols, dmask)
-    g = _rows(G + base, qpos, L, D, cols, dmask)
-    real = qpos < L
-    lse = tl.load(LSE + bh * L + qpos, mask=real, other=float("-inf"))
-    delta = tl.load(DELTA + bh * L + qpos, mask=real, other=0.0)
-    live = lse > float("-inf")
-    lses = tl.where(live, lse, 0.0)
+    qpos, q, g, lse, delta = _query_block(
+        PERM_bh, Q, G, LSE + bh * L, DELTA + bh * L, base, c, i, bs, L, D, cols, dmask
+    )
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(0, 2 * bs, BLOCK_N):
         kpos = _key_positions(PERM_bh, c, cprev, n0 + tl.arange(0, BLOCK_N), bs, L)
         k = _unit_rows(Q + base, kpos, L, D, cols, dmask, eps)
         v = _rows(V + base, kpos, L, D, cols, dmask)
-        ok = _valid(qpos, kpos, KPM_b, L, HAS_KPM, CAUSAL) & live[:, None]
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        p = tl.where(ok, tl.exp(tl.minimum(s - lses[:, None], 0.0)), 0.0)  # s <= LSE up to rounding
+        p = _probs(q, k, qpos, kpos, lse, KPM_b, L, scale, HAS_KPM, CAUSAL, PREC)
         dp = tl.dot(g, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None]) * scale
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
@@ -181,13 +194,7 @@ def _lsh_bwd_dkv_kernel(
     c = tl.program_id(0) // (2 * n_nb)
     half = ((tl.program_id(0) // n_nb) % 2).to(tl.int64)
     j = (tl.program_id(0) % n_nb) * BLOCK_N + tl.arange(0, BLOCK_N)
-    bh = tl.program_id(1).to(tl.int64)
-    cprev = (c + C - 1) % C
-    cols = tl.arange(0, BLOCK_D)
-    dmask = cols < D
-    PERM_bh = PERM + bh * S
-    KPM_b = KPM + (bh // H) * L
-    base = bh * L * D
+    bh, cprev, cols, dmask, PERM_bh, KPM_b, base = _program(PERM, KPM, c, S, C, H, L, D, BLOCK_D)
     jmask = j < bs
     kslot = tl.where(half == 0, cprev, c) * bs + j
     kpos = tl.load(PERM_bh + kslot, mask=jmask, other=L)
@@ -197,17 +204,10 @@ def _lsh_bwd_dkv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for m0 in range(0, bs, BLOCK_M):
         i = m0 + tl.arange(0, BLOCK_M)
-        qpos = tl.load(PERM_bh + c * bs + i, mask=i < bs, other=L)
-        q = _rows(Q + base, qpos, L, D, cols, dmask)
-        g = _rows(G + base, qpos, L, D, cols, dmask)
-        real = qpos < L
-        lse = tl.load(LSE + bh * L + qpos, mask=real, other=float("-inf"))
-        delta = tl.load(DELTA + bh * L + qpos, mask=real, other=0.0)
-        live = lse > float("-inf")
-        lses = tl.where(live, lse, 0.0)
-        ok = _valid(qpos, kpos, KPM_b, L, HAS_KPM, CAUSAL) & live[:, None]  # (BLOCK_M, BLOCK_N)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        p = tl.where(ok, tl.exp(tl.minimum(s - lses[:, None], 0.0)), 0.0)
+        qpos, q, g, lse, delta = _query_block(
+            PERM_bh, Q, G, LSE + bh * L, DELTA + bh * L, base, c, i, bs, L, D, cols, dmask
+        )
+        p = _probs(q, k, qpos, kpos, lse, KPM_b, L, scale, HAS_KPM, CAUSAL, PREC)  # (BLOCK_M, BLOCK_N)
         dv = tl.dot(tl.trans(p.to(g.dtype)), g, dv, input_precision=PREC)
         dp = tl.dot(g, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None]) * scale

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -49,7 +50,12 @@ if os.environ.get("FASTARCH_NO_AOT") != "1":
                     extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": fx.CUDA_CFLAGS}))
 
         class TolerantBuildExtension(BuildExtension):
-            """Builds what compiles, records the source hash of each success for staleness checks."""
+            """Builds what compiles and records the source hash of each success for staleness checks.
+
+            Re-running the installer does not recompile: an extension whose in-tree build (left by the last
+            editable install) records the same source hash, and was not rewritten after that record, is
+            copied to the build target instead. ``FASTARCH_REBUILD=1`` compiles everything again.
+            """
 
             def run(self) -> None:
                 self.built: dict[str, str] = {}
@@ -62,16 +68,40 @@ if os.environ.get("FASTARCH_NO_AOT") != "1":
                 tmp.write_text(json.dumps(self.built, indent=1, sort_keys=True))
                 os.replace(tmp, manifest)
 
+            def _reuse_in_tree(self, ext, short: str, want: str) -> bool:
+                if os.environ.get("FASTARCH_REBUILD") == "1":
+                    return False
+                target = Path(self.get_ext_fullpath(ext.name))
+                in_tree = HERE / "fastarch" / target.name
+                manifest = HERE / "fastarch" / "_aot_manifest.json"
+                try:
+                    recorded = json.loads(manifest.read_text()).get(short)
+                    # rewritten after the record: an interrupted build
+                    fresh = in_tree.stat().st_mtime <= manifest.stat().st_mtime
+                except (OSError, ValueError):
+                    return False
+                if recorded != want or not fresh:
+                    return False
+                if in_tree.resolve() != target.resolve():
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(in_tree, target)
+                print(f"fastarch: {ext.name} is up to date (source hash {want}), not recompiled", file=sys.stderr)
+                return True
+
             def build_extension(self, ext) -> None:
                 short = ext.name.split(".")[-1]
+                kind, _, name = short[1:].partition("_")
+                want = fx.source_hash(name, kind)
+                if self._reuse_in_tree(ext, short, want):
+                    self.built[short] = want
+                    return
                 try:
                     super().build_extension(ext)
                 except Exception as exc:  # left to the just-in-time path
                     print(f"fastarch: could not build {ext.name} ahead of time ({exc}); it will be built "
                           f"just in time on first use", file=sys.stderr)
                     return
-                kind, _, name = short[1:].partition("_")
-                self.built[short] = fx.source_hash(name, kind)
+                self.built[short] = want
 
         cmdclass["build_ext"] = TolerantBuildExtension.with_options(use_ninja=True)
 

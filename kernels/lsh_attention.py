@@ -48,6 +48,13 @@ def _blocks(bucket_size: int, head_dim: int, dtype: torch.dtype) -> tuple[int, i
 
 
 @triton.jit
+def _chunk_query_rows(bs, BLOCK_M: tl.constexpr):
+    # program_id(0) enumerates (chunk, query block): the chunk c and the rows i of its block
+    n_mb = tl.cdiv(bs, BLOCK_M)
+    return tl.program_id(0) // n_mb, (tl.program_id(0) % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
+
+
+@triton.jit
 def _program(PERM, KPM, c, S, C, H, L, D, BLOCK_D: tl.constexpr):
     # this program's (batch*head) bh, chunk c's look-back chunk, the head-dim columns, and bh's rows of the
     # permutation, the key mask and qk/v
@@ -122,9 +129,7 @@ def _lsh_fwd_kernel(
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    n_mb = tl.cdiv(bs, BLOCK_M)
-    c = tl.program_id(0) // n_mb
-    i = (tl.program_id(0) % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c, i = _chunk_query_rows(bs, BLOCK_M)
     bh, cprev, cols, dmask, PERM_bh, KPM_b, base = _program(PERM, KPM, c, S, C, H, L, D, BLOCK_D)
     imask = i < bs
     qpos = tl.load(PERM_bh + c * bs + i, mask=imask, other=L)
@@ -161,9 +166,7 @@ def _lsh_bwd_dq_kernel(
     HAS_KPM: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    n_mb = tl.cdiv(bs, BLOCK_M)
-    c = tl.program_id(0) // n_mb
-    i = (tl.program_id(0) % n_mb) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c, i = _chunk_query_rows(bs, BLOCK_M)
     bh, cprev, cols, dmask, PERM_bh, KPM_b, base = _program(PERM, KPM, c, S, C, H, L, D, BLOCK_D)
     imask = i < bs
     qpos, q, g, lse, delta = _query_block(
@@ -236,10 +239,9 @@ def lsh_chunk_fwd(
     kpm: torch.Tensor | None,
     causal: bool,
     bucket_size: int,
-    blocks: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-round chunk attention. qk, v ``(B, H, L, D)`` contiguous, same dtype (fp32/fp16/bf16); perm
-    ``(B, H, S)`` int64; kpm ``(B, L)`` bool or None. ``blocks`` overrides (BLOCK_M, BLOCK_N) (tests).
+    ``(B, H, S)`` int64; kpm ``(B, L)`` bool or None.
 
     Returns the per-slot output ``(B, H, S, D)`` fp32 and log-sum-exp ``(B, H, S)`` fp32 (``-inf``: no valid
     key but the query itself)."""
@@ -247,8 +249,6 @@ def lsh_chunk_fwd(
     S = perm.shape[-1]
     C = S // bucket_size
     bm, bn, bd = _blocks(bucket_size, D, qk.dtype)
-    if blocks is not None:
-        bm, bn = blocks
     o_s = torch.empty(B, H, S, D, dtype=torch.float32, device=qk.device)
     lse_s = torch.empty(B, H, S, dtype=torch.float32, device=qk.device)
     km, has_kpm = _kpm_arg(kpm, qk)
@@ -272,7 +272,6 @@ def lsh_chunk_bwd(
     kpm: torch.Tensor | None,
     causal: bool,
     bucket_size: int,
-    blocks: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients w.r.t. the raw queries, the normalised keys and the values, ``(B, H, L, D)`` fp32 each.
 
@@ -284,8 +283,6 @@ def lsh_chunk_bwd(
     C = S // bucket_size
     NH = inv.shape[2]
     bm, bn, bd = _blocks(bucket_size, D, qk.dtype)
-    if blocks is not None:
-        bm, bn = blocks
     dq_s = torch.empty(B, H, S, D, dtype=torch.float32, device=qk.device)
     dk_s = torch.empty(2, B, H, S, D, dtype=torch.float32, device=qk.device)  # [look-back, own] halves
     dv_s = torch.empty_like(dk_s)

@@ -29,3 +29,16 @@ def check_input(name: str, t: object, *, ndim: int | tuple[int, ...] | None = No
     if integer and (t.is_floating_point() or t.is_complex()):
         raise TypeError(f"{where}argument '{name}' must hold integer token ids, got dtype {t.dtype}")
     return t
+
+
+def key_padding_mask(mask: object, batch: int, length: int, owner: str) -> torch.Tensor | None:
+    """A key mask, ``(B, L)`` or ``(B, 1, 1, L)`` with non-zero = real key, as ``(B, L)`` bool (or None)."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{owner}: argument 'mask' must be a tensor or None, got {type(mask).__name__}")
+    m = mask[:, 0, 0] if mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1 else mask
+    if m.dim() != 2 or m.shape[0] not in (1, batch) or m.shape[1] != length:
+        raise ValueError(f"{owner}: argument 'mask' must be a key padding mask of shape ({batch}, {length}) or "
+                         f"({batch}, 1, 1, {length}) (non-zero = keep), got {tuple(mask.shape)}")
+    return (m != 0).expand(batch, length)

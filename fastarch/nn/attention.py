@@ -210,6 +210,7 @@ class Attention(nn.Module):
             raise ValueError(f"{owner}: 'names' must hold {2 if fused else 4} attribute names, got {names}")
         self.embed_dim, self.num_heads, self.kv_heads = embed_dim, num_heads, n_kv
         self.head_dim = embed_dim // num_heads
+        self.d_model, self.n_heads, self.d_k = embed_dim, num_heads, self.head_dim  # the guides' names
         self.fused, self.window, self.attn_dropout = fused, window, dropout
         self.scale = self.head_dim**-0.5 if scale is None else scale
         self._names = tuple(names)
@@ -329,7 +330,6 @@ class MultiHeadAttention(Attention):
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.1, *, need_weights: bool = True):
         super().__init__(d_model, n_heads, names=("w_q", "w_k", "w_v", "w_o"), dropout=dropout)
-        self.d_model, self.n_heads, self.d_k = d_model, n_heads, self.head_dim
         self.attention = ScaledDotProductAttention(dropout=dropout, need_weights=need_weights)
         self.dropout = nn.Dropout(dropout)
         self.layer_norm = nn.LayerNorm(d_model)
@@ -388,7 +388,7 @@ class RotarySelfAttention(Attention):
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.1, rotary: bool = False):
         super().__init__(d_model, n_heads, names=("W_Q", "W_K", "W_V", "W_O"), dropout=dropout, rotary=rotary)
-        self.d_model, self.n_heads, self.d_head = d_model, n_heads, self.head_dim
+        self.d_head = self.head_dim
         self.dropout = nn.Dropout(dropout)
         self.rotary = rotary
 
@@ -405,7 +405,6 @@ class MultiHeadAttention004(Attention):
 
     def __init__(self, d_model: int, num_heads: int):
         super().__init__(d_model, num_heads, names=("W_q", "W_k", "W_v", "W_o"))
-        self.d_model, self.d_k = d_model, self.head_dim
 
 
 MultiHeadAttention001 = FusedQKVAttention

@@ -31,7 +31,7 @@ class MultiHeadAttentionWithKVCache(Attention):
                  window: int | None = None) -> None:
         super().__init__(d_model, n_heads, names=("w_q", "w_k", "w_v", "w_o"), kv_heads=n_kv_heads, bias=False,
                          window=window)
-        self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, self.kv_heads
+        self.n_kv_heads = self.kv_heads
 
     def allocate_kv_cache(self, batch_size: int, max_seq_len: int, dtype: torch.dtype | None = None,
                           device: torch.device | str | None = None, n_layers: int = 1) -> KVCache:

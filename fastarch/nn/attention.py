@@ -530,17 +530,19 @@ class LongformerAttention(nn.Module):
 
 
 class MultiheadAttention(nn.MultiheadAttention):
-    """``torch.nn.MultiheadAttention`` with the same constructor, parameters and ``state_dict``, whose
-    forward runs on the fused op when it can: ``need_weights=False``, no ``add_bias_kv`` /
-    ``add_zero_attn``. Otherwise (weights requested, ...) it defers to torch's implementation.
+    """``torch.nn.MultiheadAttention`` with the same constructor, parameters, ``state_dict``, forward
+    arguments and return values, whose forward runs on the fused op (``add_bias_kv``, ``add_zero_attn`` and
+    unbatched inputs defer to torch's implementation).
 
-    Differences on the fused path: a query row whose keys are all masked gives 0 (torch gives NaN);
-    dropout uses the op's hash mask.
+    ``need_weights=True`` (torch's default) returns the attention weights, averaged over heads unless
+    ``average_attn_weights=False``, computed from the op's log-sum-exp; pass ``need_weights=False`` to skip
+    them. Differences: a query row whose keys are all masked gives 0 (torch gives NaN); dropout uses the op's
+    hash mask.
     """
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        if need_weights or self.bias_k is not None or self.add_zero_attn or query.dim() != 3:
+        if self.bias_k is not None or self.add_zero_attn or query.dim() != 3:
             return super().forward(query, key, value, key_padding_mask=key_padding_mask,
                                    need_weights=need_weights, attn_mask=attn_mask,
                                    average_attn_weights=average_attn_weights, is_causal=is_causal)
@@ -577,8 +579,11 @@ class MultiheadAttention(nn.MultiheadAttention):
         elif is_causal:
             causal = True
         p = self.dropout if self.training else 0.0
-        o = attention(q, k, v, causal=causal, key_padding_mask=kpm, attn_bias=bias, dropout_p=p)
+        o, weights = scaled_dot_product_attention(q, k, v, causal=causal, key_padding_mask=kpm, attn_bias=bias,
+                                                  dropout_p=p, need_weights=need_weights)
         o = self.out_proj(o.transpose(1, 2).reshape(B, Lq, E))
         if not self.batch_first:
             o = o.transpose(0, 1)
-        return o, None
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(1)
+        return o, weights

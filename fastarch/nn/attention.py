@@ -186,9 +186,9 @@ class Attention(nn.Module):
     ``forward(query (B, Lq, E), key=None, value=None, mask=None, *, causal=False, key_padding_mask=None,
     attn_bias=None, kv_cache=None, layer_idx=0, need_weights=False) -> (output (B, Lq, E), weights or None)``.
     ``key``/``value`` default to ``query``. With ``kv_cache`` the new keys/values are appended to layer
-    ``layer_idx`` and the queries attend to every cached position (bottom-right aligned). The separate Q/K/V
-    weights are concatenated once per weight update for self-attention without autograd (decoding), never
-    per call; with autograd the three projections run as three matmuls.
+    ``layer_idx`` and the queries attend to every cached position (bottom-right aligned). Separate Q/K/V
+    projections run as three matmuls on their own weights: nothing is concatenated per call, and no stacked
+    copy can go stale when a weight is written in place (``param.data`` writes do not bump its version).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, names: tuple[str, ...] | None = None,
@@ -222,21 +222,10 @@ class Attention(nn.Module):
                 setattr(self, name, nn.Linear(embed_dim, out, bias=bias))
         setattr(self, names[-1], nn.Linear(embed_dim, embed_dim, bias=bias))
         self.rope = RotaryPositionalEncoding(self.head_dim, persistent=False) if rotary else None
-        self._qkv_cache: tuple[tuple, torch.Tensor, torch.Tensor | None] | None = None
 
     @property
     def out_projection(self) -> nn.Linear:
         return getattr(self, self._names[-1])
-
-    def _stacked_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The three projections' weights (and biases) stacked, rebuilt only when a weight changed."""
-        lins = [getattr(self, n) for n in self._names[:3]]
-        params = [p for lin in lins for p in (lin.weight, lin.bias) if p is not None]
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
-        if self._qkv_cache is None or self._qkv_cache[0] != key:
-            b = torch.cat([lin.bias for lin in lins]) if lins[0].bias is not None else None
-            self._qkv_cache = (key, torch.cat([lin.weight for lin in lins]), b)
-        return self._qkv_cache[1], self._qkv_cache[2]
 
     def project(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -248,11 +237,7 @@ class Attention(nn.Module):
                 raise ValueError(f"{type(self).__name__}: a fused QKV projection takes self-attention only")
             q, k, v = getattr(self, self._names[0])(query).view(B, Lq, 3, H, D).unbind(2)
             return q, k, v
-        if key is query and value is query and not torch.is_grad_enabled():
-            w, b = self._stacked_qkv()
-            q, k, v = F.linear(query, w, b).split([H * D, Hk * D, Hk * D], dim=-1)
-        else:
-            q, k, v = (getattr(self, n)(t) for n, t in zip(self._names[:3], (query, key, value)))
+        q, k, v = (getattr(self, n)(t) for n, t in zip(self._names[:3], (query, key, value)))
         Lk = k.shape[1]
         return q.view(B, Lq, H, D), k.view(B, Lk, Hk, D), v.view(B, Lk, Hk, D)
 
@@ -411,7 +396,7 @@ MultiHeadAttention001 = FusedQKVAttention
 MultiHeadAttention003 = RotarySelfAttention
 
 
-class LongformerAttention(nn.Module):
+class LongformerAttention(Attention):
     """Guide 000's Longformer attention on the fused op: local attention over ``window=(w, w)`` (O(L*w)
     time and memory instead of the guide's dense L x L mask), plus global attention.
 
@@ -426,26 +411,18 @@ class LongformerAttention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, window_size: int = 512, global_tokens=None,
                  dropout: float = 0.1, *, global_mode: str = "guide"):
-        super().__init__()
-        if d_model % n_heads != 0:
-            raise ValueError(f"LongformerAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
+        super().__init__(d_model, n_heads, names=("w_q", "w_k", "w_v", "w_o"), dropout=dropout)
         if window_size < 0:
             raise ValueError(f"LongformerAttention: window_size must be >= 0, got {window_size}")
         if global_mode not in ("guide", "hf"):
             raise ValueError(f"LongformerAttention: global_mode must be 'guide' or 'hf', got {global_mode!r}")
-        self.d_model = d_model
-        self.n_heads = n_heads
-        self.d_k = d_model // n_heads
         self.window_size = window_size
         self.global_tokens = list(global_tokens) if global_tokens is not None else []
         self.global_mode = global_mode
-        self.w_q = nn.Linear(d_model, d_model)
-        self.w_k = nn.Linear(d_model, d_model)
-        self.w_v = nn.Linear(d_model, d_model)
         self.w_q_global = nn.Linear(d_model, d_model)
         self.w_k_global = nn.Linear(d_model, d_model)
         self.w_v_global = nn.Linear(d_model, d_model)
-        self.w_o = nn.Linear(d_model, d_model)
+        self._modules["w_o"] = self._modules.pop("w_o")  # the guide's key order: global projections first
         self.dropout = nn.Dropout(dropout)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -472,7 +449,7 @@ class LongformerAttention(nn.Module):
             raise ValueError(f"LongformerAttention: 'global_mask' must be (B, L) = {(B, L)}, "
                              f"got {tuple(global_mask.shape)}")
         p = self.dropout.p if self.training else 0.0
-        q, k, v = self._heads(self.w_q(x)), self._heads(self.w_k(x)), self._heads(self.w_v(x))
+        q, k, v = (t.transpose(1, 2) for t in self.project(x, x, x))
         w = self.window_size
         gm = None if global_mask is None else global_mask.to(x.dtype)
         binary = gm is not None and bool(((gm == 0) | (gm == 1)).all())

@@ -1,24 +1,12 @@
-"""Whole-model builders with a timm-style registry. Every file in this package that registers builders is
-imported here, so ``create_model`` sees them all."""
+"""Whole-model builders with a timm-style registry. Importing the package imports every file of builders, so
+``create_model`` and ``list_models`` see them all; the classes each file defines are exported here."""
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from . import efficient, graph, hf_bert, mamba, reformer, text, vision, zoo
+from .registry import create_model, list_models, register_configs, register_model
 
-from .registry import create_model, list_models, register_model
-
-__all__ = ["create_model", "list_models", "register_model"]
-
-
-def _load_all() -> None:
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.startswith("_") or info.name == "registry":
-            continue
-        mod = importlib.import_module(f"{__name__}.{info.name}")
-        for name in getattr(mod, "__all__", ()):
-            globals()[name] = getattr(mod, name)
-            __all__.append(name)
-
-
-_load_all()
+__all__ = ["create_model", "list_models", "register_model", "register_configs"]
+for _module in (efficient, graph, hf_bert, mamba, reformer, text, vision, zoo):
+    globals().update({name: getattr(_module, name) for name in _module.__all__})
+    __all__ += _module.__all__

@@ -1,4 +1,4 @@
-"""Small sequence models on the efficient mixers of issue 6: S4 (S4D), Performer (FAVOR+), Linformer.
+"""Small sequence models on the efficient mixers: S4 (S4D), Performer (FAVOR+), Linformer.
 
 ``EfficientLM``: token embedding -> ``n_layers`` pre-norm residual blocks (mixer + feed-forward) -> norm ->
 tied LM head; ``(B, L)`` token ids -> ``(B, L, vocab)`` logits. With ``mixer="s4"`` the blocks are
@@ -7,15 +7,13 @@ tied LM head; ``(B, L)`` token ids -> ``(B, L, vocab)`` logits. With ``mixer="s4
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn as nn
 
 from ..nn.linformer import Linformer
 from ..nn.performer import Performer
 from ..nn.s4 import S4Block
-from .registry import register_model
+from .registry import register_configs
 
 __all__ = ["EfficientLM"]
 
@@ -84,16 +82,8 @@ class EfficientLM(nn.Module):
         return self.head(self.norm(x)), new
 
 
-@register_model
-def s4_lm_tiny(vocab_size: int = 256, **kw: Any) -> EfficientLM:
-    return EfficientLM(vocab_size, **{"d_model": 128, "n_layers": 2, "mixer": "s4", **kw})
-
-
-@register_model
-def performer_lm_tiny(vocab_size: int = 256, **kw: Any) -> EfficientLM:
-    return EfficientLM(vocab_size, **{"d_model": 128, "n_layers": 2, "mixer": "performer", **kw})
-
-
-@register_model
-def linformer_encoder_tiny(vocab_size: int = 256, **kw: Any) -> EfficientLM:
-    return EfficientLM(vocab_size, **{"d_model": 128, "n_layers": 2, "mixer": "linformer", **kw})
+globals().update(register_configs({
+    f"{name}_tiny": (EfficientLM, f"EfficientLM with the {mixer} mixer: 2 layers of width 128, byte vocabulary.",
+                     dict(vocab_size=256, d_model=128, n_layers=2, mixer=mixer))
+    for name, mixer in (("s4_lm", "s4"), ("performer_lm", "performer"), ("linformer_encoder", "linformer"))
+}))

@@ -44,3 +44,19 @@ def create_model(name: str, **kwargs: Any) -> nn.Module:
 def _load_builtin() -> None:
     # Builders live in the other files of fastarch.models; importing the package registers them.
     import fastarch.models  # noqa: F401
+
+
+def register_configs(table: dict[str, tuple[Callable[..., nn.Module], str, dict[str, Any]]]
+                     ) -> dict[str, Callable[..., nn.Module]]:
+    """Register one builder per entry ``name: (cls, doc, defaults)``: ``create_model(name, **kw)`` builds
+    ``cls(**{**defaults, **kw})``. Returns the builders by name (functions called ``name``)."""
+
+    def builder(name: str, cls: Callable[..., nn.Module], doc: str, defaults: dict[str, Any]):
+        def build(**kw: Any) -> nn.Module:
+            return cls(**{**defaults, **kw})
+
+        build.__name__ = build.__qualname__ = name
+        build.__doc__ = doc
+        return register_model(build)
+
+    return {name: builder(name, cls, doc, defaults) for name, (cls, doc, defaults) in table.items()}

@@ -1,25 +1,18 @@
-"""Registry entries for families whose modules live in other issues' files, and which had no builder yet.
-
-``LongformerEncoder``: a Longformer-style encoder (token + learned position embeddings, post-norm layers of
+"""``LongformerEncoder``: a Longformer-style encoder (token + learned position embeddings, post-norm layers of
 :class:`fastarch.nn.LongformerAttention` (sliding window through the fused attention op, optional global
 tokens) + add & norm + GELU feed-forward + add & norm), ``(B, L)`` token ids -> ``(B, L, d_model)`` hidden
-states. Its layer is the one timed by the ``models`` bench suite (``longformer`` case).
-
-The other efficient and SSM families are registered by their own files: ``mamba_tiny``/``mamba_small``
-(models/mamba.py), ``reformer_tiny``/``reformer_small`` (models/reformer.py), ``performer_lm_tiny``,
-``linformer_encoder_tiny`` and ``s4_lm_tiny`` (models/efficient.py).
+states, and its builders ``longformer_tiny`` and ``longformer_bench`` (the ``models`` bench suite's
+``longformer`` case times its layer).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from ..nn._models_common import layer_norm
 from ..nn.attention import LongformerAttention
-from .registry import register_model
+from .registry import register_configs
 
 __all__ = ["LongformerEncoder", "LongformerEncoderLayer"]
 
@@ -36,8 +29,8 @@ class LongformerEncoderLayer(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, global_mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.norm1(x + self.dropout(self.attn(x, global_mask)))
-        return self.norm2(x + self.dropout(self.ffn(x)))
+        x = layer_norm(x + self.dropout(self.attn(x, global_mask)), self.norm1)
+        return layer_norm(x + self.dropout(self.ffn(x)), self.norm2)
 
 
 class LongformerEncoder(nn.Module):
@@ -72,21 +65,13 @@ class LongformerEncoder(nn.Module):
         x = self.dropout(self.tok(input_ids) + self.pos.weight[:L])
         for layer in self.layers:
             x = layer(x, global_mask)
-        return F.layer_norm(x, self.norm.normalized_shape, self.norm.weight, self.norm.bias, self.norm.eps)
+        return layer_norm(x, self.norm)
 
 
-@register_model
-def longformer_tiny(**kw: Any) -> LongformerEncoder:
-    """2 layers x 64, 4 heads, window 8 each side, byte vocabulary, up to 1024 tokens, dropout 0."""
-    cfg: dict[str, Any] = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, window_size=8, max_len=1024,
-                               dropout=0.0)
-    cfg.update(kw)
-    return LongformerEncoder(**cfg)
-
-
-@register_model
-def longformer_bench(**kw: Any) -> LongformerEncoder:
-    """The headline size of the models bench: d_model 256, 4 heads, window 256, L up to 8192 (1 layer)."""
-    cfg: dict[str, Any] = dict(vocab_size=256, d_model=256, n_layers=1, n_heads=4, window_size=256, max_len=8192)
-    cfg.update(kw)
-    return LongformerEncoder(**cfg)
+globals().update(register_configs({
+    "longformer_tiny": (LongformerEncoder, "2 layers x 64, 4 heads, window 8 each side, byte vocabulary, up to 1024 tokens, dropout 0.",
+                        dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, window_size=8, max_len=1024,
+                             dropout=0.0)),
+    "longformer_bench": (LongformerEncoder, "The headline size of the models bench: d_model 256, 4 heads, window 256, L up to 8192 (1 layer).",
+                         dict(vocab_size=256, d_model=256, n_layers=1, n_heads=4, window_size=256, max_len=8192)),
+}))

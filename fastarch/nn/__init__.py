@@ -6,22 +6,39 @@ Each file holds one family; every public class it lists in ``__all__`` is export
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
+from . import (
+    additive_attention,
+    attention,
+    bert,
+    clip,
+    cnn,
+    feedforward,
+    gpt,
+    graph,
+    kv_attention,
+    kv_cache,
+    linformer,
+    mamba,
+    multimodal,
+    norms,
+    performer,
+    positional,
+    recurrent,
+    reformer,
+    s4,
+    swin,
+    transformer,
+    vision,
+)
+
+_FAMILIES = (additive_attention, attention, bert, clip, cnn, feedforward, gpt, graph, kv_attention, kv_cache,
+             linformer, mamba, multimodal, norms, performer, positional, recurrent, reformer, s4, swin, transformer,
+             vision)
 
 __all__: list[str] = []
-
-
-def _load_all() -> None:
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
-            continue
-        mod = importlib.import_module(f"{__name__}.{info.name}")
-        for name in getattr(mod, "__all__", ()):
-            if name in globals() and globals()[name] is not getattr(mod, name):
-                raise ImportError(f"fastarch.nn: {name} is defined twice ({info.name} and elsewhere)")
-            globals()[name] = getattr(mod, name)
-            __all__.append(name)
-
-
-_load_all()
+for _family in _FAMILIES:
+    for _name in _family.__all__:
+        if _name in globals() and _name in __all__:
+            raise ImportError(f"fastarch.nn: {_name} is exported twice ({_family.__name__} and another file)")
+        globals()[_name] = getattr(_family, _name)
+        __all__.append(_name)

@@ -1,26 +1,34 @@
-"""Guide-000 attention modules (drop-ins) and a ``torch.nn.MultiheadAttention``-compatible wrapper, all on
-``fastarch.ops.attention``.
+"""Multi-head attention in ``fastarch.nn``: one core, :class:`Attention`, and the guides' classes as thin
+subclasses of it, all on ``fastarch.ops.attention``.
 
-Drop-ins keep the guide's class names, constructor arguments, ``state_dict`` keys and, in eval mode,
-outputs for the same weights:
+:class:`Attention` holds the projections (one fused ``3E`` projection, or separate ones with optional
+grouped key/value heads), rotary position embedding, a :class:`~fastarch.nn.kv_cache.KVCache` and the one mask
+convention of the guides, and returns ``(output, weights or None)``. The guide classes only name their
+parameters and shape their outputs:
 
-- ``ScaledDotProductAttention(temperature=None, dropout=0.1)``: ``forward(q, k, v, mask=None)`` ->
-  ``(output, attention_weights)``;
-- ``MultiHeadAttention(d_model, n_heads, dropout=0.1)``: projections ``w_q/w_k/w_v/w_o``, then
-  ``layer_norm(dropout(w_o(.)) + q)`` as in the guide; returns ``(output, attention_weights)``;
-- ``SelfAttention`` / ``CrossAttention``: the guide's thin wrappers (key prefix ``mha.``);
-- ``LongformerAttention(d_model, n_heads, window_size=512, global_tokens=[], dropout=0.1)``.
+- ``MultiHeadAttention`` (guide 000): ``w_q/w_k/w_v/w_o``, then ``layer_norm(dropout(w_o(.)) + q)``;
+  ``SelfAttention`` / ``CrossAttention`` wrap it (key prefix ``mha.``); ``ScaledDotProductAttention`` is the
+  attention step alone;
+- ``FusedQKVAttention`` (guide 001's ``MultiHeadAttention``, alias ``MultiHeadAttention001``): ``qkv`` and
+  ``out_proj``;
+- ``RotarySelfAttention`` (guide 003's ``MultiHeadAttention``, alias ``MultiHeadAttention003``): ``W_Q..W_O``,
+  optional RoPE, a ``(B, L)`` padding mask;
+- ``MultiHeadAttention004`` (guide 004): ``W_q..W_o``;
+- ``MultiHeadAttentionWithKVCache`` (guide 003, in :mod:`fastarch.nn.kv_attention`): ``w_q..w_o`` without
+  biases, causal, incremental decoding;
+- ``LongformerAttention`` (guide 000) and ``MultiheadAttention`` (``torch.nn.MultiheadAttention``'s API).
 
-Deviations (documented in docs/attention.md):
+Mask convention (every guide class): ``mask`` is broadcastable to ``(B, H, Lq, Lk)`` and ``0`` means masked.
+A mask that varies only along batch and keys reaches the op as ``key_padding_mask``, anything else as an
+additive ``-inf`` bias; a query row whose keys are all masked gets the uniform average of the values, which
+is what guide 000's ``masked_fill(mask == 0, -1e9)`` gives (guides that fill with ``-inf`` give NaN there).
 
-- the attention weights the guide returns are an ``(B, H, Lq, Lk)`` tensor; they are computed only when
-  asked (``need_weights=True``, the default, for compatibility) from the op's log-sum-exp. Pass
-  ``need_weights=False`` to the constructor to skip them (the second output is then ``None``) and keep
-  memory O(L);
-- dropout on the attention probabilities uses the op's deterministic hash mask instead of ``nn.Dropout``'s
-  RNG (same distribution, different draws); the returned weights in training mode use the same mask;
-- a mask is ``mask == 0`` -> masked, broadcastable to ``(B, H, Lq, Lk)``; a query row whose keys are all
-  masked gets the guide's value (softmax of all ``-1e9`` = uniform over every key), not the op's 0.
+Attention weights: the op never forms the ``L x L`` matrix. They are computed only when a caller asks
+(``need_weights=True``), from the op's log-sum-exp: ``exp(q k^T * scale + bias - lse)``, one extra
+``L x L`` product. Guide 000's ``ScaledDotProductAttention`` and ``MultiHeadAttention`` return them by default,
+as the guide does; pass ``need_weights=False`` to the constructor or to ``forward`` to skip them. Every other
+module calls the core without them. Dropout on the probabilities uses the op's hash mask (same distribution
+as ``nn.Dropout``, different draws); returned weights in training mode use the same mask.
 """
 
 from __future__ import annotations
@@ -30,146 +38,297 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.attention import attention, dropout_keep_mask
+from ._models_common import check_input, layer_norm
+from .kv_cache import KVCache
+from .positional import RotaryPositionalEncoding
 
 __all__ = [
+    "Attention",
+    "scaled_dot_product_attention",
+    "guide_mask_to_op",
     "ScaledDotProductAttention",
     "MultiHeadAttention",
     "SelfAttention",
     "CrossAttention",
+    "FusedQKVAttention",
+    "MultiHeadAttention001",
+    "RotarySelfAttention",
+    "MultiHeadAttention003",
+    "MultiHeadAttention004",
     "LongformerAttention",
     "MultiheadAttention",
 ]
 
 
-def _draw_seed() -> int:
-    return int(torch.randint(0, 2**31 - 1, (1,)).item())
-
-
-def _mask_to_op(mask: torch.Tensor, B: int, H: int, Lq: int, Lk: int, dtype: torch.dtype):
-    """A guide mask (``0`` = masked, broadcastable to (B, H, Lq, Lk)) -> (key_padding_mask, attn_bias,
-    keep) for the op; ``keep`` is the bool mask (broadcast shape) used for the all-masked-row patch."""
+def guide_mask_to_op(mask: torch.Tensor, B: int, H: int, Lq: int, Lk: int, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """A guide mask (``0`` = masked, broadcastable to ``(B, H, Lq, Lk)``) -> ``(key_padding_mask (B, Lk) or
+    None, attn_bias or None, keep)`` for the op; ``keep`` is the boolean mask (4-D, broadcast shape)."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"argument 'mask' must be a torch.Tensor or None, got {type(mask).__name__}")
     keep = mask != 0
     while keep.dim() < 4:
         keep = keep.unsqueeze(0)
-    if keep.dim() > 4:
-        raise ValueError(f"mask must be broadcastable to (B, H, Lq, Lk) = {(B, H, Lq, Lk)}, "
-                         f"got shape {tuple(mask.shape)}")
     try:
+        if keep.dim() > 4:
+            raise RuntimeError
         torch.broadcast_shapes(keep.shape, (B, H, Lq, Lk))
     except RuntimeError:
-        raise ValueError(f"mask must be broadcastable to (B, H, Lq, Lk) = {(B, H, Lq, Lk)}, "
+        raise ValueError(f"argument 'mask' must be broadcastable to (B, H, Lq, Lk) = {(B, H, Lq, Lk)}, "
                          f"got shape {tuple(mask.shape)}") from None
     if keep.shape[1] == 1 and keep.shape[2] == 1:
-        # A key padding mask: the op takes it directly (no dense bias).
-        return keep.expand(B, 1, 1, Lk).reshape(B, Lk).contiguous(), None, keep
+        return keep.expand(B, 1, 1, Lk).reshape(B, Lk), None, keep
     bias = torch.zeros(keep.shape, dtype=dtype, device=mask.device).masked_fill(~keep, float("-inf"))
     return None, bias, keep
 
 
-def _pad_last(t: torch.Tensor, d: int) -> torch.Tensor:
-    return t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1]))
+def _allowed_positions(Lq: int, Lk: int, window: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """(Lq, Lk) bool: key j is visible to query i under ``window=(left, right)``, aligned bottom-right."""
+    i = torch.arange(Lq, device=device)[:, None] + (Lk - Lq)
+    j = torch.arange(Lk, device=device)[None, :]
+    left, right = window
+    ok = torch.ones(Lq, Lk, dtype=torch.bool, device=device)
+    if right >= 0:
+        ok = ok & (j <= i + right)
+    if left >= 0:
+        ok = ok & (j >= i - left)
+    return ok
+
+
+def _window(window, causal: bool) -> tuple[int, int]:
+    left, right = (-1, -1) if window is None else ((window, window) if isinstance(window, int) else tuple(window))
+    return (left, 0) if causal else (left, right)
+
+
+def scaled_dot_product_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
+    window: int | tuple[int, int] | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    attn_bias: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    scale: float | None = None,
+    need_weights: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """softmax(q k^T * scale + mask) v on ``fastarch.ops.attention``, with the guides' mask convention.
+
+    q ``(B, H, Lq, Dk)``, k ``(B, Hk, Lk, Dk)``, v ``(B, Hk, Lk, Dv)`` (``Hk`` divides ``H``); ``mask``
+    broadcastable to ``(B, H, Lq, Lk)``, 0 = masked; ``key_padding_mask`` ``(B, Lk)`` True = real key;
+    ``attn_bias`` additive; ``causal``/``window`` as the op (bottom-right aligned). Returns
+    ``(output (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None)``; the weights only with ``need_weights``.
+    """
+    B, H, Lq, Dk = q.shape
+    Hk, Lk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    kpm = bias = keep = None
+    if mask is not None:
+        kpm, bias, keep = guide_mask_to_op(mask, B, H, Lq, Lk, q.dtype)
+    if key_padding_mask is not None:
+        kpm = key_padding_mask if kpm is None else (kpm & key_padding_mask)
+    if attn_bias is not None:
+        bias = attn_bias if bias is None else bias + attn_bias
+    win = _window(window, causal)
+    scale = Dk**-0.5 if scale is None else scale
+    seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
+    # The op takes one head dim for q, k and v: zero-pad the smaller (scores and outputs are unchanged).
+    Dm = max(Dk, Dv)
+    qq, kk, vv = (t if t.shape[-1] == Dm else F.pad(t, (0, Dm - t.shape[-1])) for t in (q, k, v))
+    out, lse = attention(qq, kk, vv, window=win, key_padding_mask=kpm, attn_bias=bias, dropout_p=dropout_p,
+                         scale=scale, dropout_seed=seed, return_lse=True)
+    out = out[..., :Dv]
+    keep_drop = None
+    if dropout_p > 0 and (need_weights or keep is not None):
+        keep_drop = dropout_keep_mask(seed, B, H, Lq, Lk, dropout_p, q.device) / (1.0 - dropout_p)
+    weights = None
+    if need_weights:
+        kf = k.float() if Hk == H else k.float().repeat_interleave(H // Hk, dim=1)
+        s = torch.matmul(q.float(), kf.transpose(-2, -1)) * scale
+        if bias is not None:
+            s = s + bias.float()
+        if kpm is not None:
+            s = s.masked_fill(~kpm.view(B, 1, 1, Lk), float("-inf"))
+        if win != (-1, -1):
+            s = s.masked_fill(~_allowed_positions(Lq, Lk, win, q.device), float("-inf"))
+        weights = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
+        if keep_drop is not None:
+            weights = weights * keep_drop
+    if keep is not None:
+        # Rows whose keys are all masked: the uniform average (softmax of a row of equal fills).
+        empty = ~keep.any(-1, keepdim=True)
+        vh = v if Hk == H else v.repeat_interleave(H // Hk, dim=1)
+        uniform = vh.mean(-2, keepdim=True) if keep_drop is None else torch.matmul(keep_drop.to(v.dtype), vh) / Lk
+        out = torch.where(empty, uniform.to(out.dtype), out)
+        if weights is not None:
+            w_u = torch.full_like(weights, 1.0 / Lk) * (1.0 if keep_drop is None else keep_drop)
+            weights = torch.where(empty, w_u, weights)
+    return out, (None if weights is None else weights.to(q.dtype))
+
+
+class Attention(nn.Module):
+    """Multi-head attention: projections, ``fastarch.ops.attention``, output projection.
+
+    Args:
+        embed_dim: model width ``E``; ``num_heads`` must divide it.
+        num_heads: query heads ``H``.
+        names: attribute names of the projections: ``(qkv, out)`` when ``fused`` (one ``E -> 3E`` linear),
+            else ``(q, k, v, out)``. They are the ``state_dict`` keys.
+        fused: one fused QKV projection (self-attention only) instead of three.
+        kv_heads: key/value heads (grouped-query attention, separate projections only); default ``H``.
+        bias: biases on the projections.
+        dropout: dropout on the attention probabilities.
+        scale: score scale, default ``head_dim ** -0.5``.
+        rotary: rotate q and k by RoPE (interleaved pairs over the head dim, base 10000) before attention.
+        window: sliding window: a query sees itself and ``window`` earlier positions (with ``causal``).
+
+    ``forward(query (B, Lq, E), key=None, value=None, mask=None, *, causal=False, key_padding_mask=None,
+    attn_bias=None, kv_cache=None, layer_idx=0, need_weights=False) -> (output (B, Lq, E), weights or None)``.
+    ``key``/``value`` default to ``query``. With ``kv_cache`` the new keys/values are appended to layer
+    ``layer_idx`` and the queries attend to every cached position (bottom-right aligned). Separate Q/K/V
+    projections run as three matmuls on their own weights: nothing is concatenated per call, and no stacked
+    copy can go stale when a weight is written in place (``param.data`` writes do not bump its version).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, names: tuple[str, ...] | None = None,
+                 fused: bool = False, kv_heads: int | None = None, bias: bool = True, dropout: float = 0.0,
+                 scale: float | None = None, rotary: bool = False, window: int | None = None) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        if embed_dim % num_heads:
+            raise ValueError(f"{owner}: d_model={embed_dim} must be divisible by n_heads={num_heads}")
+        n_kv = num_heads if kv_heads is None else kv_heads
+        if n_kv < 1 or num_heads % n_kv:
+            raise ValueError(f"{owner}: 'n_kv_heads' must divide n_heads={num_heads}, got {kv_heads}")
+        if fused and n_kv != num_heads:
+            raise ValueError(f"{owner}: a fused QKV projection needs kv_heads == num_heads, got {kv_heads}")
+        if window is not None and window < 0:
+            raise ValueError(f"{owner}: 'window' must be >= 0 or None, got {window}")
+        names = names or (("qkv", "out_proj") if fused else ("q_proj", "k_proj", "v_proj", "out_proj"))
+        if len(names) != (2 if fused else 4):
+            raise ValueError(f"{owner}: 'names' must hold {2 if fused else 4} attribute names, got {names}")
+        self.embed_dim, self.num_heads, self.kv_heads = embed_dim, num_heads, n_kv
+        self.head_dim = embed_dim // num_heads
+        self.d_model, self.n_heads, self.d_k = embed_dim, num_heads, self.head_dim  # the guides' names
+        self.fused, self.window, self.attn_dropout = fused, window, dropout
+        self.scale = self.head_dim**-0.5 if scale is None else scale
+        self._names = tuple(names)
+        kv_dim = n_kv * self.head_dim
+        if fused:
+            setattr(self, names[0], nn.Linear(embed_dim, 3 * embed_dim, bias=bias))
+        else:
+            for name, out in zip(names[:3], (embed_dim, kv_dim, kv_dim)):
+                setattr(self, name, nn.Linear(embed_dim, out, bias=bias))
+        setattr(self, names[-1], nn.Linear(embed_dim, embed_dim, bias=bias))
+        self.rope = RotaryPositionalEncoding(self.head_dim, persistent=False) if rotary else None
+
+    @property
+    def out_projection(self) -> nn.Linear:
+        return getattr(self, self._names[-1])
+
+    def project(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, L, E) inputs -> q (B, Lq, H, D), k and v (B, Lk, Hk, D)."""
+        B, Lq, _ = query.shape
+        H, Hk, D = self.num_heads, self.kv_heads, self.head_dim
+        if self.fused:
+            if key is not query or value is not query:
+                raise ValueError(f"{type(self).__name__}: a fused QKV projection takes self-attention only")
+            q, k, v = getattr(self, self._names[0])(query).view(B, Lq, 3, H, D).unbind(2)
+            return q, k, v
+        q, k, v = (getattr(self, n)(t) for n, t in zip(self._names[:3], (query, key, value)))
+        Lk = k.shape[1]
+        return q.view(B, Lq, H, D), k.view(B, Lk, Hk, D), v.view(B, Lk, Hk, D)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None, *, causal: bool = False,
+               key_padding_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None,
+               kv_cache: KVCache | None = None, layer_idx: int = 0, need_weights: bool = False,
+               dropout_p: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Projections and attention, before the output projection: ``((B, Lq, E), weights or None)``."""
+        key = query if key is None else key
+        value = key if value is None else value
+        q, k, v = self.project(query, key, value)
+        if self.rope is not None:
+            offset = max(kv_cache.lengths(layer_idx) or [0]) if kv_cache is not None else 0
+            q, k = self.rope(q, k, offset)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        window = None if self.window is None else (self.window, 0 if causal else self.window)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer_idx, k, v)
+            if causal:
+                kw = kv_cache.attention_kwargs(layer_idx, window=self.window)
+                causal = kw.get("causal", False)
+                window = kw.get("window", window if causal else None)
+                if "key_padding_mask" in kw:
+                    key_padding_mask = kw["key_padding_mask"] if key_padding_mask is None else \
+                        key_padding_mask & kw["key_padding_mask"]
+                if "attn_bias" in kw:
+                    attn_bias = kw["attn_bias"] if attn_bias is None else attn_bias + kw["attn_bias"]
+        p = (self.attn_dropout if dropout_p is None else dropout_p) if self.training else 0.0
+        o, weights = scaled_dot_product_attention(q, k, v, mask, causal=causal, window=window,
+                                                  key_padding_mask=key_padding_mask, attn_bias=attn_bias,
+                                                  dropout_p=p, scale=self.scale, need_weights=need_weights)
+        B, _, Lq, _ = o.shape
+        return o.transpose(1, 2).reshape(B, Lq, self.embed_dim), weights
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out, weights = self.attend(query, key, value, mask, **kw)
+        return self.out_projection(out), weights
 
 
 class ScaledDotProductAttention(nn.Module):
-    """Guide 000's scaled dot-product attention on the fused op.
+    """Guide 000's scaled dot-product attention (the attention step alone, no parameters).
 
     q ``(B, H, Lq, Dk)``, k ``(B, H, Lk, Dk)``, v ``(B, H, Lk, Dv)``; mask broadcastable to
-    ``(B, H, Lq, Lk)`` with 0 = masked. Returns ``(output (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None)``.
-    ``need_weights=False`` (constructor keyword, not in the guide) skips the dense weights.
+    ``(B, H, Lq, Lk)`` with 0 = masked. Returns ``(output (B, H, Lq, Dv), weights (B, H, Lq, Lk) or None)``;
+    ``need_weights`` (constructor default, overridable per call) decides whether the weights are computed.
     """
 
     def __init__(self, temperature: float | None = None, dropout: float = 0.1, *, need_weights: bool = True):
         super().__init__()
         self.temperature = temperature
-        self.dropout = nn.Dropout(dropout)  # kept for the guide's attribute (its p is what the op uses)
+        self.dropout = nn.Dropout(dropout)  # the guide's attribute; its p is the probability dropout
         self.need_weights = need_weights
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
+                need_weights: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
             raise ValueError(f"ScaledDotProductAttention: q, k, v must be (B, H, L, D), got {tuple(q.shape)}, "
                              f"{tuple(k.shape)}, {tuple(v.shape)}")
-        B, H, Lq, Dk = q.shape
-        Lk, Dv = k.shape[2], v.shape[-1]
-        temperature = self.temperature or Dk**0.5
-        scale = 1.0 / temperature
-        p = self.dropout.p if self.training else 0.0
-        seed = _draw_seed() if p > 0 else 0
-        kpm = bias = keep = None
-        if mask is not None:
-            kpm, bias, keep = _mask_to_op(mask, B, H, Lq, Lk, q.dtype)
-        # The op wants one head dim for q, k and v: zero-pad the smaller (scores and outputs unchanged).
-        Dm = max(Dk, Dv)
-        qq, kk, vv = _pad_last(q, Dm), _pad_last(k, Dm), _pad_last(v, Dm)
-        out, lse = attention(qq, kk, vv, key_padding_mask=kpm, attn_bias=bias, dropout_p=p, scale=scale,
-                             dropout_seed=seed, return_lse=True)
-        out = out[..., :Dv]
-        weights = None
-        if self.need_weights:
-            s = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
-            if bias is not None:
-                s = s + bias.float()
-            if kpm is not None:
-                s = s.masked_fill(~kpm.view(B, 1, 1, Lk), float("-inf"))
-            lse_f = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-            weights = torch.exp(s - lse_f.unsqueeze(-1))
-            if p > 0:
-                weights = weights * dropout_keep_mask(seed, B, H, Lq, Lk, p, q.device) / (1.0 - p)
-        if keep is not None:
-            empty = ~keep.any(-1, keepdim=True)  # rows the guide fills uniformly (softmax of all -1e9)
-            if bool(empty.any()):
-                uniform = v.mean(-2, keepdim=True)
-                if p > 0:  # the guide drops the uniform weights too
-                    kp = dropout_keep_mask(seed, B, H, Lq, Lk, p, q.device).to(v.dtype) / (1.0 - p)
-                    uniform = torch.matmul(kp, v) / Lk
-                out = torch.where(empty, uniform.to(out.dtype), out)
-                if weights is not None:
-                    w_u = torch.full_like(weights, 1.0 / Lk)
-                    if p > 0:
-                        w_u = w_u * dropout_keep_mask(seed, B, H, Lq, Lk, p, q.device) / (1.0 - p)
-                    weights = torch.where(empty, w_u, weights)
-        if weights is not None:
-            weights = weights.to(q.dtype)
-        return out, weights
+        temperature = self.temperature or q.shape[-1] ** 0.5
+        return scaled_dot_product_attention(
+            q, k, v, mask, dropout_p=self.dropout.p if self.training else 0.0, scale=1.0 / temperature,
+            need_weights=self.need_weights if need_weights is None else need_weights)
 
 
-class MultiHeadAttention(nn.Module):
-    """Guide 000's multi-head attention: ``w_q/w_k/w_v/w_o`` projections, attention on the fused op,
-    ``dropout``, then ``layer_norm(out + q)``.
+class MultiHeadAttention(Attention):
+    """Guide 000's multi-head attention: ``w_q/w_k/w_v/w_o``, attention, ``dropout``, then
+    ``layer_norm(out + q)``.
 
     q ``(B, Lq, d_model)``, k/v ``(B, Lk, d_model)``, mask broadcastable to ``(B, H, Lq, Lk)`` (0 = masked).
-    Returns ``(output (B, Lq, d_model), weights (B, H, Lq, Lk) or None)``.
+    Returns ``(output (B, Lq, d_model), weights (B, H, Lq, Lk) or None)``. Extensions: ``causal``,
+    ``kv_cache``/``layer_idx`` and ``need_weights`` keywords.
     """
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.1, *, need_weights: bool = True):
-        super().__init__()
-        if d_model % n_heads != 0:
-            raise ValueError(f"MultiHeadAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
-        self.d_model = d_model
-        self.n_heads = n_heads
-        self.d_k = d_model // n_heads
-        self.w_q = nn.Linear(d_model, d_model)
-        self.w_k = nn.Linear(d_model, d_model)
-        self.w_v = nn.Linear(d_model, d_model)
-        self.w_o = nn.Linear(d_model, d_model)
+        super().__init__(d_model, n_heads, names=("w_q", "w_k", "w_v", "w_o"), dropout=dropout)
         self.attention = ScaledDotProductAttention(dropout=dropout, need_weights=need_weights)
         self.dropout = nn.Dropout(dropout)
         self.layer_norm = nn.LayerNorm(d_model)
 
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(x.shape[0], -1, self.n_heads, self.d_k).transpose(1, 2)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
+                causal: bool = False, kv_cache: KVCache | None = None, layer_idx: int = 0,
+                need_weights: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.dim() != 3 or t.shape[-1] != self.d_model:
-                raise ValueError(f"MultiHeadAttention: '{name}' must be (B, L, {self.d_model}), "
-                                 f"got {tuple(t.shape)}")
-        B = q.shape[0]
-        residual = q
-        out, weights = self.attention(self._heads(self.w_q(q)), self._heads(self.w_k(k)),
-                                      self._heads(self.w_v(v)), mask)
-        out = out.transpose(1, 2).reshape(B, -1, self.d_model)
-        out = self.dropout(self.w_o(out))
-        return self.layer_norm(out + residual), weights
+            check_input(name, t, ndim=3, last=self.d_model, owner="MultiHeadAttention")
+        out, weights = self.attend(
+            q, k, v, mask, causal=causal, kv_cache=kv_cache, layer_idx=layer_idx,
+            dropout_p=self.attention.dropout.p,
+            need_weights=self.attention.need_weights if need_weights is None else need_weights)
+        return layer_norm(self.dropout(self.w_o(out)) + q, self.layer_norm), weights
 
 
 class SelfAttention(nn.Module):
@@ -183,18 +342,61 @@ class SelfAttention(nn.Module):
         return self.mha(x, x, x, mask)
 
 
-class CrossAttention(nn.Module):
+class CrossAttention(SelfAttention):
     """Guide 000: queries from ``q`` (decoder), keys/values from ``kv`` (encoder)."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.1, *, need_weights: bool = True):
-        super().__init__()
-        self.mha = MultiHeadAttention(d_model, n_heads, dropout, need_weights=need_weights)
-
-    def forward(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None = None):
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None = None):  # type: ignore[override]
         return self.mha(q, kv, kv, mask)
 
 
-class LongformerAttention(nn.Module):
+class FusedQKVAttention(Attention):
+    """Guide 001's ``MultiHeadAttention``: fused ``qkv`` projection and ``out_proj``, no norm inside.
+
+    ``forward(x (B, L, E), mask=None, *, causal=False, kv_cache=None, layer_idx=0, key_padding_mask=None)
+    -> (B, L, E)``; ``mask`` follows the guide (0 = masked, broadcastable to ``(B, H, L, L)``).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.1):
+        super().__init__(embed_dim, num_heads, fused=True, dropout=dropout)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, **kw) -> torch.Tensor:  # type: ignore[override]
+        return self.out_proj(self.attend(x, x, x, mask, **kw)[0])
+
+
+class RotarySelfAttention(Attention):
+    """Guide 003's ``MultiHeadAttention``: ``W_Q/W_K/W_V/W_O``, optional RoPE on q and k (``rotary``).
+
+    ``forward(x (B, L, d_model), mask=None, causal=False) -> (B, L, d_model)``; ``mask`` ``(B, L)`` marks real
+    keys (0 = padding), as the guide's ``mask.unsqueeze(1).unsqueeze(1)``.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.1, rotary: bool = False):
+        super().__init__(d_model, n_heads, names=("W_Q", "W_K", "W_V", "W_O"), dropout=dropout, rotary=rotary)
+        self.d_head = self.head_dim
+        self.dropout = nn.Dropout(dropout)
+        self.rotary = rotary
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,  # type: ignore[override]
+                causal: bool = False) -> torch.Tensor:
+        if mask is not None:
+            mask = mask.unsqueeze(1).unsqueeze(1)
+        return self.W_O(self.attend(x, x, x, mask, causal=causal)[0])
+
+
+class MultiHeadAttention004(Attention):
+    """Guide 004's ``MultiHeadAttention``: ``W_q/W_k/W_v/W_o``, no dropout. ``forward(query, key, value,
+    mask=None) -> (output (B, Lq, d_model), None)``; mask as guide 000 (0 = masked)."""
+
+    def __init__(self, d_model: int, num_heads: int):
+        super().__init__(d_model, num_heads, names=("W_q", "W_k", "W_v", "W_o"))
+
+
+MultiHeadAttention001 = FusedQKVAttention
+MultiHeadAttention003 = RotarySelfAttention
+
+
+class LongformerAttention(Attention):
     """Guide 000's Longformer attention on the fused op: local attention over ``window=(w, w)`` (O(L*w)
     time and memory instead of the guide's dense L x L mask), plus global attention.
 
@@ -209,26 +411,18 @@ class LongformerAttention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, window_size: int = 512, global_tokens=None,
                  dropout: float = 0.1, *, global_mode: str = "guide"):
-        super().__init__()
-        if d_model % n_heads != 0:
-            raise ValueError(f"LongformerAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
+        super().__init__(d_model, n_heads, names=("w_q", "w_k", "w_v", "w_o"), dropout=dropout)
         if window_size < 0:
             raise ValueError(f"LongformerAttention: window_size must be >= 0, got {window_size}")
         if global_mode not in ("guide", "hf"):
             raise ValueError(f"LongformerAttention: global_mode must be 'guide' or 'hf', got {global_mode!r}")
-        self.d_model = d_model
-        self.n_heads = n_heads
-        self.d_k = d_model // n_heads
         self.window_size = window_size
         self.global_tokens = list(global_tokens) if global_tokens is not None else []
         self.global_mode = global_mode
-        self.w_q = nn.Linear(d_model, d_model)
-        self.w_k = nn.Linear(d_model, d_model)
-        self.w_v = nn.Linear(d_model, d_model)
         self.w_q_global = nn.Linear(d_model, d_model)
         self.w_k_global = nn.Linear(d_model, d_model)
         self.w_v_global = nn.Linear(d_model, d_model)
-        self.w_o = nn.Linear(d_model, d_model)
+        self._modules["w_o"] = self._modules.pop("w_o")  # the guide's key order: global projections first
         self.dropout = nn.Dropout(dropout)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -255,7 +449,7 @@ class LongformerAttention(nn.Module):
             raise ValueError(f"LongformerAttention: 'global_mask' must be (B, L) = {(B, L)}, "
                              f"got {tuple(global_mask.shape)}")
         p = self.dropout.p if self.training else 0.0
-        q, k, v = self._heads(self.w_q(x)), self._heads(self.w_k(x)), self._heads(self.w_v(x))
+        q, k, v = (t.transpose(1, 2) for t in self.project(x, x, x))
         w = self.window_size
         gm = None if global_mask is None else global_mask.to(x.dtype)
         binary = gm is not None and bool(((gm == 0) | (gm == 1)).all())
@@ -313,17 +507,19 @@ class LongformerAttention(nn.Module):
 
 
 class MultiheadAttention(nn.MultiheadAttention):
-    """``torch.nn.MultiheadAttention`` with the same constructor, parameters and ``state_dict``, whose
-    forward runs on the fused op when it can: ``need_weights=False``, no ``add_bias_kv`` /
-    ``add_zero_attn``. Otherwise (weights requested, ...) it defers to torch's implementation.
+    """``torch.nn.MultiheadAttention`` with the same constructor, parameters, ``state_dict``, forward
+    arguments and return values, whose forward runs on the fused op (``add_bias_kv``, ``add_zero_attn`` and
+    unbatched inputs defer to torch's implementation).
 
-    Differences on the fused path: a query row whose keys are all masked gives 0 (torch gives NaN);
-    dropout uses the op's hash mask.
+    ``need_weights=True`` (torch's default) returns the attention weights, averaged over heads unless
+    ``average_attn_weights=False``, computed from the op's log-sum-exp; pass ``need_weights=False`` to skip
+    them. Differences: a query row whose keys are all masked gives 0 (torch gives NaN); dropout uses the op's
+    hash mask.
     """
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
-        if need_weights or self.bias_k is not None or self.add_zero_attn or query.dim() != 3:
+        if self.bias_k is not None or self.add_zero_attn or query.dim() != 3:
             return super().forward(query, key, value, key_padding_mask=key_padding_mask,
                                    need_weights=need_weights, attn_mask=attn_mask,
                                    average_attn_weights=average_attn_weights, is_causal=is_causal)
@@ -360,8 +556,11 @@ class MultiheadAttention(nn.MultiheadAttention):
         elif is_causal:
             causal = True
         p = self.dropout if self.training else 0.0
-        o = attention(q, k, v, causal=causal, key_padding_mask=kpm, attn_bias=bias, dropout_p=p)
+        o, weights = scaled_dot_product_attention(q, k, v, causal=causal, key_padding_mask=kpm, attn_bias=bias,
+                                                  dropout_p=p, need_weights=need_weights)
         o = self.out_proj(o.transpose(1, 2).reshape(B, Lq, E))
         if not self.batch_first:
             o = o.transpose(0, 1)
-        return o, None
+        if weights is not None and average_attn_weights:
+            weights = weights.mean(1)
+        return o, weights

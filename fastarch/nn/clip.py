@@ -17,20 +17,32 @@ from .vision import PatchEmbedding
 __all__ = ["CLIPVisionEncoder", "CLIPTextEncoder", "CLIP", "clip_contrastive_loss"]
 
 
-class CLIPVisionEncoder(nn.Module):
-    """ViT image tower. x (B, 3, img_size, img_size) -> L2-normalised embedding (B, embed_dim)."""
+class _CLIPTower(nn.Module):
+    """Guide 000's encoder layers + final norm + projection; the embedding of one position, L2-normalised."""
 
-    def __init__(self, img_size: int = 224, patch_size: int = 32, embed_dim: int = 512, depth: int = 12,
-                 num_heads: int = 8, mlp_ratio: float = 4.0):
+    def __init__(self, embed_dim: int, depth: int, num_heads: int, mlp_ratio: float):
         super().__init__()
-        self.img_size = img_size
-        self.patch_embed = PatchEmbedding(img_size, patch_size, 3, embed_dim)
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.n_patches + 1, embed_dim))
         self.blocks = nn.ModuleList(TransformerEncoderLayer(embed_dim, num_heads, int(embed_dim * mlp_ratio), 0.1)
                                     for _ in range(depth))
         self.norm = nn.LayerNorm(embed_dim)
         self.proj = nn.Linear(embed_dim, embed_dim)
+
+    def _encode(self, x: torch.Tensor, position: int) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return F.normalize(self.proj(layer_norm(x, self.norm)[:, position]), dim=-1)
+
+
+class CLIPVisionEncoder(_CLIPTower):
+    """ViT image tower. x (B, 3, img_size, img_size) -> L2-normalised [CLS] embedding (B, embed_dim)."""
+
+    def __init__(self, img_size: int = 224, patch_size: int = 32, embed_dim: int = 512, depth: int = 12,
+                 num_heads: int = 8, mlp_ratio: float = 4.0):
+        super().__init__(embed_dim, depth, num_heads, mlp_ratio)
+        self.img_size = img_size
+        self.patch_embed = PatchEmbedding(img_size, patch_size, 3, embed_dim)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.n_patches + 1, embed_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_input("x", x, ndim=4, owner="CLIPVisionEncoder")
@@ -38,35 +50,26 @@ class CLIPVisionEncoder(nn.Module):
             raise ValueError(f"CLIPVisionEncoder: argument 'x' must be (B, 3, {self.img_size}, {self.img_size}), "
                              f"got {tuple(x.shape)}")
         x = self.patch_embed(x)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
-        for block in self.blocks:
-            x = block(x)
-        return F.normalize(self.proj(layer_norm(x, self.norm)[:, 0]), dim=-1)
+        return self._encode(torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed, 0)
 
 
-class CLIPTextEncoder(nn.Module):
-    """Transformer text tower. text (B, context_length) ids -> L2-normalised embedding (B, embed_dim)."""
+class CLIPTextEncoder(_CLIPTower):
+    """Transformer text tower. text (B, context_length) ids -> L2-normalised last-position embedding
+    (B, embed_dim)."""
 
     def __init__(self, vocab_size: int = 49408, embed_dim: int = 512, context_length: int = 77, depth: int = 12,
                  num_heads: int = 8, mlp_ratio: float = 4.0):
-        super().__init__()
+        super().__init__(embed_dim, depth, num_heads, mlp_ratio)
         self.context_length = context_length
         self.token_embedding = nn.Embedding(vocab_size, embed_dim)
         self.pos_embedding = nn.Parameter(torch.zeros(1, context_length, embed_dim))
-        self.blocks = nn.ModuleList(TransformerEncoderLayer(embed_dim, num_heads, int(embed_dim * mlp_ratio), 0.1)
-                                    for _ in range(depth))
-        self.norm = nn.LayerNorm(embed_dim)
-        self.proj = nn.Linear(embed_dim, embed_dim)
 
     def forward(self, text: torch.Tensor) -> torch.Tensor:
         check_input("text", text, ndim=2, integer=True, owner="CLIPTextEncoder")
         if text.shape[1] != self.context_length:
             raise ValueError(f"CLIPTextEncoder: argument 'text' must be (B, {self.context_length}), "
                              f"got {tuple(text.shape)}")
-        x = self.token_embedding(text) + self.pos_embedding
-        for block in self.blocks:
-            x = block(x)
-        return F.normalize(self.proj(layer_norm(x, self.norm)[:, -1]), dim=-1)
+        return self._encode(self.token_embedding(text) + self.pos_embedding, -1)
 
 
 def clip_contrastive_loss(logits_per_image: torch.Tensor, logits_per_text: torch.Tensor) -> torch.Tensor:

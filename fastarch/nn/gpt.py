@@ -20,41 +20,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._models_common import check_input, layer_norm
-from .transformer import _MHA000, PositionwiseFeedForward, _QKVAttention
+from .attention import FusedQKVAttention
+from .kv_cache import KVCache
+from .transformer import TransformerEncoderLayer
 
 __all__ = ["GPTDecoderLayer", "GPTTransformer", "GPTBlock", "GPTModel"]
-
-
-class _SimpleKVCache:
-    """Minimal cache with the KVCache interface, used only when fastarch.generation is unavailable."""
-
-    def __init__(self, max_seq_len, n_heads, head_dim, n_layers, *, batch_size=1, dtype=torch.float32,
-                 device=None, window=None):
-        shape = (batch_size, n_heads, max_seq_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.lens = [0] * n_layers
-        self.max_seq_len = max_seq_len
-
-    @property
-    def seq_len(self) -> int:
-        return self.lens[0]
-
-    def update(self, layer_idx, k, v):
-        s, t = self.lens[layer_idx], k.shape[2]
-        if s + t > self.max_seq_len:
-            raise ValueError(f"KV cache overflow: {s} cached + {t} new > max_seq_len {self.max_seq_len}")
-        self.k[layer_idx][:, :, s:s + t] = k
-        self.v[layer_idx][:, :, s:s + t] = v
-        self.lens[layer_idx] = s + t
-        return self.k[layer_idx][:, :, : s + t], self.v[layer_idx][:, :, : s + t]
-
-    def get(self, layer_idx):
-        s = self.lens[layer_idx]
-        return (self.k[layer_idx][:, :, :s], self.v[layer_idx][:, :, :s]) if s else (None, None)
-
-    def reset(self):
-        self.lens = [0] * len(self.lens)
 
 
 def _new_cache(model, batch_size, max_seq_len, dtype, device):
@@ -64,10 +34,6 @@ def _new_cache(model, batch_size, max_seq_len, dtype, device):
     max_seq_len = max_seq_len or model.max_seq_len
     if max_seq_len > model.max_seq_len:
         raise ValueError(f"max_seq_len {max_seq_len} exceeds the model's position table ({model.max_seq_len})")
-    try:
-        from ..generation import KVCache  # type: ignore[attr-defined]
-    except ImportError:
-        KVCache = _SimpleKVCache  # noqa: N806
     return KVCache(max_seq_len, model.n_heads, model.d_model // model.n_heads, model.n_layers,
                    batch_size=batch_size, dtype=dtype, device=device)
 
@@ -129,22 +95,15 @@ class _GPTBase(nn.Module):
         return torch.cat(out, 1)
 
 
-class GPTDecoderLayer(nn.Module):
-    """Guide 000 GPT layer: x = norm1(MHA(x) + x) (MHA with its own add & norm), x = norm2(FFN_gelu(x) + x)."""
+class GPTDecoderLayer(TransformerEncoderLayer):
+    """Guide 000 GPT layer: x = norm1(MHA(x) + x) (MHA with its own add & norm), x = norm2(FFN_gelu(x) + x);
+    guide 000's encoder layer with a GELU feed-forward, causal by default."""
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.1):
-        super().__init__()
-        self.self_attn = _MHA000(d_model, n_heads, dropout)
-        self.ffn = PositionwiseFeedForward(d_model, d_ff, dropout, activation="gelu")
-        self.norm1 = nn.LayerNorm(d_model)
-        self.norm2 = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
+        super().__init__(d_model, n_heads, d_ff, dropout, activation="gelu")
 
     def forward(self, x, mask=None, *, causal: bool = True, kv_cache=None, layer_idx: int = 0):
-        residual = x
-        x, _ = self.self_attn(x, x, x, mask, causal=causal, kv_cache=kv_cache, layer_idx=layer_idx)
-        x = layer_norm(self.dropout(x) + residual, self.norm1)
-        return layer_norm(self.ffn(x) + x, self.norm2)
+        return super().forward(x, mask, causal=causal, kv_cache=kv_cache, layer_idx=layer_idx)
 
 
 class GPTTransformer(_GPTBase):
@@ -190,7 +149,7 @@ class GPTBlock(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, ff_dim: int, dropout: float = 0.1):
         super().__init__()
-        self.attention = _QKVAttention(embed_dim, num_heads, dropout)
+        self.attention = FusedQKVAttention(embed_dim, num_heads, dropout)
         self.norm1 = nn.LayerNorm(embed_dim)
         self.ffn = nn.Sequential(nn.Linear(embed_dim, ff_dim), nn.GELU(), nn.Dropout(dropout),
                                  nn.Linear(ff_dim, embed_dim), nn.Dropout(dropout))

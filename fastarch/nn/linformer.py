@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from .. import ops
+from .attention import Attention
 
 __all__ = ["Linformer"]
 
@@ -35,7 +36,7 @@ class _HeadwiseProjection(nn.Module):
         self.weight = nn.Parameter(w)
 
 
-class Linformer(nn.Module):
+class Linformer(Attention):
     """Linformer self-attention.
 
     Args:
@@ -52,21 +53,13 @@ class Linformer(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, seq_len: int, k: int = 256, dropout: float = 0.1, *,
                  share_kv: bool = False, headwise: bool = False) -> None:
-        super().__init__()
-        if d_model % n_heads != 0:
-            raise ValueError(f"Linformer: d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        super().__init__(d_model, n_heads, names=("w_q", "w_k", "w_v", "w_o"))
         if seq_len < 1 or k < 1:
             raise ValueError(f"Linformer: seq_len and k must be >= 1, got seq_len={seq_len}, k={k}")
-        self.d_model = d_model
-        self.n_heads = n_heads
-        self.d_k = d_model // n_heads
         self.seq_len = seq_len
         self.k = min(k, seq_len)
         self.share_kv = share_kv
         self.headwise = headwise
-        self.w_q = nn.Linear(d_model, d_model)
-        self.w_k = nn.Linear(d_model, d_model)
-        self.w_v = nn.Linear(d_model, d_model)
 
         def proj() -> nn.Module:
             if headwise:
@@ -75,7 +68,7 @@ class Linformer(nn.Module):
 
         self.E = proj()
         self.F = None if share_kv else proj()
-        self.w_o = nn.Linear(d_model, d_model)
+        self._modules["w_o"] = self._modules.pop("w_o")  # the guide's key order: E, F before w_o
         self.dropout = nn.Dropout(dropout)
 
     def _compress(self, proj: nn.Module, t: torch.Tensor, L: int) -> torch.Tensor:
@@ -93,8 +86,7 @@ class Linformer(nn.Module):
         if L > self.seq_len:
             raise ValueError(f"Linformer: input length {L} exceeds seq_len={self.seq_len} that E/F were built "
                              f"for; build the module with seq_len >= {L}")
-        heads = lambda t: t.view(b, L, self.n_heads, self.d_k).transpose(1, 2)
-        q, k, v = heads(self.w_q(x)), heads(self.w_k(x)), heads(self.w_v(x))
+        q, k, v = (t.transpose(1, 2) for t in self.project(x, x, x))
         k = self._compress(self.E, k, L)
         v = self._compress(self.E if self.F is None else self.F, v, L)
         bias = None

@@ -18,11 +18,7 @@ import torch.nn.functional as F
 from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
 from ..ops.selective_scan import selective_scan
 from ..ops.selective_state_update import selective_state_update
-
-try:  # the norms engineer's fused op; a local fallback keeps this file independent of it
-    from ..ops.rms_norm import rms_norm as _rms_op
-except ImportError:  # pragma: no cover
-    _rms_op = None
+from .norms import RMSNorm
 
 __all__ = ["Mamba", "MambaBlock", "MambaCache", "MambaLM"]
 
@@ -69,7 +65,51 @@ def _ssm_step(x: torch.Tensor, z: torch.Tensor, conv: nn.Conv1d, x_proj: nn.Line
                                   dt_bias=None if dt_bias is None else dt_bias.float(), dt_softplus=True)
 
 
-class MambaBlock(nn.Module):
+class _SelectiveSSMLayer(nn.Module):
+    """in_proj -> (conv, selective scan, gate) -> output, shared by ``MambaBlock`` and ``Mamba``.
+
+    Subclasses own ``in_proj``, ``conv1d``, ``x_proj``, ``dt_proj``, ``A_log``, ``D``, ``out_proj`` and the sizes
+    ``d_inner``, ``d_conv``, ``d_state``, ``dt_rank``; ``_pre`` and ``_post`` wrap the mixer (norm, residual).
+    """
+
+    d_inner: int
+    d_conv: int
+    d_state: int
+    dt_rank: int
+
+    def _pre(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def _post(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(y)
+
+    def _ssm_args(self) -> tuple:
+        return (self.conv1d, self.x_proj, self.dt_proj.weight, self.dt_proj.bias, self.A_log, self.D, self.d_state,
+                self.dt_rank)
+
+    def forward(self, x: torch.Tensor, cache: MambaLayerCache | None = None) -> torch.Tensor:
+        """x: (batch, seq_len, d_model) -> (batch, seq_len, d_model). ``cache`` (optional) is filled for
+        decoding with :meth:`step` afterwards."""
+        xi, z = self.in_proj(self._pre(x)).chunk(2, dim=-1)
+        y = _ssm_core(xi, z, *self._ssm_args(), None if cache is None else (cache.conv_state, cache.ssm_state))
+        return self._post(y, x)
+
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int | None = None, dtype=None, device=None
+                                 ) -> MambaLayerCache:
+        return MambaLayerCache.empty(batch_size, self.d_inner, self.d_conv, self.d_state,
+                                     device=device or self.D.device, dtype=dtype or self.conv1d.weight.dtype)
+
+    def step(self, x: torch.Tensor, cache: MambaLayerCache) -> torch.Tensor:
+        """One token: x (batch, d_model) or (batch, 1, d_model) -> same shape; ``cache`` advances in place."""
+        squeeze = x.dim() == 3
+        x2 = x.squeeze(1) if squeeze else x
+        xi, z = self.in_proj(self._pre(x2)).chunk(2, dim=-1)
+        y = _ssm_step(xi, z, *self._ssm_args(), cache.conv_state, cache.ssm_state)
+        out = self._post(y, x2)
+        return out.unsqueeze(1) if squeeze else out
+
+
+class MambaBlock(_SelectiveSSMLayer):
     """The seed guide's ``MambaBlock`` (pre-LayerNorm, residual, dropout), on fastarch's fused ops.
 
     Same constructor, parameter names and eval-mode outputs as the guide for the same weights: its
@@ -85,6 +125,7 @@ class MambaBlock(nn.Module):
         self.d_state = d_state
         self.d_inner = d_model * expand
         self.d_conv = d_conv
+        self.dt_rank = self.d_inner  # the guide's x_proj yields a full-width delta
         self.in_proj = nn.Linear(d_model, self.d_inner * 2)
         self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, kernel_size=d_conv, padding=d_conv - 1,
                                 groups=self.d_inner)
@@ -96,31 +137,11 @@ class MambaBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.norm = nn.LayerNorm(d_model)
 
-    def forward(self, x: torch.Tensor, cache: MambaLayerCache | None = None) -> torch.Tensor:
-        """x: (batch, seq_len, d_model) -> (batch, seq_len, d_model). ``cache`` (optional) is filled for
-        decoding with :meth:`step` afterwards."""
-        residual = x
-        xz = self.in_proj(self.norm(x))
-        xi, z = xz.chunk(2, dim=-1)
-        y = _ssm_core(xi, z, self.conv1d, self.x_proj, self.dt_proj.weight, self.dt_proj.bias, self.A_log,
-                      self.D, self.d_state, self.d_inner,
-                      None if cache is None else (cache.conv_state, cache.ssm_state))
-        return self.dropout(self.out_proj(y)) + residual
+    def _pre(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x)
 
-    def allocate_inference_cache(self, batch_size: int, max_seqlen: int | None = None, dtype=None, device=None
-                                 ) -> MambaLayerCache:
-        return MambaLayerCache.empty(batch_size, self.d_inner, self.d_conv, self.d_state,
-                                     device=device or self.D.device, dtype=dtype or self.conv1d.weight.dtype)
-
-    def step(self, x: torch.Tensor, cache: MambaLayerCache) -> torch.Tensor:
-        """One token: x (batch, d_model) or (batch, 1, d_model) -> same shape; ``cache`` advances in place."""
-        squeeze = x.dim() == 3
-        x2 = x.squeeze(1) if squeeze else x
-        xi, z = self.in_proj(self.norm(x2)).chunk(2, dim=-1)
-        y = _ssm_step(xi, z, self.conv1d, self.x_proj, self.dt_proj.weight, self.dt_proj.bias, self.A_log,
-                      self.D, self.d_state, self.d_inner, cache.conv_state, cache.ssm_state)
-        out = self.dropout(self.out_proj(y)) + x2
-        return out.unsqueeze(1) if squeeze else out
+    def _post(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.out_proj(y)) + x
 
 
 @dataclass
@@ -137,7 +158,7 @@ class MambaLayerCache:
                    torch.zeros(batch, d_inner, d_state, device=device, dtype=torch.float32))
 
 
-class Mamba(nn.Module):
+class Mamba(_SelectiveSSMLayer):
     """mamba-ssm's ``Mamba`` layer: same constructor arguments, parameter names and initialisation.
 
     S4D-real ``A_log = log(1..N)``, dt bias = inverse softplus of dt ~ logUniform(dt_min, dt_max) (floored
@@ -184,49 +205,16 @@ class Mamba(nn.Module):
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **fk)
 
     def forward(self, hidden_states: torch.Tensor, cache: MambaLayerCache | None = None) -> torch.Tensor:
-        xi, z = self.in_proj(hidden_states).chunk(2, dim=-1)
-        y = _ssm_core(xi, z, self.conv1d, self.x_proj, self.dt_proj.weight, self.dt_proj.bias, self.A_log,
-                      self.D, self.d_state, self.dt_rank,
-                      None if cache is None else (cache.conv_state, cache.ssm_state))
-        return self.out_proj(y)
-
-    def allocate_inference_cache(self, batch_size: int, max_seqlen: int | None = None, dtype=None, device=None
-                                 ) -> MambaLayerCache:
-        return MambaLayerCache.empty(batch_size, self.d_inner, self.d_conv, self.d_state,
-                                     device=device or self.D.device, dtype=dtype or self.conv1d.weight.dtype)
+        return super().forward(hidden_states, cache)
 
     def step(self, hidden_states: torch.Tensor, cache: MambaLayerCache) -> torch.Tensor:
-        """(batch, d_model) or (batch, 1, d_model) -> same shape; ``cache`` advances in place."""
-        squeeze = hidden_states.dim() == 3
-        h = hidden_states.squeeze(1) if squeeze else hidden_states
-        xi, z = self.in_proj(h).chunk(2, dim=-1)
-        y = _ssm_step(xi, z, self.conv1d, self.x_proj, self.dt_proj.weight, self.dt_proj.bias, self.A_log,
-                      self.D, self.d_state, self.dt_rank, cache.conv_state, cache.ssm_state)
-        out = self.out_proj(y)
-        return out.unsqueeze(1) if squeeze else out
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _rms_op is not None:
-        return _rms_op(x, weight, eps)
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-
-
-class _RMSNorm(nn.Module):
-    def __init__(self, d: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(d))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps)
+        return super().step(hidden_states, cache)
 
 
 class _ResidualMamba(nn.Module):
     def __init__(self, d_model: int, **kw):
         super().__init__()
-        self.norm = _RMSNorm(d_model)
+        self.norm = RMSNorm(d_model, eps=1e-5)
         self.mixer = Mamba(d_model, **kw)
 
 
@@ -255,7 +243,7 @@ class MambaLM(nn.Module):
         self.layers = nn.ModuleList(
             _ResidualMamba(d_model, d_state=d_state, d_conv=d_conv, expand=expand, dt_rank=dt_rank, layer_idx=i,
                            **mamba_kw) for i in range(n_layers))
-        self.norm_f = _RMSNorm(d_model)
+        self.norm_f = RMSNorm(d_model, eps=1e-5)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.embedding.weight

@@ -11,24 +11,11 @@ import torch
 import torch.nn as nn
 
 from ._models_common import check_input, layer_norm
-from .transformer import _MHA000, PositionwiseFeedForward
+from .attention import MultiHeadAttention
+from .positional import LearnedPositionalEncoding
+from .transformer import PositionwiseFeedForward
 
 __all__ = ["CrossModalAttention", "CrossModalLayer", "MultiModalTransformer"]
-
-try:  # guide 000's learned positional encoding (nn.Embedding ``pe`` + dropout); owned by fastarch.nn.positional
-    from .positional import LearnedPositionalEncoding as _LearnedPE  # type: ignore[attr-defined]
-except ImportError:
-
-    class _LearnedPE(nn.Module):  # type: ignore[no-redef]
-        def __init__(self, d_model: int, max_len: int = 512, dropout: float = 0.1):
-            super().__init__()
-            self.dropout = nn.Dropout(dropout)
-            self.pe = nn.Embedding(max_len, d_model)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            pos = torch.arange(x.size(1), device=x.device).unsqueeze(0)
-            return self.dropout(x + self.pe(pos))
-
 
 class CrossModalAttention(nn.Module):
     """Vision queries attend to text. forward(vision (B, Lv, d), text (B, Lt, d), mask) -> (B, Lv, d)."""
@@ -36,7 +23,7 @@ class CrossModalAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.1):
         super().__init__()
         self.d_model = d_model
-        self.cross_attn = _MHA000(d_model, n_heads, dropout)
+        self.cross_attn = MultiHeadAttention(d_model, n_heads, dropout, need_weights=False)
 
     def forward(self, vision_features, text_features, mask=None):
         check_input("vision_features", vision_features, ndim=3, last=self.d_model, owner="CrossModalAttention")
@@ -51,10 +38,10 @@ class CrossModalLayer(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.1):
         super().__init__()
-        self.v_self_attn = _MHA000(d_model, n_heads, dropout)
-        self.t_self_attn = _MHA000(d_model, n_heads, dropout)
-        self.v2t_attn = _MHA000(d_model, n_heads, dropout)
-        self.t2v_attn = _MHA000(d_model, n_heads, dropout)
+        self.v_self_attn = MultiHeadAttention(d_model, n_heads, dropout, need_weights=False)
+        self.t_self_attn = MultiHeadAttention(d_model, n_heads, dropout, need_weights=False)
+        self.v2t_attn = MultiHeadAttention(d_model, n_heads, dropout, need_weights=False)
+        self.t2v_attn = MultiHeadAttention(d_model, n_heads, dropout, need_weights=False)
         self.v_ffn = PositionwiseFeedForward(d_model, d_model * 4, dropout)
         self.t_ffn = PositionwiseFeedForward(d_model, d_model * 4, dropout)
         self.v_norms = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(3))
@@ -83,7 +70,7 @@ class MultiModalTransformer(nn.Module):
         self.vision_dim = vision_dim
         self.vision_proj = nn.Linear(vision_dim, d_model)
         self.text_embed = nn.Embedding(text_vocab, d_model)
-        self.text_pos = _LearnedPE(d_model, max_len=512)
+        self.text_pos = LearnedPositionalEncoding(d_model, max_len=512)
         self.cross_modal_layers = nn.ModuleList(CrossModalLayer(d_model, n_heads) for _ in range(num_layers))
         self.classifier = nn.Linear(d_model, num_classes)
 

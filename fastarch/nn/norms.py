@@ -36,35 +36,19 @@ class LayerNorm(nn.Module):
                               eps_inside_sqrt=False)
 
 
-class FusedLayerNorm(nn.Module):
-    """``torch.nn.LayerNorm`` semantics and ``state_dict`` keys (``weight``, ``bias``) on the fused op."""
-
-    def __init__(self, normalized_shape: int | tuple[int, ...], eps: float = 1e-5, elementwise_affine: bool = True,
-                 bias: bool = True, device=None, dtype=None) -> None:
-        super().__init__()
-        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-        self.normalized_shape = shape
-        self.eps = eps
-        self.elementwise_affine = elementwise_affine
-        if elementwise_affine:
-            self.weight = nn.Parameter(torch.ones(shape, device=device, dtype=dtype))
-            self.bias = nn.Parameter(torch.zeros(shape, device=device, dtype=dtype)) if bias else None
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+class FusedLayerNorm(nn.LayerNorm):
+    """``torch.nn.LayerNorm`` (a subclass: same constructor, parameters and ``state_dict`` keys) whose forward
+    runs ``fastarch.ops.layer_norm``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         k = len(self.normalized_shape)
-        if tuple(x.shape[-k:]) != self.normalized_shape:
+        if tuple(x.shape[-k:]) != tuple(self.normalized_shape):
             raise ValueError(f"FusedLayerNorm: input's trailing shape {tuple(x.shape[-k:])} does not match "
-                             f"normalized_shape {self.normalized_shape}")
+                             f"normalized_shape {tuple(self.normalized_shape)}")
         flat = x.reshape(*x.shape[: x.dim() - k], -1)
         w = self.weight.reshape(-1).to(x.dtype) if self.weight is not None else None
         b = self.bias.reshape(-1).to(x.dtype) if self.bias is not None else None
         return ops.layer_norm(flat, w, b, self.eps).view(x.shape)
-
-    def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
 class RMSNorm(nn.Module):

@@ -30,6 +30,8 @@ import torch
 import torch.nn as nn
 
 from .. import ops
+from ._models_common import key_padding_mask
+from .attention import Attention
 
 __all__ = ["Performer", "orthogonal_random_features", "favor_plus_features"]
 
@@ -98,7 +100,7 @@ def favor_plus_features(x: torch.Tensor, projection: torch.Tensor, *, is_query: 
     return feats
 
 
-class Performer(nn.Module):
+class Performer(Attention):
     """FAVOR+ multi-head self-attention.
 
     Args:
@@ -117,24 +119,15 @@ class Performer(nn.Module):
     def __init__(self, d_model: int, n_heads: int, nb_features: int = 256, dropout: float = 0.1, *,
                  causal: bool = False, feature_redraw_interval: int | None = 1000,
                  persistent_features: bool = False, kernel_eps: float = 1e-4) -> None:
-        super().__init__()
-        if d_model % n_heads != 0:
-            raise ValueError(f"Performer: d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        super().__init__(d_model, n_heads, names=("w_q", "w_k", "w_v", "w_o"))
         if nb_features < 1:
             raise ValueError(f"Performer: nb_features must be >= 1, got {nb_features}")
         if feature_redraw_interval is not None and feature_redraw_interval < 1:
             raise ValueError(f"Performer: feature_redraw_interval must be >= 1 or None, got {feature_redraw_interval}")
-        self.d_model = d_model
-        self.n_heads = n_heads
-        self.d_k = d_model // n_heads
         self.nb_features = nb_features
         self.causal = causal
         self.feature_redraw_interval = feature_redraw_interval
         self.kernel_eps = kernel_eps
-        self.w_q = nn.Linear(d_model, d_model)
-        self.w_k = nn.Linear(d_model, d_model)
-        self.w_v = nn.Linear(d_model, d_model)
-        self.w_o = nn.Linear(d_model, d_model)
         self.dropout = nn.Dropout(dropout)
         self.register_buffer("projection_matrix", orthogonal_random_features(nb_features, self.d_k),
                              persistent=persistent_features)
@@ -157,32 +150,17 @@ class Performer(nn.Module):
         return favor_plus_features(x, projection_matrix, is_query=is_query, kernel_eps=self.kernel_eps,
                                    key_mask=key_mask, causal=self.causal)
 
-    def _key_mask(self, mask: torch.Tensor | None, b: int, L: int) -> torch.Tensor | None:
-        if mask is None:
-            return None
-        if not isinstance(mask, torch.Tensor):
-            raise TypeError(f"Performer: argument 'mask' must be a tensor or None, got {type(mask).__name__}")
-        m = mask
-        if m.dim() == 4 and m.shape[1] == 1 and m.shape[2] == 1:   # (B, 1, 1, L) padding masks
-            m = m[:, 0, 0]
-        if m.dim() != 2 or m.shape[0] not in (1, b) or m.shape[1] != L:
-            raise ValueError(f"Performer: argument 'mask' must be a key padding mask of shape ({b}, {L}) "
-                             f"(non-zero = keep), got {tuple(mask.shape)}")
-        return (m != 0).expand(b, L)
-
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"Performer: argument 'x' must have shape (batch, seq_len, {self.d_model}), "
                              f"got {tuple(x.shape)}")
         b, L, _ = x.shape
-        key_mask = self._key_mask(mask, b, L)
+        key_mask = key_padding_mask(mask, b, L, "Performer")
         if self.training and self.feature_redraw_interval is not None:
             if int(self.calls_since_last_redraw) >= self.feature_redraw_interval:
                 self.redraw_projection_matrix()
             self.calls_since_last_redraw += 1
-        q = self.w_q(x).view(b, L, self.n_heads, self.d_k).transpose(1, 2)
-        k = self.w_k(x).view(b, L, self.n_heads, self.d_k).transpose(1, 2)
-        v = self.w_v(x).view(b, L, self.n_heads, self.d_k).transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in self.project(x, x, x))
         qf = self.kernel_feature_map(q, self.projection_matrix, is_query=True)
         kf = self.kernel_feature_map(k, self.projection_matrix, is_query=False, key_mask=key_mask)
         out = ops.linear_attention(qf, kf, v.float(), causal=self.causal)

@@ -1,4 +1,15 @@
-"""Positional encodings: sinusoidal and rotary (drop-ins for guide 003) and learned (guide 000)."""
+"""Positional encodings: one sinusoidal table, one learned table and one rotary embedding (on the fused
+``fastarch.ops.rotary_embedding``), with the guides' class names and ``state_dict`` keys.
+
+- ``SinusoidalPositionalEncoding(d_model, max_len)`` (guide 003) and ``PositionalEncoding(d_model, max_len,
+  dropout)`` (guide 000, the same table followed by dropout): buffer ``pe`` ``(1, max_len, d_model)``;
+- ``LearnedPositionalEncoding(d_model, max_len, dropout)`` (guide 000): ``pe`` is an ``nn.Embedding``;
+  ``LearnedPositionalEncoding003(d_model, max_len)`` (guide 003): ``pe`` is a ``(1, max_len, d_model)``
+  parameter;
+- ``RotaryPositionalEncoding(d_model)`` (guide 003): RoPE on interleaved pairs.
+
+Each adds its table to ``x`` ``(B, L, d_model)`` and returns the same shape.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +20,8 @@ import torch.nn as nn
 
 from .. import ops
 
-__all__ = ["SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding"]
+__all__ = ["SinusoidalPositionalEncoding", "PositionalEncoding", "LearnedPositionalEncoding",
+           "LearnedPositionalEncoding003", "RotaryPositionalEncoding", "sinusoidal_table"]
 
 
 def sinusoidal_table(max_len: int, d_model: int) -> torch.Tensor:
@@ -23,52 +35,81 @@ def sinusoidal_table(max_len: int, d_model: int) -> torch.Tensor:
     return pe
 
 
-class SinusoidalPositionalEncoding(nn.Module):
-    """Guide-003 fixed sinusoidal encoding added to ``x`` ``(B, L, d_model)``; buffer ``pe`` ``(1, max_len, d_model)``."""
+class _AddedTable(nn.Module):
+    """``dropout(x + table[:L])`` for a position table ``(max_len, d_model)`` given by :meth:`table`."""
 
-    def __init__(self, d_model: int, max_len: int = 5000) -> None:
+    def __init__(self, dropout: float | None) -> None:
         super().__init__()
+        self.dropout = nn.Dropout(dropout) if dropout is not None else nn.Identity()
+
+    def table(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``(B, L, d_model)`` -> same shape."""
+        table = self.table()
+        L = x.size(1)
+        if L > table.shape[0]:
+            raise ValueError(f"{type(self).__name__}: sequence length {L} > max_len {table.shape[0]}")
+        return self.dropout(x + table[:L].to(x.dtype))
+
+
+class SinusoidalPositionalEncoding(_AddedTable):
+    """Guide 003's fixed sinusoidal encoding; buffer ``pe`` ``(1, max_len, d_model)``."""
+
+    def __init__(self, d_model: int, max_len: int = 5000, dropout: float | None = None) -> None:
+        super().__init__(dropout)
         self.register_buffer("pe", sinusoidal_table(max_len, d_model).unsqueeze(0))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        L = x.size(1)
-        if L > self.pe.shape[1]:
-            raise ValueError(f"SinusoidalPositionalEncoding: sequence length {L} > max_len {self.pe.shape[1]}")
-        return x + self.pe[:, :L, :].to(x.dtype)
+    def table(self) -> torch.Tensor:
+        return self.pe[0]
 
 
-class LearnedPositionalEncoding(nn.Module):
-    """Guide-000 learned positions: ``x + pe(arange(L))`` then dropout; ``pe`` is ``nn.Embedding(max_len, d_model)``."""
+class PositionalEncoding(SinusoidalPositionalEncoding):
+    """Guide 000's sinusoidal encoding followed by dropout; buffer ``pe`` ``(1, max_len, d_model)``."""
+
+    def __init__(self, d_model: int, max_len: int = 5000, dropout: float = 0.1) -> None:
+        super().__init__(d_model, max_len, dropout)
+
+
+class LearnedPositionalEncoding(_AddedTable):
+    """Guide 000's learned positions: ``dropout(x + pe(arange(L)))``, ``pe`` an ``nn.Embedding(max_len, d_model)``."""
 
     def __init__(self, d_model: int, max_len: int = 512, dropout: float = 0.1) -> None:
-        super().__init__()
-        self.dropout = nn.Dropout(dropout)
+        super().__init__(dropout)
         self.pe = nn.Embedding(max_len, d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``(B, L, d_model)``."""
-        L = x.size(1)
-        if L > self.pe.num_embeddings:
-            raise ValueError(f"LearnedPositionalEncoding: sequence length {L} > max_len {self.pe.num_embeddings}")
-        positions = torch.arange(L, device=x.device)
-        return self.dropout(x + self.pe(positions).unsqueeze(0).to(x.dtype))
+    def table(self) -> torch.Tensor:
+        return self.pe.weight
+
+
+class LearnedPositionalEncoding003(_AddedTable):
+    """Guide 003's ``LearnedPositionalEncoding``: ``x + pe[:, :L]``, ``pe`` a ``(1, max_len, d_model)`` parameter."""
+
+    def __init__(self, d_model: int, max_len: int = 5000) -> None:
+        super().__init__(None)
+        self.pe = nn.Parameter(torch.randn(1, max_len, d_model))
+
+    def table(self) -> torch.Tensor:
+        return self.pe[0]
 
 
 class RotaryPositionalEncoding(nn.Module):
-    """Guide-003 RoPE on the fused rotary op: ``forward(q, k) -> (q_rot, k_rot)``.
+    """Guide-003 RoPE on the fused rotary op: ``forward(q, k, offset=0) -> (q_rot, k_rot)``.
 
     q, k: ``(B, L, H, d_head)``. As in the guide, features are rotated in interleaved pairs ``(2i, 2i+1)``
     with frequencies ``10000^(-2i/d_model)``; the guide requires ``d_model == d_head``, and here a smaller
     ``d_model`` rotates only the first ``d_model`` features of each head (partial rotary). ``offset`` shifts
-    positions, for decoding with a KV cache. Buffer: ``inv_freq`` ``(d_model/2,)``.
+    positions, for decoding with a KV cache. Buffer: ``inv_freq`` ``(d_model/2,)`` (in the ``state_dict``
+    unless ``persistent=False``, for modules whose checkpoints do not hold it).
     """
 
-    def __init__(self, d_model: int, max_len: int = 5000) -> None:
+    def __init__(self, d_model: int, max_len: int = 5000, *, persistent: bool = True) -> None:
         super().__init__()
         self.d_model = d_model
         self.max_len = max_len
         inv_freq = 1.0 / (10000 ** (torch.arange(0, d_model, 2).float() / d_model))
-        self.register_buffer("inv_freq", inv_freq)
+        self.register_buffer("inv_freq", inv_freq, persistent=persistent)
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -130,38 +130,72 @@ def _check_seq(x: object, size: int, owner: str) -> torch.Tensor:
     return x  # type: ignore[return-value]
 
 
-class VanillaRNN(nn.Module):
-    """Elman RNN + per-step linear head (guide 000). x (B, T, input_size), h0 (num_layers, B, H) ->
-    (out (B, T, output_size), h_n (num_layers, B, H)). ``forward_reference`` steps the same weights."""
+class _RecurrentWithHead(nn.Module):
+    """A ``batch_first`` torch RNN (attribute ``rnn_attr``) + per-step linear head ``fc``; ``forward`` runs the
+    fused kernel, ``forward_reference`` steps the guide's equations on the same weights."""
+
+    rnn_attr = "rnn"
+    rnn_type: type[nn.RNNBase] = nn.RNN
+    reference = staticmethod(rnn_reference)
 
     def __init__(self, input_size: int, hidden_size: int, output_size: int, num_layers: int = 1):
         super().__init__()
         self.input_size = input_size
         self.hidden_size = hidden_size
         self.num_layers = num_layers
-        self.rnn = nn.RNN(input_size, hidden_size, num_layers, batch_first=True)
+        setattr(self, self.rnn_attr, self.rnn_type(input_size, hidden_size, num_layers, batch_first=True))
         self.fc = nn.Linear(hidden_size, output_size)
 
-    def _h0(self, x: torch.Tensor, h0: torch.Tensor | None) -> torch.Tensor:
+    def _zeros(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_zeros(self.num_layers, x.shape[0], self.hidden_size)
+
+    def _state(self, x: torch.Tensor, state):
         _check_seq(x, self.input_size, type(self).__name__)
-        if h0 is None:
-            return x.new_zeros(self.num_layers, x.shape[0], self.hidden_size)
-        check_input("h0", h0, ndim=3, owner=type(self).__name__)
-        return h0
+        if state is None:
+            return self._zeros(x)
+        check_input("h0", state, ndim=3, owner=type(self).__name__)
+        return state
 
-    def forward(self, x: torch.Tensor, h0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        out, h_n = self.rnn(x, self._h0(x, h0))
+    def forward(self, x: torch.Tensor, h0=None):
+        out, h_n = getattr(self, self.rnn_attr)(x, self._state(x, h0))
         return self.fc(out), h_n
 
-    def forward_reference(self, x: torch.Tensor, h0: torch.Tensor | None = None):
-        out, h_n = rnn_reference(self.rnn, x, self._h0(x, h0))
+    def forward_reference(self, x: torch.Tensor, h0=None):
+        out, h_n = type(self).reference(getattr(self, self.rnn_attr), x, self._state(x, h0))
         return self.fc(out), h_n
+
+
+class VanillaRNN(_RecurrentWithHead):
+    """Elman RNN + per-step linear head (guide 000). x (B, T, input_size), h0 (num_layers, B, H) ->
+    (out (B, T, output_size), h_n (num_layers, B, H)). ``forward_reference`` steps the same weights."""
 
     def init_hidden(self, batch_size: int, device: str | torch.device = "cpu") -> torch.Tensor:
         return torch.zeros(self.num_layers, batch_size, self.hidden_size, device=device)
 
 
-class LSTMCell(nn.Module):
+class _GatedCell(nn.Module):
+    """Parameters of a gated cell: ``weight_ih``/``weight_hh``/``bias_ih``/``bias_hh`` stacked over ``gates``
+    (plus any group :meth:`_add_gates` registers), initialised uniform in +-1/sqrt(hidden_size)."""
+
+    def __init__(self, input_size: int, hidden_size: int, gates: int):
+        super().__init__()
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self._add_gates(gates)
+
+    def _add_gates(self, gates: int, suffix: str = "") -> None:
+        rows, i, h = gates * self.hidden_size, self.input_size, self.hidden_size
+        for name, shape in (("weight_ih", (rows, i)), ("weight_hh", (rows, h)), ("bias_ih", (rows,)),
+                            ("bias_hh", (rows,))):
+            self.register_parameter(name + suffix, nn.Parameter(torch.randn(*shape)))
+
+    def init_weights(self) -> None:
+        std = 1.0 / self.hidden_size**0.5
+        for w in self.parameters():
+            w.data.uniform_(-std, std)
+
+
+class LSTMCell(_GatedCell):
     """One LSTM step with the guide's parameters (gates stacked [f, i, o, g]).
 
     forward(x (B, I), (h, c) each (B, H)) -> (h_new, c_new); fused ``torch.lstm_cell`` on permuted weights.
@@ -169,19 +203,8 @@ class LSTMCell(nn.Module):
     """
 
     def __init__(self, input_size: int, hidden_size: int):
-        super().__init__()
-        self.input_size = input_size
-        self.hidden_size = hidden_size
-        self.weight_ih = nn.Parameter(torch.randn(4 * hidden_size, input_size))
-        self.weight_hh = nn.Parameter(torch.randn(4 * hidden_size, hidden_size))
-        self.bias_ih = nn.Parameter(torch.randn(4 * hidden_size))
-        self.bias_hh = nn.Parameter(torch.randn(4 * hidden_size))
+        super().__init__(input_size, hidden_size, 4)
         self.init_weights()
-
-    def init_weights(self) -> None:
-        std = 1.0 / self.hidden_size**0.5
-        for w in self.parameters():
-            w.data.uniform_(-std, std)
 
     def _check(self, x: torch.Tensor, hidden) -> tuple[torch.Tensor, torch.Tensor]:
         check_input("x", x, ndim=2, last=self.input_size, owner="LSTMCell")
@@ -231,37 +254,31 @@ class LSTMCell(nn.Module):
         return torch.stack(outs, 1), hidden
 
 
-class LSTM(nn.Module):
+class LSTM(_RecurrentWithHead):
     """Multi-layer LSTM + per-step linear head (guide 000). x (B, T, I), hidden (h0, c0) each
     (num_layers, B, H) -> (out (B, T, output_size), (h_n, c_n))."""
 
-    def __init__(self, input_size: int, hidden_size: int, output_size: int, num_layers: int = 1):
-        super().__init__()
-        self.input_size = input_size
-        self.hidden_size = hidden_size
-        self.num_layers = num_layers
-        self.lstm = nn.LSTM(input_size, hidden_size, num_layers, batch_first=True)
-        self.fc = nn.Linear(hidden_size, output_size)
+    rnn_attr = "lstm"
+    rnn_type = nn.LSTM
+    reference = staticmethod(lstm_reference)
 
-    def _hidden(self, x, hidden):
+    def _state(self, x, hidden):
         _check_seq(x, self.input_size, "LSTM")
         if hidden is None:
-            z = x.new_zeros(self.num_layers, x.shape[0], self.hidden_size)
+            z = self._zeros(x)
             return (z, z)
         if not isinstance(hidden, (tuple, list)) or len(hidden) != 2:
             raise TypeError("LSTM: argument 'hidden' must be a tuple (h0, c0) of (num_layers, B, H) tensors")
         return tuple(hidden)
 
-    def forward(self, x: torch.Tensor, hidden=None):
-        out, (h_n, c_n) = self.lstm(x, self._hidden(x, hidden))
-        return self.fc(out), (h_n, c_n)
+    def forward(self, x: torch.Tensor, hidden=None):  # type: ignore[override]
+        return super().forward(x, hidden)
 
-    def forward_reference(self, x: torch.Tensor, hidden=None):
-        out, (h_n, c_n) = lstm_reference(self.lstm, x, self._hidden(x, hidden))
-        return self.fc(out), (h_n, c_n)
+    def forward_reference(self, x: torch.Tensor, hidden=None):  # type: ignore[override]
+        return super().forward_reference(x, hidden)
 
 
-class GRUCell(nn.Module):
+class GRUCell(_GatedCell):
     """One GRU step with the guide's equations: r, z = sigmoid(...); h~ = tanh(W_c x + b + U_c (r * h) + b');
     h' = (1 - z) h + z h~. forward(x (B, I), h (B, H)) -> h' (B, H).
 
@@ -270,23 +287,9 @@ class GRUCell(nn.Module):
     """
 
     def __init__(self, input_size: int, hidden_size: int):
-        super().__init__()
-        self.input_size = input_size
-        self.hidden_size = hidden_size
-        self.weight_ih = nn.Parameter(torch.randn(2 * hidden_size, input_size))
-        self.weight_hh = nn.Parameter(torch.randn(2 * hidden_size, hidden_size))
-        self.bias_ih = nn.Parameter(torch.randn(2 * hidden_size))
-        self.bias_hh = nn.Parameter(torch.randn(2 * hidden_size))
-        self.weight_ih_candidate = nn.Parameter(torch.randn(hidden_size, input_size))
-        self.weight_hh_candidate = nn.Parameter(torch.randn(hidden_size, hidden_size))
-        self.bias_ih_candidate = nn.Parameter(torch.randn(hidden_size))
-        self.bias_hh_candidate = nn.Parameter(torch.randn(hidden_size))
+        super().__init__(input_size, hidden_size, 2)
+        self._add_gates(1, "_candidate")
         self.init_weights()
-
-    def init_weights(self) -> None:
-        std = 1.0 / self.hidden_size**0.5
-        for w in self.parameters():
-            w.data.uniform_(-std, std)
 
     def _step(self, xi: torch.Tensor, xc: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         # xi: input part of the gates (B, 2H) with both biases; xc: input part of the candidate with both biases
@@ -324,29 +327,17 @@ class GRUCell(nn.Module):
         return torch.stack(outs, 1), h
 
 
-class GRU(nn.Module):
+class GRU(_RecurrentWithHead):
     """Multi-layer GRU + per-step linear head (guide 000). x (B, T, I), h0 (num_layers, B, H) ->
     (out (B, T, output_size), h_n)."""
 
-    def __init__(self, input_size: int, hidden_size: int, output_size: int, num_layers: int = 1):
-        super().__init__()
-        self.input_size = input_size
-        self.hidden_size = hidden_size
-        self.num_layers = num_layers
-        self.gru = nn.GRU(input_size, hidden_size, num_layers, batch_first=True)
-        self.fc = nn.Linear(hidden_size, output_size)
+    rnn_attr = "gru"
+    rnn_type = nn.GRU
+    reference = staticmethod(gru_reference)
 
-    def _h0(self, x, h0):
+    def _state(self, x, h0):
         _check_seq(x, self.input_size, "GRU")
-        return x.new_zeros(self.num_layers, x.shape[0], self.hidden_size) if h0 is None else h0
-
-    def forward(self, x: torch.Tensor, h0: torch.Tensor | None = None):
-        out, h_n = self.gru(x, self._h0(x, h0))
-        return self.fc(out), h_n
-
-    def forward_reference(self, x: torch.Tensor, h0: torch.Tensor | None = None):
-        out, h_n = gru_reference(self.gru, x, self._h0(x, h0))
-        return self.fc(out), h_n
+        return self._zeros(x) if h0 is None else h0
 
 
 class BidirectionalRNN(nn.Module):

@@ -19,11 +19,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.lsh_attention import lsh_attention, lsh_hash, lsh_rotations
+from ._models_common import key_padding_mask
+from .attention import Attention
 
 __all__ = ["LSHAttention", "ChunkedFeedForward", "ReformerLayer", "Reformer", "ReformerLM"]
 
 
-class LSHAttention(nn.Module):
+class LSHAttention(Attention):
     """Reformer LSH self-attention (drop-in for the guide's ``LSHAttention``).
 
     Args:
@@ -60,38 +62,17 @@ class LSHAttention(nn.Module):
         causal: bool = False,
         seed: int | None = None,
     ) -> None:
-        super().__init__()
-        if d_model % n_heads != 0:
-            raise ValueError(f"LSHAttention: d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        super().__init__(d_model, n_heads, names=("w_q", "w_k", "w_v", "w_o"))
         if n_hashes < 1:
             raise ValueError(f"LSHAttention: n_hashes must be >= 1, got {n_hashes}")
         if bucket_size < 1:
             raise ValueError(f"LSHAttention: bucket_size must be >= 1, got {bucket_size}")
-        self.d_model = d_model
-        self.n_heads = n_heads
-        self.d_k = d_model // n_heads
         self.n_hashes = n_hashes
         self.bucket_size = bucket_size
         self.causal = causal
         self.seed = seed
-        self.w_q = nn.Linear(d_model, d_model)
-        self.w_k = nn.Linear(d_model, d_model)
         self.w_k.requires_grad_(False)  # kept for the guide's state_dict; shared QK uses w_q
-        self.w_v = nn.Linear(d_model, d_model)
-        self.w_o = nn.Linear(d_model, d_model)
         self.dropout = nn.Dropout(dropout)
-
-    def _key_mask(self, mask: torch.Tensor | None, B: int, L: int) -> torch.Tensor | None:
-        if mask is None:
-            return None
-        if mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1:
-            mask = mask[:, 0, 0]
-        if mask.dim() != 2 or mask.shape != (B, L):
-            raise ValueError(
-                f"LSHAttention: argument 'mask' must be a key mask of shape ({B}, {L}) or ({B}, 1, 1, {L}), "
-                f"got {tuple(mask.shape)}"
-            )
-        return mask != 0
 
     def hash_vectors(self, vecs: torch.Tensor, num_buckets: int) -> torch.Tensor:
         """The guide's hashing entry point, as one round of the Reformer's angular LSH.
@@ -125,7 +106,7 @@ class LSHAttention(nn.Module):
                 f"LSHAttention: argument 'x' must be (B, L, {self.d_model}), got {tuple(x.shape)}"
             )
         B, L, _ = x.shape
-        kpm = self._key_mask(mask, B, L)
+        kpm = key_padding_mask(mask, B, L, "LSHAttention")
         qk = self.w_q(x).view(B, L, self.n_heads, self.d_k).transpose(1, 2)
         v = self.w_v(x).view(B, L, self.n_heads, self.d_k).transpose(1, 2)
         o = lsh_attention(
@@ -298,19 +279,9 @@ class Reformer(nn.Module):
     reversible layers run, and the two halves are averaged. With ``reversible=False`` the same layers run
     with ordinary autograd (activations saved per layer; used to check the reversible backward)."""
 
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        depth: int,
-        d_ff: int | None = None,
-        n_hashes: int = 4,
-        bucket_size: int = 64,
-        dropout: float = 0.1,
-        causal: bool = False,
-        ff_chunks: int = 1,
-        reversible: bool = True,
-    ) -> None:
+    def __init__(self, d_model: int, n_heads: int, depth: int, d_ff: int | None = None, n_hashes: int = 4,
+                 bucket_size: int = 64, dropout: float = 0.1, causal: bool = False, ff_chunks: int = 1,
+                 reversible: bool = True) -> None:
         super().__init__()
         if depth < 1:
             raise ValueError(f"Reformer: depth must be >= 1, got {depth}")
@@ -338,21 +309,9 @@ class ReformerLM(nn.Module):
     True (a language model).
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        d_model: int,
-        n_heads: int,
-        depth: int,
-        max_seq_len: int,
-        d_ff: int | None = None,
-        n_hashes: int = 4,
-        bucket_size: int = 64,
-        dropout: float = 0.1,
-        causal: bool = True,
-        ff_chunks: int = 1,
-        reversible: bool = True,
-    ) -> None:
+    def __init__(self, vocab_size: int, d_model: int, n_heads: int, depth: int, max_seq_len: int,
+                 d_ff: int | None = None, n_hashes: int = 4, bucket_size: int = 64, dropout: float = 0.1,
+                 causal: bool = True, ff_chunks: int = 1, reversible: bool = True) -> None:
         super().__init__()
         self.max_seq_len = max_seq_len
         self.tok = nn.Embedding(vocab_size, d_model)

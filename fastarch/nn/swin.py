@@ -19,7 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._models_common import attend, check_input, layer_norm
+from ..ops.attention import attention
+from ._models_common import check_input, layer_norm
 
 __all__ = ["WindowAttention", "SwinTransformerBlock", "PatchMerging", "SwinTransformer", "window_partition",
            "window_reverse"]
@@ -98,11 +99,11 @@ class WindowAttention(nn.Module):
             full = mask[:, None].to(q.dtype) + (bias if bias is not None else 0.0)  # (nW, H, N, N)
             b = bw // nw
             # (B*nW, H, N, D) viewed as (B, nW*H, N, D): one bias per (window, head), shared across the batch.
-            o = attend(q.reshape(b, nw * h, n, -1), k.reshape(b, nw * h, n, -1), v.reshape(b, nw * h, n, -1),
+            o = attention(q.reshape(b, nw * h, n, -1), k.reshape(b, nw * h, n, -1), v.reshape(b, nw * h, n, -1),
                        attn_bias=full.reshape(1, nw * h, n, n), scale=self.scale)
             o = o.view(bw, h, n, -1)
         else:
-            o = attend(q, k, v, attn_bias=bias, scale=self.scale)
+            o = attention(q, k, v, attn_bias=bias, scale=self.scale)
         return self.proj(o.transpose(1, 2).reshape(bw, n, c))
 
 

@@ -1,29 +1,35 @@
-"""Transformer family of the guides, drop-in, with every attention going through ``fastarch.ops.attention``.
+"""Transformer family of the guides, drop-in, with every attention on the one core of
+:mod:`fastarch.nn.attention` (and so on ``fastarch.ops.attention``).
 
-Guide 000: ``PositionalEncoding``, ``PositionwiseFeedForward``, ``TransformerEncoderLayer``/``Encoder``,
-``TransformerDecoderLayer``/``Decoder`` and the encoder-decoder ``Transformer``.
-Guide 001: ``TransformerBlock`` (post-norm block with a fused ``qkv`` projection; used by BERTModel and the
-001 ViT) and its text encoder ``TransformerEncoder001``.
-Guide 003: ``TokenEmbedding``, ``FeedFowardNetwork`` (sic) and its encoder/decoder language model with a
-positional-encoding choice, here ``Transformer003`` (the name ``Transformer`` belongs to guide 000), built from
-``TransformerBlock003``. Guide 004: ``TransformerBlock004``/``Transformer004``.
+Architectures, by what they are (guide names kept as aliases):
+
+- guide 000: ``PositionwiseFeedForward``, the post-norm ``TransformerEncoderLayer``/``TransformerEncoder``,
+  ``TransformerDecoderLayer``/``TransformerDecoder``, the encoder-decoder ``Transformer``, and guide 004's
+  ``GPTStyle``/``BERTStyle`` wrappers of those stacks;
+- ``TransformerBlock``: post-norm block with a fused ``qkv`` projection (guide 001; BERTModel and the 001 ViT
+  use it) and ``TextTransformerEncoder``, its token encoder (alias ``TransformerEncoder001``);
+- ``PostNormRotaryBlock`` (alias ``TransformerBlock003``): post-norm block with optional RoPE and a choice of
+  norm, and ``TransformerLM`` (alias ``Transformer003``): guide 003's encoder/decoder language model with a
+  positional-encoding choice; ``TokenEmbedding``, ``FeedFowardNetwork`` (sic);
+- ``PostNormBlock`` (alias ``TransformerBlock004``) and ``SinusoidalEncoderLM`` (alias ``Transformer004``):
+  guide 004's block and encoder language model.
 
 Deviations, where the guides' code cannot run or is wrong (documented in docs/models.md):
 
 - Guide 000's layers call ``self.self_attn.mha(...)`` on a ``MultiHeadAttention``, which has no ``mha``
-  attribute. The evident intent (``SelfAttention.mha`` is a ``MultiHeadAttention``) is implemented: the
-  layer calls its ``MultiHeadAttention`` (keys ``self_attn.w_q`` ..., ``self_attn.layer_norm``), whose forward
-  includes its own residual + LayerNorm, exactly as the guide's ``MultiHeadAttention.forward``.
+  attribute. The evident intent is implemented: the layer calls its ``MultiHeadAttention`` (keys
+  ``self_attn.w_q`` ..., ``self_attn.layer_norm``), whose forward includes its own residual + LayerNorm.
 - Guide 000's ``Transformer.generate_square_subsequent_mask`` builds a 0/-inf float mask, which its attention
   reads with ``masked_fill(mask == 0, ...)``, i.e. inverted (each target token would see only the future).
   When ``tgt_mask`` is None the decoder here is causal, as the guide intends; explicit masks keep the guides'
   convention (0 = masked).
-- Attention weights are not materialised: modules that return ``(output, attention)`` return ``None`` for
-  the weights (the fused op never forms the L x L matrix).
+- Attention weights are not materialised: layers that return ``(output, attention)`` return ``None`` for
+  the weights.
 - Guide 003's block passes ``norm_type`` to a constructor that does not take it, calls an undefined
-  ``MultiHeadSelfAttention`` and never applies RoPE. Here the block takes ``norm_type`` (its two norms are
-  ``nn.LayerNorm`` as written), the attention is guide 003's ``MultiHeadAttention`` (keys ``W_Q``..``W_O``),
-  and ``pos_encoding='rotary'`` rotates q and k per head (interleaved pairs, base 10000, as guide 003's
+  ``MultiHeadSelfAttention`` and never applies RoPE. Here the block honours ``norm_type`` (``'layer'``:
+  ``nn.LayerNorm`` keys ``ln1.weight``/``ln1.bias`` as written; ``'batch'``: guide 003's ``BatchNorm``, keys
+  ``ln1.gamma``...), the attention is guide 003's ``MultiHeadAttention`` (keys ``W_Q``..``W_O``), and
+  ``pos_encoding='rotary'`` rotates q and k per head (interleaved pairs, base 10000, as guide 003's
   ``RotaryPositionalEncoding.apply_rotary`` with the head size).
 """
 
@@ -35,7 +41,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._models_common import attend, check_input, guide_mask_to_op, layer_norm
+from ._models_common import check_input, layer_norm
+from .attention import FusedQKVAttention, MultiHeadAttention, MultiHeadAttention004, RotarySelfAttention
+from .norms import BatchNorm, FusedLayerNorm, LayerNorm
+from .positional import LearnedPositionalEncoding003, PositionalEncoding, SinusoidalPositionalEncoding
 
 __all__ = [
     "PositionwiseFeedForward",
@@ -45,169 +54,21 @@ __all__ = [
     "TransformerDecoder",
     "Transformer",
     "TransformerBlock",
+    "TextTransformerEncoder",
     "TransformerEncoder001",
     "TokenEmbedding",
     "FeedFowardNetwork",
+    "PostNormRotaryBlock",
     "TransformerBlock003",
+    "TransformerLM",
     "Transformer003",
+    "PostNormBlock",
     "TransformerBlock004",
+    "SinusoidalEncoderLM",
     "Transformer004",
     "GPTStyle",
     "BERTStyle",
 ]
-
-try:  # guide 000's sinusoidal encoding with dropout; the lead's positional module may define it
-    from .positional import PositionalEncoding  # type: ignore[attr-defined]
-except ImportError:
-
-    class PositionalEncoding(nn.Module):  # type: ignore[no-redef]
-        """Sinusoidal positional encoding + dropout (guide 000). x (B, L, d_model) -> same shape."""
-
-        def __init__(self, d_model: int, max_len: int = 5000, dropout: float = 0.1):
-            super().__init__()
-            self.dropout = nn.Dropout(dropout)
-            self.register_buffer("pe", _sinusoid(max_len, d_model).unsqueeze(0))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if x.size(1) > self.pe.size(1):
-                raise ValueError(f"PositionalEncoding: sequence length {x.size(1)} exceeds max_len {self.pe.size(1)}")
-            return self.dropout(x + self.pe[:, : x.size(1)])
-
-    __all__.append("PositionalEncoding")
-
-
-def _sinusoid(max_len: int, d_model: int) -> torch.Tensor:
-    pe = torch.zeros(max_len, d_model)
-    position = torch.arange(0, max_len, dtype=torch.float).unsqueeze(1)
-    div_term = torch.exp(torch.arange(0, d_model, 2).float() * (-math.log(10000.0) / d_model))
-    pe[:, 0::2] = torch.sin(position * div_term)
-    pe[:, 1::2] = torch.cos(position * div_term)
-    return pe
-
-
-def _split(x: torch.Tensor, h: int) -> torch.Tensor:
-    b, n, d = x.shape
-    return x.view(b, n, h, d // h).transpose(1, 2)
-
-
-def _merge(x: torch.Tensor) -> torch.Tensor:
-    b, h, n, dh = x.shape
-    return x.transpose(1, 2).reshape(b, n, h * dh)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Attention cores with the guides' parameter names. They are internal: the public attention classes
-# (guide 000's MultiHeadAttention and friends) belong to fastarch.nn.attention; these keep the same keys and
-# outputs and add the fast paths the models need (fused QKV, causal flag, KV cache).
-# --------------------------------------------------------------------------------------------------------
-class _MHA000(nn.Module):
-    """Guide 000 ``MultiHeadAttention``: projections w_q/w_k/w_v/w_o, then ``layer_norm(out + q_input)``."""
-
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.1):
-        super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
-        self.d_model, self.n_heads, self.d_k = d_model, n_heads, d_model // n_heads
-        self.w_q = nn.Linear(d_model, d_model)
-        self.w_k = nn.Linear(d_model, d_model)
-        self.w_v = nn.Linear(d_model, d_model)
-        self.w_o = nn.Linear(d_model, d_model)
-        self.attn_dropout = dropout  # the guide's ScaledDotProductAttention dropout (no parameters)
-        self.dropout = nn.Dropout(dropout)
-        self.layer_norm = nn.LayerNorm(d_model)
-
-    def project(self, q, k, v):
-        if q is k and k is v:  # self-attention: one GEMM for the three projections
-            w = torch.cat([self.w_q.weight, self.w_k.weight, self.w_v.weight], 0)
-            b = torch.cat([self.w_q.bias, self.w_k.bias, self.w_v.bias], 0)
-            return F.linear(q, w, b).chunk(3, -1)
-        return self.w_q(q), self.w_k(k), self.w_v(v)
-
-    def forward(self, q, k, v, mask=None, *, causal: bool = False, kv_cache=None, layer_idx: int = 0):
-        residual = q
-        b, lq = q.shape[0], q.shape[1]
-        qp, kp, vp = self.project(q, k, v)
-        qh, kh, vh = _split(qp, self.n_heads), _split(kp, self.n_heads), _split(vp, self.n_heads)
-        if kv_cache is not None:
-            kh, vh = kv_cache.update(layer_idx, kh, vh)
-        kpm, bias = guide_mask_to_op(mask, b, lq, kh.shape[2], qh.dtype)
-        o = attend(qh, kh, vh, causal=causal, key_padding_mask=kpm, attn_bias=bias,
-                   dropout_p=self.attn_dropout if self.training else 0.0)
-        out = self.dropout(self.w_o(_merge(o)))
-        return layer_norm(out + residual, self.layer_norm), None
-
-
-class _QKVAttention(nn.Module):
-    """Guide 001 ``MultiHeadAttention``: fused ``qkv`` projection and ``out_proj`` (no norm inside)."""
-
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.1):
-        super().__init__()
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
-        self.scale = self.head_dim**-0.5
-        self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
-        self.out_proj = nn.Linear(embed_dim, embed_dim)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x, mask=None, *, causal: bool = False, kv_cache=None, layer_idx: int = 0,
-                key_padding_mask=None):
-        b, n, c = x.shape
-        qkv = self.qkv(x).view(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer_idx, k, v)
-        kpm, bias = guide_mask_to_op(mask, b, n, k.shape[2], q.dtype)
-        if key_padding_mask is not None:
-            kpm = key_padding_mask if kpm is None else (kpm & key_padding_mask)
-        o = attend(q, k, v, causal=causal, key_padding_mask=kpm, attn_bias=bias,
-                   dropout_p=self.dropout.p if self.training else 0.0, scale=self.scale)
-        return self.out_proj(_merge(o))
-
-
-class _MHA003(nn.Module):
-    """Guide 003 ``MultiHeadAttention``: W_Q/W_K/W_V/W_O; ``mask`` (B, L) is a key padding mask."""
-
-    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.1, rotary: bool = False):
-        super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
-        self.d_model, self.n_heads, self.d_head = d_model, n_heads, d_model // n_heads
-        self.W_Q = nn.Linear(d_model, d_model)
-        self.W_K = nn.Linear(d_model, d_model)
-        self.W_V = nn.Linear(d_model, d_model)
-        self.W_O = nn.Linear(d_model, d_model)
-        self.dropout = nn.Dropout(dropout)
-        self.rotary = rotary
-
-    def forward(self, x, mask=None, causal: bool = False):
-        b, n, _ = x.shape
-        w = torch.cat([self.W_Q.weight, self.W_K.weight, self.W_V.weight], 0)
-        bb = torch.cat([self.W_Q.bias, self.W_K.bias, self.W_V.bias], 0)
-        q, k, v = (_split(t, self.n_heads) for t in F.linear(x, w, bb).chunk(3, -1))
-        if self.rotary:
-            q, k = _rope_interleaved(q), _rope_interleaved(k)
-        kpm = None
-        bias = None
-        if mask is not None:
-            if mask.dim() == 2 and mask.shape == (b, n):
-                kpm = mask != 0
-            else:
-                m = mask.unsqueeze(1).unsqueeze(1)  # as the guide: add the head dims, then broadcast
-                bias = torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill(m == 0, float("-inf"))
-        o = attend(q, k, v, causal=causal, key_padding_mask=kpm, attn_bias=bias,
-                   dropout_p=self.dropout.p if self.training else 0.0)
-        return self.W_O(_merge(o))
-
-
-def _rope_interleaved(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) by pos * base^(-2i/d); x (B, H, L, d)."""
-    d, n = x.shape[-1], x.shape[-2]
-    inv = 1.0 / (base ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = torch.arange(n, device=x.device, dtype=torch.float32)[:, None] * inv[None, :]
-    sin, cos = ang.sin().to(x.dtype), ang.cos().to(x.dtype)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).flatten(-2)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -219,7 +80,8 @@ class PositionwiseFeedForward(nn.Module):
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.1, activation: str = "relu"):
         super().__init__()
         if activation not in ("relu", "gelu"):
-            raise ValueError(f"Unknown activation: {activation}")
+            raise ValueError(f"PositionwiseFeedForward: argument 'activation' must be 'relu' or 'gelu', "
+                             f"got {activation!r}")
         self.w_1 = nn.Linear(d_model, d_ff)
         self.w_2 = nn.Linear(d_ff, d_model)
         self.dropout = nn.Dropout(dropout)
@@ -230,36 +92,70 @@ class PositionwiseFeedForward(nn.Module):
 
 
 class TransformerEncoderLayer(nn.Module):
-    """Post-norm encoder layer of guide 000: x = norm1(MHA(x) + x); x = norm2(FFN(x) + x).
+    """Post-norm encoder layer of guide 000: x = norm1(MHA(x) + x); x = norm2(FFN(x) + x), where MHA has its
+    own add & norm. ``activation`` (extension) is the FFN's ('relu' as the guide, 'gelu' for the GPT layer).
 
-    forward(x (B, L, d_model), mask broadcastable to (B, H, L, L), 0 = masked) -> (B, L, d_model).
+    forward(x (B, L, d_model), mask broadcastable to (B, H, L, L), 0 = masked, *, causal=False, kv_cache=None,
+    layer_idx=0) -> (B, L, d_model).
     """
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.1):
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.1, *, activation: str = "relu"):
         super().__init__()
         self.d_model = d_model
-        self.self_attn = _MHA000(d_model, n_heads, dropout)
-        self.ffn = PositionwiseFeedForward(d_model, d_ff, dropout)
+        self.self_attn = MultiHeadAttention(d_model, n_heads, dropout, need_weights=False)
+        self.ffn = PositionwiseFeedForward(d_model, d_ff, dropout, activation)
         self.norm1 = nn.LayerNorm(d_model)
         self.norm2 = nn.LayerNorm(d_model)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, causal: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, causal: bool = False,
+                kv_cache=None, layer_idx: int = 0) -> torch.Tensor:
         check_input("x", x, ndim=3, last=self.d_model, owner=type(self).__name__)
-        residual = x
-        x, _ = self.self_attn(x, x, x, mask, causal=causal)
-        x = layer_norm(self.dropout(x) + residual, self.norm1)
+        a, _ = self.self_attn(x, x, x, mask, causal=causal, kv_cache=kv_cache, layer_idx=layer_idx)
+        x = layer_norm(self.dropout(a) + x, self.norm1)
         return layer_norm(self.ffn(x) + x, self.norm2)
 
 
-class TransformerEncoder(nn.Module):
-    """Stack of ``TransformerEncoderLayer`` + final LayerNorm (guide 000). (B, L, d) -> (B, L, d)."""
+class TransformerDecoderLayer(TransformerEncoderLayer):
+    """Decoder layer of guide 000: masked self-attention, cross-attention to the encoder, FFN, each followed
+    by add & norm. ``causal=True`` gives the causal self-attention without building a mask."""
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.1):
+        super().__init__(d_model, n_heads, d_ff, dropout)
+        self.cross_attn = MultiHeadAttention(d_model, n_heads, dropout, need_weights=False)
+        self.norm3 = nn.LayerNorm(d_model)
+
+    def forward(self, x, encoder_output, tgt_mask=None, src_mask=None, *, causal: bool = False):  # type: ignore[override]
+        """x (B, Lt, d), encoder_output (B, Ls, d) or None -> (B, Lt, d).
+
+        ``encoder_output=None`` (decoder-only use, guide 004's ``GPTStyle``) skips the cross-attention
+        sub-layer (``cross_attn`` and ``norm2`` stay in the state_dict, unused)."""
+        check_input("x", x, ndim=3, last=self.d_model, owner="TransformerDecoderLayer")
+        a, _ = self.self_attn(x, x, x, tgt_mask, causal=causal)
+        x = layer_norm(self.dropout(a) + x, self.norm1)
+        if encoder_output is not None:
+            check_input("encoder_output", encoder_output, ndim=3, last=self.d_model,
+                        owner="TransformerDecoderLayer")
+            a, _ = self.cross_attn(x, encoder_output, encoder_output, src_mask)
+            x = layer_norm(self.dropout(a) + x, self.norm2)
+        return layer_norm(self.ffn(x) + x, self.norm3)
+
+
+class _NormedStack(nn.Module):
+    """``num_layers`` layers of ``layer_type`` and a final LayerNorm ``norm`` (guide 000's stacks)."""
+
+    layer_type: type[nn.Module]
 
     def __init__(self, num_layers: int, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.1):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerEncoderLayer(d_model, n_heads, d_ff, dropout)
-                                    for _ in range(num_layers))
+        self.layers = nn.ModuleList(self.layer_type(d_model, n_heads, d_ff, dropout) for _ in range(num_layers))
         self.norm = nn.LayerNorm(d_model)
+
+
+class TransformerEncoder(_NormedStack):
+    """Stack of ``TransformerEncoderLayer`` + final LayerNorm (guide 000). (B, L, d) -> (B, L, d)."""
+
+    layer_type = TransformerEncoderLayer
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, causal: bool = False) -> torch.Tensor:
         for layer in self.layers:
@@ -267,48 +163,10 @@ class TransformerEncoder(nn.Module):
         return layer_norm(x, self.norm)
 
 
-class TransformerDecoderLayer(nn.Module):
-    """Decoder layer of guide 000: masked self-attention, cross-attention to the encoder, FFN, each followed
-    by add & norm. ``causal=True`` gives the causal self-attention without building a mask."""
-
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.1):
-        super().__init__()
-        self.d_model = d_model
-        self.self_attn = _MHA000(d_model, n_heads, dropout)
-        self.cross_attn = _MHA000(d_model, n_heads, dropout)
-        self.ffn = PositionwiseFeedForward(d_model, d_ff, dropout)
-        self.norm1 = nn.LayerNorm(d_model)
-        self.norm2 = nn.LayerNorm(d_model)
-        self.norm3 = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x, encoder_output, tgt_mask=None, src_mask=None, *, causal: bool = False):
-        """x (B, Lt, d), encoder_output (B, Ls, d) or None -> (B, Lt, d).
-
-        ``encoder_output=None`` (decoder-only use, guide 004's ``GPTStyle``) skips the cross-attention
-        sub-layer (``cross_attn`` and ``norm2`` stay in the state_dict, unused)."""
-        check_input("x", x, ndim=3, last=self.d_model, owner="TransformerDecoderLayer")
-        if encoder_output is not None:
-            check_input("encoder_output", encoder_output, ndim=3, last=self.d_model,
-                        owner="TransformerDecoderLayer")
-        residual = x
-        x, _ = self.self_attn(x, x, x, tgt_mask, causal=causal)
-        x = layer_norm(self.dropout(x) + residual, self.norm1)
-        if encoder_output is not None:
-            residual = x
-            x, _ = self.cross_attn(x, encoder_output, encoder_output, src_mask)
-            x = layer_norm(self.dropout(x) + residual, self.norm2)
-        return layer_norm(self.ffn(x) + x, self.norm3)
-
-
-class TransformerDecoder(nn.Module):
+class TransformerDecoder(_NormedStack):
     """Stack of ``TransformerDecoderLayer`` + final LayerNorm (guide 000)."""
 
-    def __init__(self, num_layers: int, d_model: int, n_heads: int, d_ff: int, dropout: float = 0.1):
-        super().__init__()
-        self.layers = nn.ModuleList(TransformerDecoderLayer(d_model, n_heads, d_ff, dropout)
-                                    for _ in range(num_layers))
-        self.norm = nn.LayerNorm(d_model)
+    layer_type = TransformerDecoderLayer
 
     def forward(self, x, encoder_output, tgt_mask=None, src_mask=None, *, causal: bool = False):
         for layer in self.layers:
@@ -407,15 +265,16 @@ class TransformerBlock(nn.Module):
     """Post-norm encoder block of guide 001: x = norm1(x + drop(attn(x))); x = norm2(x + drop(ffn(x))).
 
     Keys: ``attention.qkv``, ``attention.out_proj``, ``norm1``, ``ffn.{0,3}``, ``norm2``.
-    forward(x (B, L, E), mask (B, 1, 1, L) or broadcastable, 0 = masked) -> (B, L, E).
-    ``layer_norm_eps`` (extension, default PyTorch's 1e-5) lets Hugging Face BERT (1e-12) load exactly.
+    forward(x (B, L, E), mask (B, 1, 1, L) or broadcastable, 0 = masked, *, causal=False,
+    key_padding_mask=None) -> (B, L, E). ``layer_norm_eps`` (extension, default PyTorch's 1e-5) lets Hugging
+    Face BERT (1e-12) load exactly.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, ff_dim: int, dropout: float = 0.1,
                  layer_norm_eps: float = 1e-5):
         super().__init__()
         self.embed_dim = embed_dim
-        self.attention = _QKVAttention(embed_dim, num_heads, dropout)
+        self.attention = FusedQKVAttention(embed_dim, num_heads, dropout)
         self.norm1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
         self.dropout1 = nn.Dropout(dropout)
         self.ffn = nn.Sequential(nn.Linear(embed_dim, ff_dim), nn.GELU(), nn.Dropout(dropout),
@@ -426,12 +285,12 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None, *, causal: bool = False,
                 key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         check_input("x", x, ndim=3, last=self.embed_dim, owner="TransformerBlock")
-        x = layer_norm(x + self.dropout1(self.attention(x, mask, causal=causal,
-                                                        key_padding_mask=key_padding_mask)), self.norm1)
+        a = self.attention(x, mask, causal=causal, key_padding_mask=key_padding_mask)
+        x = layer_norm(x + self.dropout1(a), self.norm1)
         return layer_norm(x + self.dropout2(self.ffn(x)), self.norm2)
 
 
-class TransformerEncoder001(nn.Module):
+class TextTransformerEncoder(nn.Module):
     """Guide 001's ``TransformerEncoder`` (token ids in; the name ``TransformerEncoder`` is guide 000's):
     embedding * sqrt(E) + sinusoidal positions, ``TransformerBlock`` stack, final norm.
     forward(x (B, L) token ids, mask) -> (B, L, E)."""
@@ -440,43 +299,17 @@ class TransformerEncoder001(nn.Module):
                  max_len: int = 5000, dropout: float = 0.1):
         super().__init__()
         self.embedding = nn.Embedding(vocab_size, embed_dim)
-        self.pos_encoding = _SinusoidalBuffer(embed_dim, max_len)
+        self.pos_encoding = SinusoidalPositionalEncoding(embed_dim, max_len)
         self.dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleList(TransformerBlock(embed_dim, num_heads, ff_dim, dropout) for _ in range(num_layers))
         self.norm = nn.LayerNorm(embed_dim)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        check_input("x", x, ndim=2, integer=True, owner="TransformerEncoder001")
+        check_input("x", x, ndim=2, integer=True, owner="TextTransformerEncoder")
         x = self.dropout(self.pos_encoding(self.embedding(x) * math.sqrt(self.embedding.embedding_dim)))
         for layer in self.layers:
             x = layer(x, mask)
         return layer_norm(x, self.norm)
-
-
-class _SinusoidalBuffer(nn.Module):
-    """x + pe[:L] with ``pe`` a (1, max_len, d) buffer (guides 001/003/004's sinusoidal encodings)."""
-
-    def __init__(self, d_model: int, max_len: int = 5000):
-        super().__init__()
-        self.register_buffer("pe", _sinusoid(max_len, d_model).unsqueeze(0))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.size(1) > self.pe.size(1):
-            raise ValueError(f"sequence length {x.size(1)} exceeds the positional table's max_len {self.pe.size(1)}")
-        return x + self.pe[:, : x.size(1)]
-
-
-class _LearnedTable(nn.Module):
-    """Guide 003's ``LearnedPositionalEncoding``: x + pe[:, :L] with ``pe`` a (1, max_len, d) parameter."""
-
-    def __init__(self, d_model: int, max_len: int = 5000):
-        super().__init__()
-        self.pe = nn.Parameter(torch.randn(1, max_len, d_model))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.size(1) > self.pe.size(1):
-            raise ValueError(f"sequence length {x.size(1)} exceeds the positional table's max_len {self.pe.size(1)}")
-        return x + self.pe[:, : x.size(1)]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -506,76 +339,44 @@ class FeedFowardNetwork(nn.Module):
         return self.ffn(X)
 
 
-class TransformerBlock003(nn.Module):
+_NORM_TYPES = ("layer", "batch")
+
+
+def _check_norm_type(owner: str, norm_type: str) -> None:
+    if norm_type not in _NORM_TYPES:
+        raise ValueError(f"{owner}: argument 'norm_type' must be 'layer' or 'batch', got {norm_type!r}")
+
+
+class PostNormRotaryBlock(nn.Module):
     """Guide 003's ``TransformerBlock`` (post-norm): X = ln1(X + drop(mha(X))); X = ln2(X + drop(ffn(X))).
 
     Keys ``mha.W_Q``..``mha.W_O``, ``ln1``, ``ffn.ffn.{0,3}``, ``ln2``. ``rotary=True`` applies RoPE to q, k.
+    ``norm_type``: ``'layer'`` (``nn.LayerNorm``, as the guide's code) or ``'batch'`` (guide 003's
+    ``BatchNorm``). forward(X (B, L, d_model), mask (B, L) 0 = padding, causal=False) -> (B, L, d_model).
     """
 
     def __init__(self, d_model: int, n_heads: int, d_ffn: int, dropout: float = 0.1, norm_type: str = "layer",
                  rotary: bool = False):
         super().__init__()
-        self.d_model, self.n_heads, self.d_ffn = d_model, n_heads, d_ffn
-        self.mha = _MHA003(d_model, n_heads, dropout, rotary=rotary)
-        self.ln1 = nn.LayerNorm(d_model)
+        _check_norm_type("TransformerBlock003", norm_type)
+        self.d_model, self.n_heads, self.d_ffn, self.norm_type = d_model, n_heads, d_ffn, norm_type
+        self.mha = RotarySelfAttention(d_model, n_heads, dropout, rotary=rotary)
+        self.ln1 = FusedLayerNorm(d_model) if norm_type == "layer" else BatchNorm(d_model)
         self.ffn = FeedFowardNetwork(d_model=d_model, d_ffn=d_ffn)
-        self.ln2 = nn.LayerNorm(d_model)
+        self.ln2 = FusedLayerNorm(d_model) if norm_type == "layer" else BatchNorm(d_model)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, X: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-        X = layer_norm(X + self.dropout(self.mha(X, mask, causal)), self.ln1)
-        return layer_norm(X + self.dropout(self.ffn(X)), self.ln2)
+        X = self.ln1(X + self.dropout(self.mha(X, mask, causal)))
+        return self.ln2(X + self.dropout(self.ffn(X)))
 
 
-def _norm003(kind: str, d_model: int) -> nn.Module:
-    """Guide 003's own LayerNorm (gamma/beta, unbiased std, eps outside the root) or BatchNorm."""
-    try:
-        from .norms import BatchNorm as _BN  # type: ignore[attr-defined]
-        from .norms import LayerNorm as _LN  # type: ignore[attr-defined]
-    except ImportError:
-        _LN, _BN = _LayerNorm003, _BatchNorm003
-    return _LN(d_model) if kind == "layer" else _BN(d_model)
-
-
-class _LayerNorm003(nn.Module):
-    def __init__(self, d_model: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.gamma = nn.Parameter(torch.ones(d_model))
-        self.beta = nn.Parameter(torch.zeros(d_model))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..ops.layer_norm import layer_norm as fa_ln
-
-        return fa_ln(x, self.gamma, self.beta, self.eps, unbiased=True, eps_inside_sqrt=False)
-
-
-class _BatchNorm003(nn.Module):
-    def __init__(self, d_model: int, eps: float = 1e-5, momentum: float = 0.1):
-        super().__init__()
-        self.eps, self.momentum = eps, momentum
-        self.gamma = nn.Parameter(torch.ones(d_model))
-        self.beta = nn.Parameter(torch.zeros(d_model))
-        self.register_buffer("running_mean", torch.zeros(d_model))
-        self.register_buffer("running_var", torch.ones(d_model))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
-            mean = x.mean(dim=(0, 1))
-            var = x.var(dim=(0, 1), unbiased=False)
-            with torch.no_grad():
-                self.running_mean.mul_(1 - self.momentum).add_(self.momentum * mean)
-                self.running_var.mul_(1 - self.momentum).add_(self.momentum * var)
-        else:
-            mean, var = self.running_mean, self.running_var
-        return self.gamma * (x - mean) / torch.sqrt(var + self.eps) + self.beta
-
-
-class Transformer003(nn.Module):
-    """Guide 003's language model ``Transformer`` (renamed: ``Transformer`` is guide 000's).
+class TransformerLM(nn.Module):
+    """Guide 003's language model ``Transformer`` (alias ``Transformer003``; ``Transformer`` is guide 000's).
 
     mode 'encoder' (bidirectional) or 'decoder' (causal); pos_encoding 'sinusoidal' | 'learned' | 'rotary';
-    norm_type 'layer' | 'batch' for the final norm. forward(x (B, L) ids, mask (B, L) padding) -> logits (B, L, V).
+    norm_type 'layer' | 'batch' (the blocks' norms and the final norm, guide 003's ``LayerNorm``/``BatchNorm``).
+    forward(x (B, L) ids, mask (B, L) padding) -> logits (B, L, V).
     """
 
     def __init__(self, vocab_size: int, d_model: int = 512, n_heads: int = 8, n_layers: int = 6, d_ff: int = 2048,
@@ -587,21 +388,18 @@ class Transformer003(nn.Module):
         if pos_encoding not in ("sinusoidal", "learned", "rotary"):
             raise ValueError("Transformer003: argument 'pos_encoding' must be 'sinusoidal', 'learned' or 'rotary', "
                              f"got {pos_encoding!r}")
-        if norm_type not in ("layer", "batch"):
-            raise ValueError(f"Transformer003: argument 'norm_type' must be 'layer' or 'batch', got {norm_type!r}")
+        _check_norm_type("Transformer003", norm_type)
         self.mode, self.d_model = mode, d_model
         self.token_embedding = TokenEmbedding(vocab_size, d_model)
-        self.pos_encoding: nn.Module | None
-        if pos_encoding == "sinusoidal":
-            self.pos_encoding = _SinusoidalBuffer(d_model, max_len)
-        elif pos_encoding == "learned":
-            self.pos_encoding = _LearnedTable(d_model, max_len)
-        else:
-            self.pos_encoding = None
-        rotary = pos_encoding == "rotary"
-        self.blocks = nn.ModuleList(TransformerBlock003(d_model, n_heads, d_ff, dropout, norm_type, rotary=rotary)
-                                    for _ in range(n_layers))
-        self.final_norm = _norm003(norm_type, d_model)
+        self.pos_encoding: nn.Module | None = {
+            "sinusoidal": lambda: SinusoidalPositionalEncoding(d_model, max_len),
+            "learned": lambda: LearnedPositionalEncoding003(d_model, max_len),
+            "rotary": lambda: None,
+        }[pos_encoding]()
+        self.blocks = nn.ModuleList(
+            PostNormRotaryBlock(d_model, n_heads, d_ff, dropout, norm_type, rotary=pos_encoding == "rotary")
+            for _ in range(n_layers))
+        self.final_norm = LayerNorm(d_model) if norm_type == "layer" else BatchNorm(d_model)
         self.output_projection = nn.Linear(d_model, vocab_size)
         self.dropout = nn.Dropout(dropout)
 
@@ -619,26 +417,6 @@ class Transformer003(nn.Module):
 # --------------------------------------------------------------------------------------------------------
 # Guide 004
 # --------------------------------------------------------------------------------------------------------
-class _MHA004(nn.Module):
-    def __init__(self, d_model: int, num_heads: int):
-        super().__init__()
-        if d_model % num_heads:
-            raise ValueError(f"d_model ({d_model}) must be divisible by num_heads ({num_heads})")
-        self.d_model, self.num_heads, self.d_k = d_model, num_heads, d_model // num_heads
-        self.W_q = nn.Linear(d_model, d_model)
-        self.W_k = nn.Linear(d_model, d_model)
-        self.W_v = nn.Linear(d_model, d_model)
-        self.W_o = nn.Linear(d_model, d_model)
-
-    def forward(self, query, key, value, mask=None):
-        b = query.shape[0]
-        q, k, v = _split(self.W_q(query), self.num_heads), _split(self.W_k(key), self.num_heads), \
-            _split(self.W_v(value), self.num_heads)
-        kpm, bias = guide_mask_to_op(mask, b, q.shape[2], k.shape[2], q.dtype)
-        o = attend(q, k, v, key_padding_mask=kpm, attn_bias=bias)
-        return self.W_o(_merge(o)), None
-
-
 class _FFN004(nn.Module):
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.1):
         super().__init__()
@@ -651,12 +429,13 @@ class _FFN004(nn.Module):
         return self.linear2(self.dropout(self.activation(self.linear1(x))))
 
 
-class TransformerBlock004(nn.Module):
-    """Guide 004's post-norm ``TransformerBlock`` (keys ``attention.W_q``.., ``feed_forward.linear1/2``)."""
+class PostNormBlock(nn.Module):
+    """Guide 004's post-norm ``TransformerBlock`` (alias ``TransformerBlock004``): keys ``attention.W_q``..,
+    ``feed_forward.linear1/2``, ``norm1``, ``norm2``. forward(x (B, L, d), mask, 0 = masked) -> (B, L, d)."""
 
     def __init__(self, d_model: int, num_heads: int, d_ff: int, dropout: float = 0.1):
         super().__init__()
-        self.attention = _MHA004(d_model, num_heads)
+        self.attention = MultiHeadAttention004(d_model, num_heads)
         self.feed_forward = _FFN004(d_model, d_ff, dropout)
         self.norm1 = nn.LayerNorm(d_model)
         self.norm2 = nn.LayerNorm(d_model)
@@ -668,15 +447,16 @@ class TransformerBlock004(nn.Module):
         return layer_norm(x + self.dropout(self.feed_forward(x)), self.norm2)
 
 
-class Transformer004(nn.Module):
-    """Guide 004's ``Transformer`` (embedding, sinusoidal positions, blocks, vocabulary projection)."""
+class SinusoidalEncoderLM(nn.Module):
+    """Guide 004's ``Transformer`` (alias ``Transformer004``): embedding, sinusoidal positions, bidirectional
+    ``PostNormBlock`` stack, vocabulary projection. forward(x (B, L) ids, mask) -> logits (B, L, V)."""
 
     def __init__(self, vocab_size: int, d_model: int, num_heads: int, num_layers: int, d_ff: int,
                  max_seq_length: int = 5000, dropout: float = 0.1):
         super().__init__()
         self.embedding = nn.Embedding(vocab_size, d_model)
-        self.positional_encoding = _SinusoidalBuffer(d_model, max_seq_length)
-        self.transformer_blocks = nn.ModuleList(TransformerBlock004(d_model, num_heads, d_ff, dropout)
+        self.positional_encoding = SinusoidalPositionalEncoding(d_model, max_seq_length)
+        self.transformer_blocks = nn.ModuleList(PostNormBlock(d_model, num_heads, d_ff, dropout)
                                                 for _ in range(num_layers))
         self.final_layer = nn.Linear(d_model, vocab_size)
         self.dropout = nn.Dropout(dropout)
@@ -687,3 +467,15 @@ class Transformer004(nn.Module):
         for block in self.transformer_blocks:
             x = block(x, mask)
         return self.final_layer(x)
+
+
+# Guide-numbered names, for drop-in use.
+TransformerEncoder001 = TextTransformerEncoder
+TransformerBlock003 = PostNormRotaryBlock
+Transformer003 = TransformerLM
+TransformerBlock004 = PostNormBlock
+Transformer004 = SinusoidalEncoderLM
+_MHA000 = MultiHeadAttention
+_QKVAttention = FusedQKVAttention
+_MHA003 = RotarySelfAttention
+_MHA004 = MultiHeadAttention004

@@ -1,7 +1,8 @@
 """Vision Transformers, drop-in: guide 000's ``PatchEmbedding``/``VisionTransformer`` (blocks are guide 000's
-``TransformerEncoderLayer``) and guide 001's variants ``PatchEmbedding001``/``VisionTransformer001`` (blocks
-are guide 001's ``TransformerBlock``; the names without suffix belong to guide 000). ``vit_b_16`` is the
-001 variant at ViT-B/16, 86,567,656 parameters as torchvision's. Attention runs on ``fastarch.ops.attention``.
+``TransformerEncoderLayer``) and ``ViT``/``ViTPatchEmbedding`` (guide 001's ``VisionTransformer`` and
+``PatchEmbedding``, aliases ``VisionTransformer001``/``PatchEmbedding001``: blocks are guide 001's
+``TransformerBlock``). ``vit_b_16`` is ``ViT`` at ViT-B/16, 86,567,656 parameters as torchvision's. Attention
+runs on ``fastarch.ops.attention``.
 """
 
 from __future__ import annotations
@@ -12,20 +13,13 @@ import torch.nn as nn
 from ._models_common import check_input, layer_norm
 from .transformer import TransformerBlock, TransformerEncoderLayer
 
-__all__ = ["PatchEmbedding", "VisionTransformer", "PatchEmbedding001", "VisionTransformer001"]
-
-
-def _check_img(x: object, channels: int, size: int, owner: str) -> torch.Tensor:
-    check_input("x", x, ndim=4, owner=owner)
-    assert isinstance(x, torch.Tensor)
-    if x.shape[1] != channels or x.shape[2] != size or x.shape[3] != size:
-        raise ValueError(f"{owner}: argument 'x' must be (B, {channels}, {size}, {size}), got {tuple(x.shape)}")
-    return x
+__all__ = ["PatchEmbedding", "VisionTransformer", "ViTPatchEmbedding", "ViT", "PatchEmbedding001",
+           "VisionTransformer001"]
 
 
 class PatchEmbedding(nn.Module):
-    """Non-overlapping P x P patches -> embed_dim via a strided conv (guide 000).
-    x (B, C, H, W) -> (B, (H/P)(W/P), embed_dim)."""
+    """Non-overlapping P x P patches -> embed_dim via a strided conv (guide 000: key ``proj``, attribute
+    ``n_patches``). x (B, C, H, W) -> (B, (H/P)(W/P), embed_dim)."""
 
     def __init__(self, img_size: int = 224, patch_size: int = 16, in_channels: int = 3, embed_dim: int = 768):
         super().__init__()
@@ -37,34 +31,47 @@ class PatchEmbedding(nn.Module):
         return self.proj(x).flatten(2).transpose(1, 2)
 
 
-class VisionTransformer(nn.Module):
-    """ViT of guide 000: patches + [CLS] + learned positions, ``TransformerEncoderLayer`` blocks, final norm,
-    linear head on [CLS]. x (B, C, img_size, img_size) -> logits (B, num_classes)."""
+class ViTPatchEmbedding(PatchEmbedding):
+    """Guide 001's ``PatchEmbedding``: the same layer with key ``projection`` and attributes ``image_size``,
+    ``num_patches``."""
 
-    def __init__(self, img_size: int = 224, patch_size: int = 16, in_channels: int = 3, num_classes: int = 1000,
-                 embed_dim: int = 768, depth: int = 12, num_heads: int = 12, mlp_ratio: float = 4.0,
-                 dropout: float = 0.1):
+    def __init__(self, image_size: int = 224, patch_size: int = 16, in_channels: int = 3, embed_dim: int = 768):
+        super().__init__(image_size, patch_size, in_channels, embed_dim)
+        self.image_size, self.num_patches = image_size, self.n_patches
+        self.projection = self._modules.pop("proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projection(x).flatten(2).transpose(1, 2)
+
+
+class _ClassTokenViT(nn.Module):
+    """Patches + [CLS] + learned positions, a block stack (attribute ``blocks_attr``), a final norm and a
+    linear head on [CLS]. forward(x (B, C, S, S)) -> logits (B, num_classes)."""
+
+    blocks_attr = "blocks"
+
+    def __init__(self, in_channels: int, size: int, patch_embed: PatchEmbedding, embed_dim: int,
+                 num_classes: int, dropout: float, blocks: nn.ModuleList):
         super().__init__()
-        self.in_channels, self.img_size = in_channels, img_size
-        self.patch_embed = PatchEmbedding(img_size, patch_size, in_channels, embed_dim)
-        n = self.patch_embed.n_patches
+        self.in_channels, self.size = in_channels, size
+        self.patch_embed = patch_embed
         self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, n + 1, embed_dim))
-        self.pos_drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(TransformerEncoderLayer(embed_dim, num_heads, int(embed_dim * mlp_ratio), dropout)
-                                    for _ in range(depth))
+        self.pos_embed = nn.Parameter(torch.zeros(1, patch_embed.n_patches + 1, embed_dim))
+        self.dropout = nn.Dropout(dropout)
+        setattr(self, self.blocks_attr, blocks)
         self.norm = nn.LayerNorm(embed_dim)
         self.head = nn.Linear(embed_dim, num_classes)
-        nn.init.trunc_normal_(self.pos_embed, std=0.02)
-        nn.init.trunc_normal_(self.cls_token, std=0.02)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Normalised token states (B, 1 + n_patches, embed_dim)."""
-        _check_img(x, self.in_channels, self.img_size, type(self).__name__)
+        check_input("x", x, ndim=4, owner=type(self).__name__)
+        c, s = self.in_channels, self.size
+        if tuple(x.shape[1:]) != (c, s, s):
+            raise ValueError(f"{type(self).__name__}: argument 'x' must be (B, {c}, {s}, {s}), got {tuple(x.shape)}")
         x = self.patch_embed(x)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = self.pos_drop(x + self.pos_embed)
-        for block in self.blocks:
+        x = self.dropout(x + self.pos_embed)
+        for block in getattr(self, self.blocks_attr):
             x = block(x)
         return layer_norm(x, self.norm)
 
@@ -72,42 +79,40 @@ class VisionTransformer(nn.Module):
         return self.head(self.forward_features(x)[:, 0])
 
 
-class PatchEmbedding001(nn.Module):
-    """Guide 001's ``PatchEmbedding`` (key ``projection``; attribute ``num_patches``)."""
+class VisionTransformer(_ClassTokenViT):
+    """ViT of guide 000: ``TransformerEncoderLayer`` blocks (``blocks``), positions and [CLS] initialised with
+    a truncated normal. x (B, C, img_size, img_size) -> logits (B, num_classes)."""
 
-    def __init__(self, image_size: int = 224, patch_size: int = 16, in_channels: int = 3, embed_dim: int = 768):
-        super().__init__()
-        self.image_size, self.patch_size = image_size, patch_size
-        self.num_patches = (image_size // patch_size) ** 2
-        self.projection = nn.Conv2d(in_channels, embed_dim, kernel_size=patch_size, stride=patch_size)
+    def __init__(self, img_size: int = 224, patch_size: int = 16, in_channels: int = 3, num_classes: int = 1000,
+                 embed_dim: int = 768, depth: int = 12, num_heads: int = 12, mlp_ratio: float = 4.0,
+                 dropout: float = 0.1):
+        ff = int(embed_dim * mlp_ratio)
+        super().__init__(in_channels, img_size, PatchEmbedding(img_size, patch_size, in_channels, embed_dim),
+                         embed_dim, num_classes, dropout,
+                         nn.ModuleList(TransformerEncoderLayer(embed_dim, num_heads, ff, dropout) for _ in range(depth)))
+        self.img_size = img_size
+        self.pos_drop = self.dropout  # the guide's attribute name
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.projection(x).flatten(2).transpose(1, 2)
 
+class ViT(_ClassTokenViT):
+    """Guide 001's ``VisionTransformer`` (alias ``VisionTransformer001``): post-norm ``TransformerBlock``
+    encoder (``encoder``), positions and [CLS] drawn from a standard normal. x (B, C, image_size, image_size)
+    -> logits (B, num_classes)."""
 
-class VisionTransformer001(nn.Module):
-    """Guide 001's ``VisionTransformer`` (post-norm ``TransformerBlock`` encoder).
-    x (B, C, image_size, image_size) -> logits (B, num_classes)."""
+    blocks_attr = "encoder"
 
     def __init__(self, image_size: int = 224, patch_size: int = 16, in_channels: int = 3, num_classes: int = 1000,
                  embed_dim: int = 768, num_heads: int = 12, num_layers: int = 12, ff_dim: int = 3072,
                  dropout: float = 0.1):
-        super().__init__()
-        self.in_channels, self.image_size = in_channels, image_size
-        self.patch_embed = PatchEmbedding001(image_size, patch_size, in_channels, embed_dim)
-        n = self.patch_embed.num_patches
-        self.cls_token = nn.Parameter(torch.randn(1, 1, embed_dim))
-        self.pos_embed = nn.Parameter(torch.randn(1, n + 1, embed_dim))
-        self.dropout = nn.Dropout(dropout)
-        self.encoder = nn.ModuleList(TransformerBlock(embed_dim, num_heads, ff_dim, dropout) for _ in range(num_layers))
-        self.norm = nn.LayerNorm(embed_dim)
-        self.head = nn.Linear(embed_dim, num_classes)
+        super().__init__(in_channels, image_size, ViTPatchEmbedding(image_size, patch_size, in_channels, embed_dim),
+                         embed_dim, num_classes, dropout,
+                         nn.ModuleList(TransformerBlock(embed_dim, num_heads, ff_dim, dropout) for _ in range(num_layers)))
+        self.image_size = image_size
+        nn.init.normal_(self.cls_token)
+        nn.init.normal_(self.pos_embed)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _check_img(x, self.in_channels, self.image_size, "VisionTransformer001")
-        x = self.patch_embed(x)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = self.dropout(x + self.pos_embed)
-        for block in self.encoder:
-            x = block(x)
-        return self.head(layer_norm(x, self.norm)[:, 0])
+
+PatchEmbedding001 = ViTPatchEmbedding
+VisionTransformer001 = ViT

@@ -89,7 +89,7 @@ def _in_features(m) -> int:
 def _tiny_input(m) -> tuple:
     kind = type(m).__name__
     if kind in ("BERT", "BERTTransformer", "GPTModel", "GPTTransformer", "EfficientLM", "MambaLM", "ReformerLM",
-                "Transformer003", "LongformerEncoder"):
+                "TransformerLM", "LongformerEncoder"):
         return (_ids(m),)
     if kind == "BERTModel":
         return (_ids(m), torch.zeros(2, 16, dtype=torch.long))
@@ -101,8 +101,8 @@ def _tiny_input(m) -> tuple:
         return (torch.randn(2, 5, m.vision_proj.in_features), _ids(m))
     if kind == "LeNet":
         return (torch.randn(2, 1, 28, 28),)
-    if kind in ("ResNet", "DenseNet", "MobileNetV2", "EfficientNet", "CNN", "VisionTransformer",
-                "VisionTransformer001", "SwinTransformer"):
+    if kind in ("ResNet", "DenseNet", "MobileNetV2", "EfficientNet", "CNN", "VisionTransformer", "ViT",
+                "SwinTransformer"):
         return (torch.randn(2, 3, 32, 32),)
     if kind in ("LSTM", "GRU", "VanillaRNN"):
         return (torch.randn(2, 6, m.input_size),)

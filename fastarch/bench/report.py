@@ -231,7 +231,7 @@ def _ratio_line(q: RatioResult) -> str:
     what = f"{q.faster} vs {q.slower}: "
     if q.value is None:
         return what + "not measured (a side did not run)"
-    line = what + f"{q.value:.2f}x faster" if q.value >= 1 else what + f"{q.value:.2f}x (slower)"
+    line = what + (f"{q.value:.3g}x faster" if q.value >= 1 else f"{q.value:.3g}x (slower)")
     if q.target is not None:
         bound = "<=" if q.at_most else ">="
         line += f" (target {bound} {q.target:g}: {'met' if q.met else 'MISSED'})"

@@ -7,6 +7,7 @@ import fnmatch
 import gc
 import importlib
 import importlib.util
+import inspect
 import pkgutil
 import time
 import traceback
@@ -142,6 +143,15 @@ def case_set_entries(entries: dict[str, SuiteEntry], names: Sequence[str]) -> li
     return [replace(owners[n], name=n, case_set=n) for n in names]
 
 
+def _description(e: SuiteEntry) -> str:
+    """The suite's description, or the first paragraph of its case set's docstring."""
+    if e.suite is None:
+        return ""
+    fn = e.suite.case_sets.get(e.case_set) if e.case_set else None
+    doc = inspect.getdoc(fn) if fn is not None else None
+    return " ".join(doc.split("\n\n")[0].split()) if doc else e.suite.description
+
+
 def _first_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[0][:300] if lines else ""
@@ -194,7 +204,7 @@ def run_benchmarks(
     plan: list[tuple[SuiteEntry, list[Case]]] = []
     no_cuda = opts.device.type == "cuda" and not torch.cuda.is_available()
     for e in entries:
-        desc = e.suite.description if e.suite else ""
+        desc = _description(e)
         if e.suite is None:
             suites[e.name] = {"description": desc, "status": "error", "note": e.error or "unavailable"}
             continue

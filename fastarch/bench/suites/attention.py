@@ -93,7 +93,6 @@ def cases(cfg: BenchConfig) -> list[Case]:
 # ---- triton-attention-gpu: the Triton kernels themselves against SDPA's flash backend ----------------------
 def _kernel_inputs(cfg: BenchConfig, B: int, H: int, L: int, D: int, window: tuple[int, int]):
     """q, k, v on the GPU, the kernels' keyword arguments, and the forward's (o, lse) for the backward."""
-    require_cuda(cfg)
     from fastarch.kernels.attention import attention_fwd
 
     q, k, v = qkv(cfg, B, H, L, D)
@@ -119,7 +118,6 @@ def _triton(cfg: BenchConfig, B: int, H: int, L: int, D: int, window: tuple[int,
 def _sdpa_flash(cfg: BenchConfig, B: int, H: int, L: int, D: int, causal: bool, bwd: bool
                 ) -> Callable[[], Callable[[], Any]]:
     def setup() -> Callable[[], Any]:
-        require_cuda(cfg)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         def flash(a, b, c):
@@ -135,6 +133,7 @@ def _sdpa_flash(cfg: BenchConfig, B: int, H: int, L: int, D: int, causal: bool, 
 
 
 def _kernel_cases(cfg: BenchConfig) -> list[Case]:
+    require_cuda(cfg)
     B, H = (2, 16) if cfg.quick else (4, 16)
     lengths = (2048, 4096) if cfg.quick else (2048, 4096, 8192)
     out = []

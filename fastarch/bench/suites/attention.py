@@ -11,11 +11,6 @@ Providers per case:
 - ``reference``: :func:`fastarch.ops.attention_ref` (dense, fp32, materialises L x L).
 
 Forward cases, and forward+backward cases (``fwd_bwd``: one forward and the input gradients).
-
-Case set ``triton-attention-gpu`` (CUDA only): the Triton kernels' forward and backward
-(``fastarch.kernels.attention``) against SDPA's flash backend at B=4 (2 with ``--quick``), H=16,
-L 2048-8192, D 64 and 128, full and causal (bars: forward at least 1.0x, backward at least 0.8x of
-SDPA flash), and sliding windows w = 128 ... 2048 at L=16384, whose time should grow with w, not L.
 """
 
 from __future__ import annotations
@@ -133,6 +128,10 @@ def _sdpa_flash(cfg: BenchConfig, B: int, H: int, L: int, D: int, causal: bool, 
 
 
 def _kernel_cases(cfg: BenchConfig) -> list[Case]:
+    """CUDA only: the Triton kernels' forward and backward (``fastarch.kernels.attention``) against SDPA's
+    flash backend at B=4 (2 with ``--quick``), H=16, L 2048-8192, D 64 and 128, full and causal (bars:
+    forward at least 1.0x, backward at least 0.8x of SDPA flash), and sliding windows w = 128 ... 2048 at
+    L=16384 (8192 with ``--quick``), whose time should grow with w, not L."""
     require_cuda(cfg)
     B, H = (2, 16) if cfg.quick else (4, 16)
     lengths = (2048, 4096) if cfg.quick else (2048, 4096, 8192)

@@ -2,9 +2,6 @@
 step attends to the cache through :func:`fastarch.ops.attention`) against generation without a cache
 (re-running the whole sequence every step, what the guides' decoding loops amount to), and beam search,
 on :class:`fastarch.nn.GPTModel`. One timed call generates every new token of the batch.
-
-Case set ``generation-headline``: 4 layers, d_model 256, 4 heads, vocabulary 8000, batch 4, a 32-token
-prompt and 128 new tokens (beam search: 4 beams, 64 steps).
 """
 
 from __future__ import annotations
@@ -66,8 +63,9 @@ def cases(cfg: BenchConfig) -> list[Case]:
 
 
 def headline_cases(cfg: BenchConfig) -> list[Case]:
-    """Greedy decoding of a GPTModel (4 layers, d_model 256, batch 4, 32 + 128 tokens) with the KV cache
-    against without, and beam search with 4 beams."""
+    """Greedy decoding of a GPTModel (4 layers, d_model 256, 4 heads, vocabulary 8000, batch 4, a 32-token
+    prompt and 128 new tokens) with the KV cache against without, and beam search with 4 beams over 64
+    steps."""
     if cfg.toy:
         return cases(cfg)
     return _cases(cfg, dict(layers=4, d=256, heads=4, vocab=8000, batch=4, prompt=32, new=128))

@@ -7,11 +7,6 @@ Cases:
   matrix (:func:`s4_kernel_ref`, complex128; skipped when that exceeds 2^23 elements);
 - ``S4Layer fwd`` (B=1, d_model=H, d_state=64): :class:`fastarch.nn.S4Layer` in convolution mode (kernel +
   FFT convolution) against the seed guide's ``S4Layer`` (a Python loop over time, the reference).
-
-Case set ``s4-headline`` (L=16384, B=1, d_state=64, d_model 16 ... 256, forward in eval mode): the layer's
-state-space part in convolution mode (``S4Layer.ssm``: kernel + FFT convolution + D skip, what the
-guide's layer computes; bar: 20x the guide's loop) and the whole layer (plus GELU, Linear(H, 2H) and GLU,
-which the guide's layer lacks) against the guide's loop, and the kernel generation alone per backend.
 """
 
 from __future__ import annotations
@@ -189,8 +184,10 @@ def _headline_kernel_case(cfg: BenchConfig, h: int, L: int, d_state: int = 64) -
 
 
 def headline_cases(cfg: BenchConfig) -> list[Case]:
-    """S4 convolution mode at L=16384 (B=1, d_state=64, d_model 16 ... 256) against the guide's loop over
-    time (bar: 20x), and the kernel generation alone per backend."""
+    """S4 at L=16384, B=1, d_state=64, d_model 16 ... 256, forward in eval mode: the layer's state-space
+    part in convolution mode (``S4Layer.ssm``: kernel + FFT convolution + D skip, what the guide's layer
+    computes; bar: 20x the guide's loop over time) and the whole layer (plus GELU, Linear(H, 2H) and GLU,
+    which the guide's layer lacks) against the guide's loop, and the kernel generation alone per backend."""
     L, widths = (256, (8, 16)) if cfg.toy else (16384, (16, 32, 64, 128, 256))
     out = [_headline_layer_case(cfg, h, L) for h in widths]
     return out + [_headline_kernel_case(cfg, h, L) for h in widths]

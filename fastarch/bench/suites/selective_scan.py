@@ -11,10 +11,6 @@ The headline is ``fwd B=2,D=1536,L=2048,N=16`` (``--full`` and the case set ``se
 L=2048, where the case runs without it), an N=64 forward+backward at the same B*D*L as the N=16 one (peak
 memory has no N factor beyond the N/64 checkpoints), and the guide's ``MambaBlock`` (d_model=768, L=2048,
 batch 1, forward+backward; :class:`fastarch.testing.guides.MambaBlock`) against :class:`fastarch.nn.MambaBlock`.
-
-Case set ``selective-scan-headline``: those ``--full`` cases (without the L=512 forward) and one decode
-step of a Mamba layer's two decode ops (``selective_state_update``, ``causal_conv1d_update``) at B=1,
-D=1536, the C++ kernels against the torch backend; forward+backward peak memory is measured.
 """
 
 from __future__ import annotations

@@ -4,9 +4,7 @@ algorithm (recount every pair and rewrite every word per merge) and, when instal
 
 The corpus is synthetic and deterministic (:func:`synthetic_corpus`): pseudo-words from syllables drawn
 with Zipf frequencies. The cases of the sweep are small enough for the quick run (the guide's algorithm is
-much slower). Case set ``tokenizer-headline``: 8,000 merges on 10 MB (bar: under 60 s on a 2-core CPU),
-against HuggingFace ``tokenizers`` and the guide's algorithm (timed over its first 20 merges and
-extrapolated to 8,000: it would take too long whole), and the encoding throughput of the trained tokenizer.
+much slower).
 """
 
 from __future__ import annotations
@@ -125,8 +123,9 @@ def cases(cfg: BenchConfig) -> list[Case]:
 
 
 def headline_cases(cfg: BenchConfig) -> list[Case]:
-    """BPE training to 8,000 merges on 10 MB of text against HuggingFace tokenizers and the guide's
-    algorithm (its first 20 merges, extrapolated), and the encoding throughput of the trained tokenizer."""
+    """BPE training to 8,000 merges on 10 MB of text (bar: under 60 s on a 2-core CPU) against HuggingFace
+    ``tokenizers`` and the guide's algorithm (timed over its first 20 merges and extrapolated to 8,000: it
+    would take too long whole), and the encoding throughput of the trained tokenizer."""
     mb, merges, timed_merges, lines = (0.05, 100, 5, 200) if cfg.toy else (10.0, 8000, 20, 20_000)
     texts = synthetic_corpus(mb)
     scale = merges / timed_merges

@@ -383,11 +383,13 @@ def _derive(rs: list[ProviderResult], case: Case, peak: float | None) -> list[Ra
         if best is not None:
             r.speedup_vs_best_peer = best.timing.median_ms / r.timing.median_ms
             r.best_peer = best.provider
+    if not rs:
+        return []
     times = {r.provider: r.timing.median_ms for r in ok}
     out = []
     for q in case.ratios:
         value = times[q.slower] / times[q.faster] if q.faster in times and q.slower in times else None
-        out.append(RatioResult(suite=rs[0].suite if rs else "", case=case.name, faster=q.faster, slower=q.slower,
+        out.append(RatioResult(suite=rs[0].suite, case=case.name, faster=q.faster, slower=q.slower,
                                value=value, target=q.target, at_most=q.at_most,
                                met=q.met(value) if value is not None else None))
     return out

@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "selective_scan, linear_attention, s4, norms, models")
     ap.add_argument("--case", action="append", metavar="NAME[,NAME]",
                     help="named case set(s) to run instead of suites, e.g. lsh-headline (see --list); "
-                    "their sizes are fixed, --quick/--full only set the timing budget")
+                    "their sizes are fixed, --quick/--full only set the timing budget, and every call is "
+                    "timed at least 3 times after its warm-up")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="quick", action="store_true", default=True,
                       help="small sizes; all suites in under 3 minutes on a 2-core CPU (default)")
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = _DTYPES[args.dtype] if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("fastarch bench: no CUDA device; every suite is reported as skipped", file=sys.stderr)
-    policy = TimingPolicy.for_mode(args.quick, repeat=args.repeat, warmup=args.warmup)
+    policy = TimingPolicy.for_mode(args.quick, repeat=args.repeat, warmup=args.warmup, case_set=bool(args.case))
     if args.budget is not None:
         policy.budget_s = args.budget
     opts = RunOptions(quick=args.quick, device=device, dtype=dtype, toy=args.toy,

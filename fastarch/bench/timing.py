@@ -50,8 +50,16 @@ class TimingPolicy:
     slow_s: float | None = None  # a warm call slower than this gets a single timed repetition
 
     @classmethod
-    def for_mode(cls, quick: bool, repeat: int | None = None, warmup: int | None = None) -> TimingPolicy:
-        p = cls(budget_s=0.25, warmup=1, min_reps=3, slow_s=1.0) if quick else cls(budget_s=1.5, warmup=3, min_reps=10)
+    def for_mode(cls, quick: bool, repeat: int | None = None, warmup: int | None = None,
+                 case_set: bool = False) -> TimingPolicy:
+        """The policy of a ``--quick`` or ``--full`` run; ``case_set``: of a headline case set, whose calls
+        are always repeated (at least 3 timed calls after the warm-up), however long they take."""
+        if case_set:
+            p = cls(budget_s=1.0, warmup=1, min_reps=3) if quick else cls(budget_s=3.0, warmup=2, min_reps=5)
+        elif quick:
+            p = cls(budget_s=0.25, warmup=1, min_reps=3, slow_s=1.0)
+        else:
+            p = cls(budget_s=1.5, warmup=3, min_reps=10)
         if repeat is not None:
             p.repeat = repeat
         if warmup is not None:

@@ -453,3 +453,14 @@ def test_peers_run_when_installed(suite, case, peer):
                                                       measure_peak=False, policy=TimingPolicy(repeat=1)))
     peers = [r for r in run.results if r.kind == "peer" and r.case == case]
     assert peers and all(r.status == "ok" for r in peers), [(r.provider, r.note) for r in peers]
+
+
+def test_case_set_policy_repeats_slow_calls():
+    import time
+    from dataclasses import replace
+
+    p = TimingPolicy.for_mode(True, case_set=True)
+    assert p.slow_s is None and p.min_reps == 3 and p.warmup == 1
+    calls = []
+    res = time_callable(lambda: (calls.append(1), time.sleep(0.02)), "cpu", replace(p, budget_s=0.01))
+    assert len(calls) == 4 and res.reps == 3 and res.median_ms >= 20

@@ -129,12 +129,12 @@ def _sdpa_flash(cfg: BenchConfig, B: int, H: int, L: int, D: int, causal: bool, 
 
 def _kernel_cases(cfg: BenchConfig) -> list[Case]:
     """CUDA only: the Triton kernels' forward and backward (``fastarch.kernels.attention``) against SDPA's
-    flash backend at B=4 (2 with ``--quick``), H=16, L 2048-8192, D 64 and 128, full and causal (bars:
-    forward at least 1.0x, backward at least 0.8x of SDPA flash), and sliding windows w = 128 ... 2048 at
-    L=16384 (8192 with ``--quick``), whose time should grow with w, not L."""
+    flash backend at B=4, H=16, L 2048-8192, D 64 and 128, full and causal (bars: forward at least 1.0x,
+    backward at least 0.8x of SDPA flash), and sliding windows w = 128 ... 2048 at L=16384, whose time
+    should grow with w, not L."""
     require_cuda(cfg)
-    B, H = (2, 16) if cfg.quick else (4, 16)
-    lengths = (2048, 4096) if cfg.quick else (2048, 4096, 8192)
+    B, H = (1, 2) if cfg.toy else (4, 16)
+    lengths = (256,) if cfg.toy else (2048, 4096, 8192)
     out = []
     for D in (64, 128):
         for L in lengths:
@@ -151,15 +151,15 @@ def _kernel_cases(cfg: BenchConfig) -> list[Case]:
                                    Provider("sdpa-flash", "torch", _sdpa_flash(cfg, B, H, L, D, causal, bwd))],
                         reference="sdpa-flash", group=f"{kind} {mode} D={D}", x="L",
                         ratios=(Ratio("fastarch-triton", "sdpa-flash", target=target),)))
-    L, D = (8192, 64) if cfg.quick else (16384, 64)
-    for w in (128, 256, 512, 1024, 2048):
+    L, D = (512, 64) if cfg.toy else (16384, 64)
+    for w in ((16,) if cfg.toy else (128, 256, 512, 1024, 2048)):
         for bwd in (False, True):
             mode = "bwd" if bwd else "fwd"
             out.append(Case(
-                name=f"window {mode} B=1,H=16,L={L},D={D},w={w}",
-                params={"B": 1, "H": 16, "L": L, "D": D, "w": w, "mode": mode},
-                flops=attention_flops(1, 16, L, L, D, window=(w, w), mode=mode),
-                providers=[Provider("fastarch-triton", "fastarch", _triton(cfg, 1, 16, L, D, (w, w), bwd))],
+                name=f"window {mode} B=1,H={H},L={L},D={D},w={w}",
+                params={"B": 1, "H": H, "L": L, "D": D, "w": w, "mode": mode},
+                flops=attention_flops(1, H, L, L, D, window=(w, w), mode=mode),
+                providers=[Provider("fastarch-triton", "fastarch", _triton(cfg, 1, H, L, D, (w, w), bwd))],
                 reference="fastarch-triton", group=f"window {mode}", x="w"))
     return out
 

@@ -33,7 +33,7 @@ def _triton_version() -> str:
         return "not installed"
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -45,7 +45,7 @@ def _cpu_name() -> str:
 
 
 def devices() -> list[str]:
-    out = [f"cpu: {_cpu_name()}, {torch.get_num_threads()} threads, SIMD {torch.backends.cpu.get_cpu_capability()}"]
+    out = [f"cpu: {cpu_name()}, {torch.get_num_threads()} threads, SIMD {torch.backends.cpu.get_cpu_capability()}"]
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)

@@ -5,7 +5,8 @@ Examples::
     fastarch bench                                 # all suites, --quick, on CUDA if present else CPU
     fastarch bench --suite norms --full --out bench_out/norms
     fastarch bench --suite attention,sliding_window --providers 'fastarch-*,sdpa' --dtype bfloat16
-    fastarch bench --list                          # suites, cases and providers, without running
+    fastarch bench --case lsh-headline             # a named case set: a headline comparison at its sizes
+    fastarch bench --list                          # suites, case sets, cases and providers, without running
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .runner import RunOptions, SuiteEntry, discover_suites, run_benchmarks
+from .runner import RunOptions, SuiteEntry, case_set_entries, discover_suites, run_benchmarks
 from .timing import TimingPolicy
 
 __all__ = ["main", "build_parser"]
@@ -43,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--suite", action="append", metavar="NAME[,NAME]",
                     help="suite(s) to run: 'all' (default) or names such as attention, sliding_window, lsh, "
                     "selective_scan, linear_attention, s4, norms, models")
+    ap.add_argument("--case", action="append", metavar="NAME[,NAME]",
+                    help="named case set(s) to run instead of suites, e.g. lsh-headline (see --list); "
+                    "their sizes are fixed, --quick/--full only set the timing budget, and every call is "
+                    "timed at least 3 times after its warm-up")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="quick", action="store_true", default=True,
                       help="small sizes; all suites in under 3 minutes on a 2-core CPU (default)")
@@ -65,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds of timed repetitions per provider (default 0.25 quick, 1.5 full)")
     ap.add_argument("--time-limit", type=float, default=None,
                     help="soft limit in seconds for the whole run: per-provider repetition budgets shrink to "
-                    "fit (default 150 with --quick, none with --full; 0 disables)")
+                    "fit (default 150 with --quick, none with --full or --case; 0 disables)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for the run (default: torch's own choice)")
     ap.add_argument("--memory", choices=("auto", "all", "none"), default="auto",
                     help="peak memory: auto = every case in --full, flagged cases in --quick (default)")
     ap.add_argument("--no-plot", action="store_true", help="do not write PNG plots")
@@ -113,14 +120,23 @@ def _progress(enabled: bool):
 def _time_limit(args: argparse.Namespace) -> float | None:
     if args.time_limit is not None:
         return args.time_limit if args.time_limit > 0 else None
-    return 150.0 if args.quick else None
+    return 150.0 if args.quick and not args.case else None
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``fastarch bench``; returns the exit status."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"fastarch bench: argument --threads: expected a positive integer, got {args.threads}",
+                  file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     entries = discover_suites()
-    sel = _select(entries, _split(args.suite))
+    if args.case and args.suite:
+        print("fastarch bench: give --suite or --case, not both", file=sys.stderr)
+        return 2
+    sel = case_set_entries(entries, _split(args.case) or []) if args.case else _select(entries, _split(args.suite))
     if isinstance(sel, str):
         print(f"fastarch bench: {sel}", file=sys.stderr)
         return 2
@@ -137,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = _DTYPES[args.dtype] if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("fastarch bench: no CUDA device; every suite is reported as skipped", file=sys.stderr)
-    policy = TimingPolicy.for_mode(args.quick, repeat=args.repeat, warmup=args.warmup)
+    policy = TimingPolicy.for_mode(args.quick, repeat=args.repeat, warmup=args.warmup, case_set=bool(args.case))
     if args.budget is not None:
         policy.budget_s = args.budget
     opts = RunOptions(quick=args.quick, device=device, dtype=dtype, toy=args.toy,
@@ -148,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return _list(sel, opts)
 
     from .plots import plot_suites
-    from .report import format_summary, format_table, machine_info, result_rows, write_csv, write_json
+    from .report import format_ratios, format_summary, format_table, machine_info, result_rows, write_results
 
     broken = [e for e in sel if e.suite is None]
     for e in broken:
@@ -161,13 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     meta = machine_info(device, dtype, args.quick)
     rows = result_rows(run, meta)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "results.csv", rows)
-    write_json(out / "results.json", run, meta, rows)
     table = format_table(run)
-    (out / "table.txt").write_text(table + "\n")
-    (out / "summary.md").write_text(format_summary(run, meta))
+    ratios = format_ratios(run)
+    write_results(out, run, meta, rows, table + ("\n\n" + ratios if ratios else ""), format_summary(run, meta))
     print(table)
+    if ratios:
+        print(ratios)
     msg = "plots skipped (--no-plot)"
     if not args.no_plot:
         try:
@@ -189,8 +204,10 @@ def _list(sel: list[SuiteEntry], opts: RunOptions) -> int:
             print(f"{e.name}: NOT AVAILABLE: {e.error}")
             continue
         print(f"{e.name}: {e.suite.description}")
+        if e.suite.case_sets and e.case_set is None:
+            print(f"  case sets (--case): {', '.join(e.suite.case_sets)}")
         try:
-            cases = e.suite.cases(cfg)
+            cases = e.suite.cases_for(cfg, e.case_set)
         except Skip as exc:
             print(f"  skipped: {exc}")
             continue

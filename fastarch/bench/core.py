@@ -21,12 +21,12 @@ recorded as an error for that provider and the run goes on.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-__all__ = ["BenchConfig", "Case", "Provider", "Skip", "Suite", "PROVIDER_KINDS"]
+__all__ = ["BenchConfig", "Case", "Provider", "Ratio", "Skip", "Suite", "PROVIDER_KINDS"]
 
 PROVIDER_KINDS: tuple[str, ...] = ("fastarch", "reference", "torch", "peer")
 
@@ -67,19 +67,39 @@ class Provider:
     "reference" (the PyTorch reference / seed-guide implementation), "torch" (in-torch peers: SDPA,
     flex_attention), "peer" (another library); ``setup``: builds inputs, returns the timed callable, or
     raises :class:`Skip`. ``peer_package``: the importable package a peer needs (reported "not installed"
-    when it is absent, without calling ``setup``).
+    when it is absent, without calling ``setup``). ``scale``: the timed call does ``1/scale`` of the case's
+    work (e.g. 20 of 8000 merges of a reference too slow to run whole); its times are multiplied by
+    ``scale`` and the table marks them as extrapolated.
     """
 
     name: str
     kind: str
     setup: Callable[[], Callable[[], Any]]
     peer_package: str | None = None
+    scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in PROVIDER_KINDS:
             raise ValueError(
                 f"Provider {self.name!r}: argument 'kind' must be one of {PROVIDER_KINDS}, got {self.kind!r}"
             )
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """A comparison a case is there to make: ``time(slower) / time(faster)``, how many times faster the
+    provider ``faster`` is than ``slower``. ``target``: the bar, a lower bound (``at_most=False``) or an
+    upper bound (``at_most=True``, e.g. causal within 2x of non-causal); the report says met or missed."""
+
+    faster: str
+    slower: str
+    target: float | None = None
+    at_most: bool = False
+
+    def met(self, value: float) -> bool | None:
+        if self.target is None:
+            return None
+        return value <= self.target if self.at_most else value >= self.target
 
 
 @dataclass
@@ -92,7 +112,7 @@ class Case:
     one call, for GB/s), ``group`` (cases with the same group share a plot line family, e.g. "fwd" vs
     "fwd+bwd"; default: the case name up to the first size), ``x`` (the params key on the plot's x axis;
     default: the first of L, seq_len, seqlen, N, rows, n found), ``measure_memory`` (measure peak memory
-    in --quick mode too; --full measures every case).
+    in --quick mode too; --full measures every case), ``ratios`` (the comparisons reported for this case).
     """
 
     name: str
@@ -104,18 +124,45 @@ class Case:
     group: str | None = None
     x: str | None = None
     measure_memory: bool = False
+    ratios: tuple[Ratio, ...] = ()
 
     def __post_init__(self) -> None:
         names = [p.name for p in self.providers]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"Case {self.name!r}: duplicate provider names {dup}")
+        unknown = sorted({n for r in self.ratios for n in (r.faster, r.slower)} - set(names))
+        if unknown:
+            raise ValueError(f"Case {self.name!r}: argument 'ratios' names providers {unknown}, expected some of "
+                             f"{names}")
+
+    def only(self, *names: str) -> Case:
+        """This case with just the providers ``names`` (in that order), keeping the ratios between them."""
+        by = {p.name: p for p in self.providers}
+        missing = [n for n in names if n not in by]
+        if missing:
+            raise ValueError(f"Case {self.name!r}: no providers {missing} (has {list(by)})")
+        ratios = tuple(r for r in self.ratios if r.faster in names and r.slower in names)
+        ref = self.reference if self.reference in names else names[0]
+        return replace(self, providers=[by[n] for n in names], ratios=ratios, reference=ref)
 
 
 @dataclass
 class Suite:
-    """A named set of cases. ``cases`` is a function ``(BenchConfig) -> list[Case]``."""
+    """A named set of cases. ``cases`` is a function ``(BenchConfig) -> list[Case]`` (the sweep that
+    ``fastarch bench --suite NAME`` runs); ``case_sets`` maps a name (``lsh-headline``) to another such
+    function, run by ``fastarch bench --case NAME``."""
 
     name: str
     description: str
     cases: Callable[[BenchConfig], list[Case]]
+    case_sets: dict[str, Callable[[BenchConfig], list[Case]]] = field(default_factory=dict)
+
+    def cases_for(self, cfg: BenchConfig, case_set: str | None = None) -> list[Case]:
+        """The suite's cases, or those of its case set ``case_set``."""
+        if case_set is None:
+            return self.cases(cfg)
+        if case_set not in self.case_sets:
+            raise ValueError(f"suite {self.name!r}: argument 'case_set' must be one of {sorted(self.case_sets)}, "
+                             f"got {case_set!r}")
+        return self.case_sets[case_set](cfg)

@@ -1,17 +1,18 @@
 """Helpers for writing suites: turning the backend selector's reasons into :class:`Skip`, peers'
-availability, and a deterministic input generator."""
+availability, deterministic inputs, and the timed call of a forward or forward+backward."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from .core import BenchConfig, Skip
 
-__all__ = ["require_backend", "require_package", "require_cuda", "randn", "fastarch_op"]
+__all__ = ["require_backend", "require_package", "require_cuda", "randn", "qkv", "timed_call", "fastarch_op"]
 
 
 def fastarch_op(name: str) -> Any:
@@ -65,3 +66,33 @@ def randn(*shape: int, cfg: BenchConfig, seed: int = 0, requires_grad: bool = Fa
     g = torch.Generator(device="cpu").manual_seed(cfg.seed * 1000003 + seed)
     t = (torch.randn(*shape, generator=g) * scale).to(device=cfg.device, dtype=cfg.dtype)
     return t.requires_grad_(requires_grad)
+
+
+def qkv(cfg: BenchConfig, B: int, H: int, L: int, D: int, requires_grad: bool = False) -> list[torch.Tensor]:
+    """Attention inputs q, k, v of shape (B, H, L, D), seeds 1, 2, 3."""
+    return [randn(B, H, L, D, cfg=cfg, seed=s, requires_grad=requires_grad) for s in (1, 2, 3)]
+
+
+def timed_call(fn: Callable[..., Any], inputs: Sequence[torch.Tensor], backward: bool) -> Callable[[], Any]:
+    """The timed iteration of ``fn(*inputs)``: the forward under ``no_grad``, or (``backward``) the forward
+    and the gradients of the inputs that require grad for a fixed random output gradient (computed with
+    ``autograd.grad``, so nothing accumulates between iterations). A tuple output counts by its first item."""
+    inputs = list(inputs)
+    if not backward:
+        def fwd() -> Any:
+            with torch.no_grad():
+                return fn(*inputs)
+        return fwd
+
+    def first(out: Any) -> torch.Tensor:
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    with torch.no_grad():
+        like = first(fn(*inputs))
+    g = torch.Generator(device="cpu").manual_seed(7)
+    dy = torch.randn(like.shape, generator=g).to(device=like.device, dtype=like.dtype)
+    wrt = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def fwd_bwd() -> Any:
+        return torch.autograd.grad(first(fn(*inputs)), wrt, dy)
+    return fwd_bwd

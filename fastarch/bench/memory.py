@@ -81,8 +81,10 @@ def measure_cpu_in_subprocess(
     toy: bool,
     items: Sequence[tuple[str, str]],
     timeout_s: float | None = None,
+    case_set: str | None = None,
 ) -> dict[tuple[str, str], dict[str, Any]]:
-    """Peak RSS over baseline for each ``(case name, provider name)`` of the suite in ``module``.
+    """Peak RSS over baseline for each ``(case name, provider name)`` of the suite in ``module`` (of its
+    case set ``case_set`` when given).
 
     Returns ``{(case, provider): {"bytes": int | None, "status": "ok" | "skipped" | "error",
     "note": str, "method": str}}``. A child that dies (a crash, out of memory) marks the item it was on
@@ -99,6 +101,8 @@ def measure_cpu_in_subprocess(
             cmd.append("--full")
         if toy:
             cmd.append("--toy")
+        if case_set:
+            cmd += ["--case-set", case_set]
         limit = timeout_s if timeout_s is not None else 60.0 + 20.0 * len(pending)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(), timeout=limit)
@@ -131,6 +135,7 @@ def _child(argv: list[str]) -> int:
     ap.add_argument("--full", action="store_true")
     ap.add_argument("--toy", action="store_true")
     ap.add_argument("--items", required=True, help="JSON list of [case, provider]")
+    ap.add_argument("--case-set", default=None)
     a = ap.parse_args(argv)
 
     import importlib
@@ -139,7 +144,7 @@ def _child(argv: list[str]) -> int:
 
     suite = importlib.import_module(a.module).SUITE
     cfg = BenchConfig(quick=not a.full, device=torch.device("cpu"), dtype=getattr(torch, a.dtype), toy=a.toy)
-    cases = {c.name: c for c in suite.cases(cfg)}
+    cases = {c.name: c for c in suite.cases_for(cfg, a.case_set)}
     for case_name, prov_name in json.loads(a.items):
         rec: dict[str, Any] = {"case": case_name, "provider": prov_name, "bytes": None, "method": "rss"}
         try:

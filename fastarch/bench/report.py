@@ -1,11 +1,13 @@
-"""Results out: the run's metadata, long-format rows (one per suite, case, provider, metric), CSV, JSON and
-the aligned stdout table."""
+"""Results out: the run's metadata, long-format rows (one per suite, case, provider, metric), CSV, JSON,
+the aligned stdout table and the cases' ratios. Every results file is written atomically (a reader never
+sees half a file, an interrupted run never leaves one)."""
 
 from __future__ import annotations
 
 import csv
 import datetime as _dt
 import importlib.metadata
+import io
 import json
 import os
 import platform
@@ -16,10 +18,12 @@ from typing import Any
 
 import torch
 
-from .runner import ProviderResult, RunResult
+from ..info import cpu_name
+from ..tokenizers.io import atomic_write_text
+from .runner import ProviderResult, RatioResult, RunResult
 
-__all__ = ["METRICS", "CSV_COLUMNS", "machine_info", "result_rows", "write_csv", "write_json", "format_table",
-           "format_summary"]
+__all__ = ["METRICS", "CSV_COLUMNS", "machine_info", "result_rows", "csv_text", "json_text", "write_results",
+           "format_table", "format_ratios", "format_summary"]
 
 # metric name -> (unit, getter)
 METRICS: dict[str, tuple[str, Any]] = {
@@ -48,17 +52,6 @@ def _version(pkg: str) -> str:
         return "not installed"
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _git_commit() -> str:
     root = Path(__file__).resolve().parents[2]
     try:
@@ -76,12 +69,12 @@ def machine_info(device: torch.device, dtype: torch.dtype, quick: bool) -> dict[
     if device.type == "cuda" and torch.cuda.is_available():
         device_name = torch.cuda.get_device_name(device)
     else:
-        device_name = f"{_cpu_model()} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
+        device_name = f"{cpu_name()} ({os.cpu_count()} cores, torch threads {torch.get_num_threads()})"
     return {
         "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": platform.node(),
         "platform": platform.platform(),
-        "cpu": _cpu_model(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "device": str(device),
@@ -127,30 +120,40 @@ def result_rows(run: RunResult, meta: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def write_csv(path: str | os.PathLike, rows: list[dict[str, Any]]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
-        w.writeheader()
-        for row in rows:
-            out = dict(row)
-            out["params"] = json.dumps(row["params"], sort_keys=True)
-            out["value"] = "" if row["value"] is None else repr(float(row["value"]))
-            out["x"] = "" if row["x"] is None else row["x"]
-            w.writerow({k: out.get(k, "") for k in CSV_COLUMNS})
+def csv_text(rows: list[dict[str, Any]]) -> str:
+    """``rows`` as CSV with the columns ``CSV_COLUMNS``."""
+    buf = io.StringIO(newline="")
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS)
+    w.writeheader()
+    for row in rows:
+        out = dict(row)
+        out["params"] = json.dumps(row["params"], sort_keys=True)
+        out["value"] = "" if row["value"] is None else repr(float(row["value"]))
+        out["x"] = "" if row["x"] is None else row["x"]
+        w.writerow({k: out.get(k, "") for k in CSV_COLUMNS})
+    return buf.getvalue()
 
 
-def write_json(
-    path: str | os.PathLike, run: RunResult, meta: dict[str, Any], rows: list[dict[str, Any]]
-) -> None:
+def json_text(run: RunResult, meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The whole run as JSON: metadata, suite statuses, the rows and the ratios."""
     doc = {
         "meta": dict(meta, matmul_peak_gflops=run.matmul_peak_gflops, wall_time_s=round(run.wall_s, 2)),
         "suites": run.suites,
         "columns": CSV_COLUMNS,
         "rows": rows,
+        "ratios": [vars(q) for q in run.ratios],
     }
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-        f.write("\n")
+    return json.dumps(doc, indent=1, default=str) + "\n"
+
+
+def write_results(out: str | os.PathLike, run: RunResult, meta: dict[str, Any], rows: list[dict[str, Any]],
+                  table: str, summary: str) -> None:
+    """``results.csv``, ``results.json``, ``table.txt`` and ``summary.md`` in the folder ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (("results.csv", csv_text(rows)), ("results.json", json_text(run, meta, rows)),
+                       ("table.txt", table + "\n"), ("summary.md", summary)):
+        atomic_write_text(out / name, text)
 
 
 def _fmt(v: float | None, digits: int = 3) -> str:
@@ -224,6 +227,29 @@ def format_table(run: RunResult) -> str:
     return "\n".join(lines)
 
 
+def _ratio_line(q: RatioResult) -> str:
+    what = f"{q.faster} vs {q.slower}: "
+    if q.value is None:
+        return what + "not measured (a side did not run)"
+    line = what + (f"{q.value:.3g}x faster" if q.value >= 1 else f"{q.value:.3g}x (slower)")
+    if q.target is not None:
+        bound = "<=" if q.at_most else ">="
+        line += f" (target {bound} {q.target:g}: {'met' if q.met else 'MISSED'})"
+    return line
+
+
+def format_ratios(run: RunResult) -> str:
+    """The cases' ratios, ``time(slower) / time(faster)``, grouped by case; empty without any."""
+    lines: list[str] = []
+    prev = None
+    for q in run.ratios:
+        if (q.suite, q.case) != prev:
+            lines.append(f"{q.suite} | {q.case}")
+            prev = (q.suite, q.case)
+        lines.append("  " + _ratio_line(q))
+    return ("ratios (time of the slower / time of the faster):\n" + "\n".join(lines)) if lines else ""
+
+
 def format_summary(run: RunResult, meta: dict[str, Any]) -> str:
     """Markdown headline table: per case, the fastest fastarch provider and its speedups."""
     out = [f"Machine: {meta.get('device_name', '')}; torch {meta.get('torch', '')}, dtype {meta.get('dtype', '')}, "
@@ -245,4 +271,7 @@ def format_summary(run: RunResult, meta: dict[str, Any]) -> str:
             f"{_fmt(ref.timing.median_ms) if ref else '-'} | {_x(best.speedup_vs_reference)} | "
             f"{best.best_peer or '-'} | {_x(best.speedup_vs_best_peer)} |"
         )
+    ratios = format_ratios(run)
+    if ratios:
+        out += ["", "```", ratios, "```"]
     return "\n".join(out) + "\n"

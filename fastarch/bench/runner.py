@@ -7,6 +7,7 @@ import fnmatch
 import gc
 import importlib
 import importlib.util
+import inspect
 import pkgutil
 import time
 import traceback
@@ -20,8 +21,8 @@ from .core import BenchConfig, Case, Skip, Suite
 from .memory import cuda_peak_bytes, measure_cpu_in_subprocess
 from .timing import TimingPolicy, TimingResult, measure_matmul_peak, time_callable
 
-__all__ = ["SuiteEntry", "ProviderResult", "RunOptions", "RunResult", "discover_suites", "run_benchmarks",
-           "PEER_KINDS", "default_x"]
+__all__ = ["SuiteEntry", "ProviderResult", "RatioResult", "RunOptions", "RunResult", "discover_suites",
+           "case_set_entries", "run_benchmarks", "PEER_KINDS", "default_x"]
 
 PEER_KINDS = ("peer", "torch")
 _X_KEYS = ("L", "seq_len", "seqlen", "T", "N", "rows", "n", "length")
@@ -29,12 +30,14 @@ _X_KEYS = ("L", "seq_len", "seqlen", "T", "N", "rows", "n", "length")
 
 @dataclass
 class SuiteEntry:
-    """A discovered suite: ``suite`` is None when its module failed to import (``error`` says why)."""
+    """A discovered suite: ``suite`` is None when its module failed to import (``error`` says why).
+    ``case_set``: run that named case set of the suite instead of its sweep (``name`` is then the set's)."""
 
     name: str
     module: str
     suite: Suite | None = None
     error: str | None = None
+    case_set: str | None = None
 
 
 @dataclass
@@ -64,6 +67,21 @@ class ProviderResult:
 
 
 @dataclass
+class RatioResult:
+    """One :class:`fastarch.bench.core.Ratio` of a case as measured: ``value`` is None when either side
+    did not run; ``met`` is None without a target."""
+
+    suite: str
+    case: str
+    faster: str
+    slower: str
+    value: float | None
+    target: float | None
+    at_most: bool
+    met: bool | None
+
+
+@dataclass
 class RunOptions:
     """``providers``/``cases``: glob patterns (a provider matches by name or kind; the case's reference
     provider is always kept so speedups stay defined); ``memory``: "auto" (every case in --full, only
@@ -87,6 +105,7 @@ class RunResult:
     suites: dict[str, dict[str, Any]]  # name -> {"description", "status", "note"[, "wall_s"]}
     matmul_peak_gflops: float | None
     wall_s: float
+    ratios: list[RatioResult] = field(default_factory=list)
 
 
 def discover_suites() -> dict[str, SuiteEntry]:
@@ -112,6 +131,25 @@ def discover_suites() -> dict[str, SuiteEntry]:
             entry.error = f"failed to import: {type(exc).__name__}: {_first_line(exc)}"
         out[info.name] = entry
     return out
+
+
+def case_set_entries(entries: dict[str, SuiteEntry], names: Sequence[str]) -> list[SuiteEntry] | str:
+    """One entry per case-set name (each run under the set's name), or an error message naming the
+    unknown ones and the case sets that exist."""
+    owners = {cs: e for e in entries.values() if e.suite is not None for cs in e.suite.case_sets}
+    unknown = [n for n in names if n not in owners]
+    if unknown:
+        return f"unknown case set(s): {', '.join(unknown)} (available: {', '.join(sorted(owners)) or 'none'})"
+    return [replace(owners[n], name=n, case_set=n) for n in names]
+
+
+def _description(e: SuiteEntry) -> str:
+    """The suite's description, or the first paragraph of its case set's docstring."""
+    if e.suite is None:
+        return ""
+    fn = e.suite.case_sets.get(e.case_set) if e.case_set else None
+    doc = inspect.getdoc(fn) if fn is not None else None
+    return " ".join(doc.split("\n\n")[0].split()) if doc else e.suite.description
 
 
 def _first_line(exc: BaseException) -> str:
@@ -166,7 +204,7 @@ def run_benchmarks(
     plan: list[tuple[SuiteEntry, list[Case]]] = []
     no_cuda = opts.device.type == "cuda" and not torch.cuda.is_available()
     for e in entries:
-        desc = e.suite.description if e.suite else ""
+        desc = _description(e)
         if e.suite is None:
             suites[e.name] = {"description": desc, "status": "error", "note": e.error or "unavailable"}
             continue
@@ -174,7 +212,7 @@ def run_benchmarks(
             suites[e.name] = {"description": desc, "status": "skipped", "note": "no CUDA device"}
             continue
         try:
-            cases = [c for c in e.suite.cases(cfg) if _match(opts.cases, c.name)]
+            cases = [c for c in e.suite.cases_for(cfg, e.case_set) if _match(opts.cases, c.name)]
         except Skip as exc:
             suites[e.name] = {"description": desc, "status": "skipped", "note": str(exc) or "skipped"}
             continue
@@ -197,6 +235,7 @@ def run_benchmarks(
             peak = None
 
     results: list[ProviderResult] = []
+    ratios: list[RatioResult] = []
     done = 0
     interrupted = False
     for entry, cases in plan:
@@ -213,11 +252,11 @@ def run_benchmarks(
         if opts.device.type == "cpu" and not interrupted:
             _cpu_memory(entry, cases, suite_results, opts)
         for case in cases:
-            _derive([r for c, r in suite_results if c is case], case, peak)
+            ratios += _derive([r for c, r in suite_results if c is case], case, peak)
         results.extend(r for _, r in suite_results)
         suites[entry.name]["wall_s"] = round(time.perf_counter() - t_suite, 2)
     return RunResult(results=results, suites=suites, matmul_peak_gflops=peak,
-                     wall_s=time.perf_counter() - t_start)
+                     wall_s=time.perf_counter() - t_start, ratios=ratios)
 
 
 def _run_cases(entry: SuiteEntry, cases: list[Case], opts: RunOptions,
@@ -266,6 +305,11 @@ def _run_one(prov: Any, case: Case, r: ProviderResult, opts: RunOptions, policy:
     try:
         fn = prov.setup()
         r.timing = time_callable(fn, opts.device, policy)
+        if prov.scale != 1.0:
+            t = r.timing
+            r.timing = replace(t, median_ms=t.median_ms * prov.scale, p20_ms=t.p20_ms * prov.scale,
+                               p80_ms=t.p80_ms * prov.scale, method=f"{t.method}, extrapolated x{prov.scale:g}")
+            r.note = f"extrapolated: timed 1/{prov.scale:g} of the work"
         if opts.device.type == "cuda" and _want_memory(case, opts):
             r.mem_bytes, r.mem_method = cuda_peak_bytes(fn, opts.device), "cuda-max-allocated"
     except Skip as exc:
@@ -303,7 +347,7 @@ def _cpu_memory(entry: SuiteEntry, cases: list[Case], pairs: list[tuple[Case, Pr
         return
     try:
         mem = measure_cpu_in_subprocess(entry.module, quick=opts.quick, dtype=opts.dtype, toy=opts.toy,
-                                        items=items)
+                                        items=items, case_set=entry.case_set)
     except Exception as exc:  # memory is a secondary metric; never fail the run for it
         for _, r in pairs:
             if (r.case, r.provider) in items:
@@ -320,7 +364,8 @@ def _cpu_memory(entry: SuiteEntry, cases: list[Case], pairs: list[tuple[Case, Pr
             r.note = (r.note + "; " if r.note else "") + f"memory {rec.get('status')}: {rec.get('note', '')}"
 
 
-def _derive(rs: list[ProviderResult], case: Case, peak: float | None) -> None:
+def _derive(rs: list[ProviderResult], case: Case, peak: float | None) -> list[RatioResult]:
+    """Fill in the derived metrics of one case's results; returns the case's ratios."""
     ok = [r for r in rs if r.status == "ok" and r.timing is not None and r.timing.median_ms > 0]
     ref = next((r for r in ok if r.provider == case.reference), None)
     peers = [r for r in ok if r.kind in PEER_KINDS]
@@ -338,3 +383,13 @@ def _derive(rs: list[ProviderResult], case: Case, peak: float | None) -> None:
         if best is not None:
             r.speedup_vs_best_peer = best.timing.median_ms / r.timing.median_ms
             r.best_peer = best.provider
+    if not rs:
+        return []
+    times = {r.provider: r.timing.median_ms for r in ok}
+    out = []
+    for q in case.ratios:
+        value = times[q.slower] / times[q.faster] if q.faster in times and q.slower in times else None
+        out.append(RatioResult(suite=rs[0].suite, case=case.name, faster=q.faster, slower=q.slower,
+                               value=value, target=q.target, at_most=q.at_most,
+                               met=q.met(value) if value is not None else None))
+    return out

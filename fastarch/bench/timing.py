@@ -1,8 +1,11 @@
-"""Timing one provider's callable: median, p20 and p80 of repeated runs.
+"""Timing one provider's callable: median, p20 and p80 of repeated runs. The only timer of the bench.
 
-- CPU: wall time (``time.perf_counter``) of each call after warm-up. The number of repetitions is scaled
-  to a per-provider time budget (``budget_s``) from the warm-up's measured duration, bounded by
-  ``min_reps``/``max_reps``, so fast ops get many samples and slow ones a few.
+- CPU: ``torch.utils.benchmark.Timer`` (with the process's intra-op thread count). After the warm-up
+  calls, ``blocked_autorange`` fills the per-provider budget (``budget_s``) with blocks of calls sized so
+  that the timer's own overhead is negligible; a sample is one block's time per call (topped up with
+  single calls to ``min_reps`` samples). A fixed ``repeat`` times that many single calls instead, on the
+  same clock. A call slower than ``slow_s`` (quick mode) gets one timed repetition, and one slower than
+  five times that is reported from its warm-up call alone.
 - CUDA: ``triton.testing.do_bench`` (which flushes L2 between runs and uses CUDA events) when triton is
   importable, otherwise CUDA events around each call with a synchronise after it.
 """
@@ -11,12 +14,13 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from timeit import default_timer
 from typing import Any
 
 import torch
+import torch.utils.benchmark as torch_benchmark
 
 __all__ = ["TimingResult", "TimingPolicy", "time_callable", "quantile", "measure_matmul_peak"]
 
@@ -46,8 +50,16 @@ class TimingPolicy:
     slow_s: float | None = None  # a warm call slower than this gets a single timed repetition
 
     @classmethod
-    def for_mode(cls, quick: bool, repeat: int | None = None, warmup: int | None = None) -> TimingPolicy:
-        p = cls(budget_s=0.25, warmup=1, min_reps=3, slow_s=1.0) if quick else cls(budget_s=1.5, warmup=3, min_reps=10)
+    def for_mode(cls, quick: bool, repeat: int | None = None, warmup: int | None = None,
+                 case_set: bool = False) -> TimingPolicy:
+        """The policy of a ``--quick`` or ``--full`` run; ``case_set``: of a headline case set, whose calls
+        are always repeated (at least 3 timed calls after the warm-up), however long they take."""
+        if case_set:
+            p = cls(budget_s=1.0, warmup=1, min_reps=3) if quick else cls(budget_s=3.0, warmup=2, min_reps=5)
+        elif quick:
+            p = cls(budget_s=0.25, warmup=1, min_reps=3, slow_s=1.0)
+        else:
+            p = cls(budget_s=1.5, warmup=3, min_reps=10)
         if repeat is not None:
             p.repeat = repeat
         if warmup is not None:
@@ -69,12 +81,16 @@ def _summary(times_ms: list[float], method: str) -> TimingResult:
     return TimingResult(statistics.median(s), quantile(s, 0.2), quantile(s, 0.8), len(s), method)
 
 
+def _one_call_s(fn: Callable[[], Any]) -> float:
+    """Seconds of one call, on the clock ``torch.utils.benchmark`` uses (whose ``timeit`` adds warm-up
+    calls of its own: too many for multi-second ops)."""
+    t0 = default_timer()
+    fn()
+    return default_timer() - t0
+
+
 def _time_cpu(fn: Callable[[], Any], policy: TimingPolicy) -> TimingResult:
-    warm = []
-    for _ in range(max(1, policy.warmup)):
-        t0 = time.perf_counter()
-        fn()
-        warm.append(time.perf_counter() - t0)
+    warm = [_one_call_s(fn) for _ in range(max(1, policy.warmup))]
     # The last warm-up call is the best estimate of a steady-state call (the first may have compiled).
     est = max(warm[-1], 1e-7)
     if policy.repeat is None and policy.slow_s is not None and est > 5 * policy.slow_s:
@@ -82,17 +98,17 @@ def _time_cpu(fn: Callable[[], Any], policy: TimingPolicy) -> TimingResult:
         # one-time work, so it is an upper bound); the table's note says so via the method.
         return _summary([est * 1e3], "wall-warmup-only")
     if policy.repeat is not None:
-        reps = max(1, policy.repeat)
-    elif policy.slow_s is not None and est > policy.slow_s:
-        reps = 1  # quick mode: one more call of a multi-second op says enough
-    else:
-        reps = int(min(policy.max_reps, max(policy.min_reps, policy.budget_s / est)))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return _summary(times, "wall")
+        return _summary([_one_call_s(fn) * 1e3 for _ in range(max(1, policy.repeat))], "wall")
+    if policy.slow_s is not None and est > policy.slow_s:
+        return _summary([_one_call_s(fn) * 1e3], "wall")  # quick mode: one more call of a multi-second op
+    min_reps = max(1, min(policy.min_reps, policy.max_reps))
+    if policy.budget_s <= est * min_reps:  # no room for more than the minimum: single calls
+        return _summary([_one_call_s(fn) * 1e3 for _ in range(min_reps)], "wall")
+    timer = torch_benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    times = list(timer.blocked_autorange(min_run_time=policy.budget_s).times)
+    while len(times) < min_reps:
+        times.append(_one_call_s(fn))
+    return _summary([t * 1e3 for t in times], "torch.utils.benchmark")
 
 
 def _time_cuda(fn: Callable[[], Any], policy: TimingPolicy, device: torch.device) -> TimingResult:

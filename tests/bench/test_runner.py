@@ -1,5 +1,6 @@
 """The bench machinery end to end: suite discovery (including a module that fails to import), provider
-skipping and errors, derived metrics, CSV/JSON schema, plots, and the CLI at toy sizes."""
+skipping and errors, derived metrics, case sets and ratios, CSV/JSON schema, plots, and the CLI at toy
+sizes."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ import pytest
 import torch
 
 from fastarch.bench import cli
-from fastarch.bench.core import BenchConfig, Case, Provider, Skip, Suite
+from fastarch.bench.core import BenchConfig, Case, Provider, Ratio, Skip, Suite
 from fastarch.bench.report import CSV_COLUMNS, METRICS
 from fastarch.bench.runner import RunOptions, SuiteEntry, discover_suites, run_benchmarks
 from fastarch.bench.timing import TimingPolicy, quantile, time_callable
 
 TOY = '''
 import torch
-from fastarch.bench.core import Case, Provider, Skip, Suite
+from fastarch.bench.core import Case, Provider, Ratio, Skip, Suite
 
 
 def _mm(n, cfg, slow):
@@ -58,7 +59,18 @@ def cases(cfg):
     ]
 
 
-SUITE = Suite(name="zz_toy_suite", description="toy matmuls", cases=cases)
+def headline(cfg):
+    """Toy headline: one matmul, the slow provider timed on a quarter of the work."""
+    return [Case(name="head n=128", params={"n": 128}, flops=None, measure_memory=True,
+                 providers=[Provider("fast", "fastarch", _mm(128, cfg, slow=False)),
+                            Provider("reference", "reference", _mm(128, cfg, slow=True), scale=4.0),
+                            Provider("peerlib", "peer", _mm(128, cfg, slow=False),
+                                     peer_package="surely_not_installed_pkg_fastarch")],
+                 ratios=(Ratio("fast", "reference", target=1e-6), Ratio("reference", "fast", target=1e-6),
+                         Ratio("fast", "reference", target=1e6, at_most=True), Ratio("fast", "peerlib")))]
+
+
+SUITE = Suite(name="zz_toy_suite", description="toy matmuls", cases=cases, case_sets={"zz-headline": headline})
 '''
 
 
@@ -327,3 +339,128 @@ def test_interrupt_keeps_partial_results():
     assert [r.provider for r in run.results] == ["reference"]
     assert "interrupted" in run.suites["s1"]["note"]
     assert run.suites["s2"]["status"] == "skipped"
+
+
+def test_case_set_ratios_and_scale(suite_dir, tmp_path, capsys):
+    from fastarch.bench.runner import case_set_entries
+
+    entries = discover_suites()
+    sel = case_set_entries(entries, ["zz-headline"])
+    assert [(e.name, e.case_set, e.module) for e in sel] == [
+        ("zz-headline", "zz-headline", "fastarch.bench.suites.zz_toy_suite")]
+    assert "unknown case set(s): nope" in case_set_entries(entries, ["nope"])
+    run = run_benchmarks(sel, RunOptions(toy=True, policy=TimingPolicy(repeat=3), memory="all", measure_peak=False))
+    assert run.suites["zz-headline"]["description"] == "Toy headline: one matmul, the slow provider timed on a " \
+                                                       "quarter of the work."
+    by = {r.provider: r for r in run.results}
+    fast, ref = by["fast"], by["reference"]
+    assert ref.timing.method == "wall, extrapolated x4" and "extrapolated" in ref.note
+    assert ref.mem_bytes is not None and ref.mem_bytes > 4 * 2**20  # measured in the child, by case set
+    value = ref.timing.median_ms / fast.timing.median_ms
+    got = [(q.faster, q.slower, q.value, q.met) for q in run.ratios]
+    assert got[0] == ("fast", "reference", pytest.approx(value), True)
+    assert got[1] == ("reference", "fast", pytest.approx(1 / value), True)
+    assert got[2] == ("fast", "reference", pytest.approx(value), True)
+    assert got[3] == ("fast", "peerlib", None, None)
+
+    out = tmp_path / "out"
+    assert cli.main(["--case", "zz-headline", "--toy", "--out", str(out), "--repeat", "2", "--no-plot",
+                     "--no-progress", "--memory", "none", "--threads", "1"]) == 0
+    stdout = capsys.readouterr().out
+    assert "ratios (time of the slower / time of the faster):" in stdout
+    assert "zz-headline | head n=128" in stdout and "(target >= 1e-06: met)" in stdout
+    assert "fast vs peerlib: not measured" in stdout
+    doc = json.loads((out / "results.json").read_text())
+    assert [q["slower"] for q in doc["ratios"]] == ["reference", "fast", "reference", "peerlib"]
+    assert "ratios" in (out / "table.txt").read_text() and "ratios" in (out / "summary.md").read_text()
+
+
+def test_case_set_cli_errors(suite_dir, capsys):
+    assert cli.main(["--case", "nope", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown case set(s): nope" in err and "lsh-headline" in err and "zz-headline" in err
+    assert cli.main(["--case", "zz-headline", "--suite", "norms"]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert cli.main(["--case", "zz-headline", "--threads", "0"]) == 2
+    assert "--threads" in capsys.readouterr().err
+    assert cli.main(["--list", "--toy", "--suite", "zz_toy_suite"]) == 0
+    assert "case sets (--case): zz-headline" in capsys.readouterr().out
+
+
+def test_ratio_and_case_only():
+    assert Ratio("a", "b", target=2.0).met(2.0) is True and Ratio("a", "b", target=2.0).met(1.9) is False
+    assert Ratio("a", "b", target=2.0, at_most=True).met(1.0) is True and Ratio("a", "b").met(5.0) is None
+    ps = [Provider(n, "fastarch", lambda: (lambda: None)) for n in ("a", "b", "c")]
+    with pytest.raises(ValueError, match="argument 'ratios' names providers \\['z'\\]"):
+        Case("c", {}, None, ps, reference="a", ratios=(Ratio("a", "z"),))
+    c = Case("c", {}, None, ps, reference="a", ratios=(Ratio("b", "a"), Ratio("b", "c")))
+    kept = c.only("c", "b")
+    assert [p.name for p in kept.providers] == ["c", "b"] and kept.ratios == (Ratio("b", "c"),)
+    assert kept.reference == "c" and c.only("a").reference == "a"
+    with pytest.raises(ValueError, match="no providers"):
+        c.only("x")
+    with pytest.raises(ValueError, match="argument 'case_set'"):
+        Suite("s", "d", lambda cfg: [], case_sets={"x": lambda cfg: []}).cases_for(BenchConfig(), "y")
+
+
+def test_timed_call_forward_and_backward():
+    from fastarch.bench.helpers import timed_call
+
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.randn(4)
+    fwd = timed_call(lambda a, b: a * b, [x, w], False)
+    y = fwd()
+    assert not y.requires_grad
+    fb = timed_call(lambda a, b: (a * b, None), [x, w], True)
+    (g1,), (g2,) = fb(), fb()
+    torch.testing.assert_close(g1, g2)  # nothing accumulates between iterations
+    assert x.grad is None
+
+
+def test_every_case_set_builds_at_toy_sizes():
+    """Each built-in case set builds its cases (provider and ratio names checked by ``Case``), or says why
+    it cannot run here."""
+    entries = discover_suites()
+    names = {cs for e in entries.values() if e.suite for cs in e.suite.case_sets}
+    assert {"lsh-headline", "lsh-phases", "attention-headline", "triton-attention-gpu", "selective-scan-headline",
+            "s4-headline", "linear-attention-headline", "models-headline", "norms-headline", "optim-headline",
+            "tokenizer-headline", "generation-headline"} <= names
+    cfg = BenchConfig(toy=True)
+    for e in entries.values():
+        for name in e.suite.case_sets if e.suite else ():
+            try:
+                cases = e.suite.cases_for(cfg, name)
+            except Skip as exc:
+                assert name == "triton-attention-gpu" and "CUDA" in str(exc)
+                continue
+            assert cases, name
+            assert all(c.providers for c in cases), name
+
+
+@pytest.mark.parametrize("suite, case, peer", [
+    ("lsh", "fwd L=256", "reformer_pytorch"),
+    ("sliding_window", "fwd B=1,H=2,L=128,D=32,w=16", "local_attention"),
+    ("linear_attention", "causal fwd B=1,H=2,L=64,m=16,D=8", "performer_pytorch"),
+    ("linear_attention", "favor+ causal fwd B=1,H=2,L=64,m=16,D=8", "performer_pytorch"),
+])
+def test_peers_run_when_installed(suite, case, peer):
+    import importlib.util
+
+    if importlib.util.find_spec(peer) is None:
+        pytest.skip(f"{peer} is not installed (the bench extra installs it)")
+    entries = discover_suites()
+    run = run_benchmarks([entries[suite]], RunOptions(toy=True, cases=[case], providers=["peer"], memory="none",
+                                                      measure_peak=False, policy=TimingPolicy(repeat=1)))
+    peers = [r for r in run.results if r.kind == "peer" and r.case == case]
+    assert peers and all(r.status == "ok" for r in peers), [(r.provider, r.note) for r in peers]
+
+
+def test_case_set_policy_repeats_slow_calls():
+    import time
+    from dataclasses import replace
+
+    p = TimingPolicy.for_mode(True, case_set=True)
+    assert p.slow_s is None and p.min_reps == 3 and p.warmup == 1
+    calls = []
+    res = time_callable(lambda: (calls.append(1), time.sleep(0.02)), "cpu", replace(p, budget_s=0.01))
+    assert len(calls) == 4 and res.reps == 3 and res.median_ms >= 20

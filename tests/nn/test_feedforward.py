@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fastarch.nn as fnn
-from tests.nn._guide_helpers import assert_dropin, assert_trains
+from fastarch.testing.dropin import assert_dropin, assert_trains
 
 
 # ---- guide 000 reference code (verbatim apart from formatting) -------------------------------------------

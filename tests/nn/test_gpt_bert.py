@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 import fastarch.nn as fnn
 from fastarch.models import bert_from_hf, create_model
-from tests.nn import _guide_refs as G
-from tests.nn._guide_helpers import assert_dropin, assert_trains
+from fastarch.testing import guides as G
+from fastarch.testing.dropin import assert_dropin, assert_trains
 
 IDS = torch.randint(0, 50, (2, 12))
 

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import fastarch.nn as fnn
-from tests.nn import _guide_refs as G
-from tests.nn._guide_helpers import assert_dropin, assert_trains
+from fastarch.testing import guides as G
+from fastarch.testing.dropin import assert_dropin, assert_trains
 
 N = 30
 X = torch.randn(N, 8)

@@ -4,58 +4,10 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from fastarch.nn import Mamba, MambaBlock, MambaLM
-
-
-class GuideMambaBlock(nn.Module):
-    """The seed guide's MambaBlock (000_..., section 6.2), verbatim semantics, used as the reference."""
-
-    def __init__(self, d_model, d_state=16, d_conv=4, expand=2, dropout=0.1):
-        super().__init__()
-        self.d_model = d_model
-        self.d_state = d_state
-        self.d_inner = d_model * expand
-        self.d_conv = d_conv
-        self.in_proj = nn.Linear(d_model, self.d_inner * 2)
-        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, kernel_size=d_conv, padding=d_conv - 1,
-                                groups=self.d_inner)
-        self.x_proj = nn.Linear(self.d_inner, d_state + d_state + self.d_inner)
-        self.dt_proj = nn.Linear(self.d_inner, self.d_inner)
-        self.A_log = nn.Parameter(torch.randn(self.d_inner, d_state))
-        self.D = nn.Parameter(torch.ones(self.d_inner))
-        self.out_proj = nn.Linear(self.d_inner, d_model)
-        self.dropout = nn.Dropout(dropout)
-        self.norm = nn.LayerNorm(d_model)
-
-    def selective_scan(self, x, delta, A, B, C):
-        batch_size, seq_len, d_inner = x.size()
-        A_bar = torch.exp(delta.unsqueeze(-1) * A.unsqueeze(0).unsqueeze(0))
-        B_bar = delta.unsqueeze(-1) * B.unsqueeze(2)
-        h = torch.zeros(batch_size, d_inner, A.size(1), device=x.device)
-        outputs = []
-        for t in range(seq_len):
-            h = A_bar[:, t] * h + B_bar[:, t] * x[:, t].unsqueeze(-1)
-            outputs.append(torch.sum(C[:, t].unsqueeze(1) * h, dim=-1))
-        return torch.stack(outputs, dim=1)
-
-    def forward(self, x):
-        residual = x
-        x = self.norm(x)
-        x, z = self.in_proj(x).chunk(2, dim=-1)
-        x = x.transpose(1, 2)
-        x = self.conv1d(x)[:, :, :x.size(2)]
-        x = x.transpose(1, 2)
-        x = F.silu(x)
-        delta, B, C = torch.split(self.x_proj(x), [self.d_inner, self.d_state, self.d_state], dim=-1)
-        delta = F.softplus(self.dt_proj(delta))
-        A = -torch.exp(self.A_log)
-        y = self.selective_scan(x, delta, A, B, C)
-        y = y + x * self.D.unsqueeze(0).unsqueeze(0)
-        y = y * F.silu(z)
-        return self.dropout(self.out_proj(y)) + residual
+from fastarch.testing.guides import MambaBlock as GuideMambaBlock
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])

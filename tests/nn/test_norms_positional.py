@@ -6,12 +6,12 @@ import torch
 import torch.nn as nn
 
 import fastarch.nn as fnn
-from tests.nn._guide_refs import LayerNorm003 as GuideLayerNorm
-from tests.nn._guide_refs import LearnedPositionalEncoding as GuideLearned000
-from tests.nn._guide_refs import SinusoidalPositionalEncoding003 as GuideSinusoidal
+from fastarch.testing.guides import LayerNorm003 as GuideLayerNorm
+from fastarch.testing.guides import LearnedPositionalEncoding as GuideLearned000
+from fastarch.testing.guides import SinusoidalPositionalEncoding003 as GuideSinusoidal
 
 
-# ---- the guides' definitions not already in tests/nn/_guide_refs.py (guide 003) --------------------------------
+# ---- the guides' definitions not in fastarch.testing.guides (guide 003) --------------------------------
 class GuideBatchNorm(nn.Module):
     def __init__(self, d_model, eps=1e-5, momentum=0.1):
         super().__init__()

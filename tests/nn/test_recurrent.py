@@ -6,36 +6,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fastarch.nn as fnn
-from tests.nn._guide_helpers import assert_dropin, assert_trains
+from fastarch.testing.dropin import assert_dropin, assert_trains
+from fastarch.testing.guides import LSTMCell as RefLSTMCell
 
 
 # ---- guide 000 reference code ----------------------------------------------------------------------------
-class RefLSTMCell(nn.Module):
-    def __init__(self, input_size, hidden_size):
-        super().__init__()
-        self.input_size = input_size
-        self.hidden_size = hidden_size
-        self.weight_ih = nn.Parameter(torch.randn(4 * hidden_size, input_size))
-        self.weight_hh = nn.Parameter(torch.randn(4 * hidden_size, hidden_size))
-        self.bias_ih = nn.Parameter(torch.randn(4 * hidden_size))
-        self.bias_hh = nn.Parameter(torch.randn(4 * hidden_size))
-        std = 1.0 / (self.hidden_size) ** 0.5
-        for weight in self.parameters():
-            weight.data.uniform_(-std, std)
-
-    def forward(self, x, hidden):
-        h, c = hidden
-        gates = (torch.mm(x, self.weight_ih.t()) + self.bias_ih + torch.mm(h, self.weight_hh.t()) + self.bias_hh)
-        forget_gate, input_gate, output_gate, cell_candidate = gates.chunk(4, 1)
-        f_t = torch.sigmoid(forget_gate)
-        i_t = torch.sigmoid(input_gate)
-        o_t = torch.sigmoid(output_gate)
-        c_tilde = torch.tanh(cell_candidate)
-        c_new = f_t * c + i_t * c_tilde
-        h_new = o_t * torch.tanh(c_new)
-        return h_new, c_new
-
-
 class RefGRUCell(nn.Module):
     def __init__(self, input_size, hidden_size):
         super().__init__()

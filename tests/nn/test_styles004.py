@@ -5,8 +5,8 @@ import torch
 import torch.nn as nn
 
 import fastarch.nn as fnn
-from tests.nn import _guide_refs as G
-from tests.nn._guide_helpers import assert_dropin, assert_trains
+from fastarch.testing import guides as G
+from fastarch.testing.dropin import assert_dropin, assert_trains
 
 SIZES = dict(num_layers=2, d_model=32, n_heads=4, d_ff=64)
 

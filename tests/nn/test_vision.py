@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 import fastarch.nn as fnn
 from fastarch.nn.swin import _shift_mask
-from tests.nn import _guide_refs as G
-from tests.nn._guide_helpers import assert_dropin, assert_trains
+from fastarch.testing import guides as G
+from fastarch.testing.dropin import assert_dropin, assert_trains
 
 IMG = torch.randn(2, 3, 32, 32)
 

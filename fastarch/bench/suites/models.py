@@ -1,7 +1,8 @@
 """Whole models, forward + backward on the same weights: fastarch's drop-in modules against the seed guides'
-own code (copied below as the references, with only the fixes the guides need to run; see docs/models.md).
+own code (:mod:`fastarch.testing.guides`, with only the fixes the guides need to run; see docs/models.md).
 
-Cases (``--full`` sizes are the issue's headline; ``--quick`` shrinks them so the suite takes seconds):
+Cases (``--full`` sizes are the headline, also the case set ``models-headline``; ``--quick`` shrinks them
+so the suite takes seconds):
 
 - ``gpt``: guide 000's ``GPTTransformer`` (d_model 512, 8 layers, 8 heads, L 1024, batch 1);
 - ``vit_s16``: guide 000's ``VisionTransformer`` at ViT-S/16 (384 wide, 12 layers, 6 heads), batch 8;
@@ -21,164 +22,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ..core import BenchConfig, Case, Provider, Suite
+from fastarch.testing import guides
 
-# ================================ guide reference code (guide 000) ======================================
-# ruff: noqa: N803, N806
-
-
-class _GuideSDPA(nn.Module):
-    def __init__(self, dropout: float = 0.1):
-        super().__init__()
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, q, k, v, mask=None):
-        scores = torch.matmul(q, k.transpose(-2, -1)) / q.size(-1) ** 0.5
-        if mask is not None:
-            scores = scores.masked_fill(mask == 0, -1e9)
-        attention = self.dropout(F.softmax(scores, dim=-1))
-        return torch.matmul(attention, v), attention
-
-
-class _GuideMHA(nn.Module):
-    def __init__(self, d_model, n_heads, dropout=0.1):
-        super().__init__()
-        self.d_model, self.n_heads, self.d_k = d_model, n_heads, d_model // n_heads
-        self.w_q = nn.Linear(d_model, d_model)
-        self.w_k = nn.Linear(d_model, d_model)
-        self.w_v = nn.Linear(d_model, d_model)
-        self.w_o = nn.Linear(d_model, d_model)
-        self.attention = _GuideSDPA(dropout)
-        self.dropout = nn.Dropout(dropout)
-        self.layer_norm = nn.LayerNorm(d_model)
-
-    def forward(self, q, k, v, mask=None):
-        b = q.size(0)
-        residual = q
-        q = self.w_q(q).view(b, -1, self.n_heads, self.d_k).transpose(1, 2)
-        k = self.w_k(k).view(b, -1, self.n_heads, self.d_k).transpose(1, 2)
-        v = self.w_v(v).view(b, -1, self.n_heads, self.d_k).transpose(1, 2)
-        out, attn = self.attention(q, k, v, mask)
-        out = out.transpose(1, 2).contiguous().view(b, -1, self.d_model)
-        return self.layer_norm(self.dropout(self.w_o(out)) + residual), attn
-
-
-class _GuideFFN(nn.Module):
-    def __init__(self, d_model, d_ff, dropout=0.1, activation="relu"):
-        super().__init__()
-        self.w_1 = nn.Linear(d_model, d_ff)
-        self.w_2 = nn.Linear(d_ff, d_model)
-        self.dropout = nn.Dropout(dropout)
-        self.activation = F.relu if activation == "relu" else F.gelu
-
-    def forward(self, x):
-        return self.dropout(self.w_2(self.dropout(self.activation(self.w_1(x)))))
-
-
-class _GuideEncoderLayer(nn.Module):
-    def __init__(self, d_model, n_heads, d_ff, dropout=0.1):
-        super().__init__()
-        self.self_attn = _GuideMHA(d_model, n_heads, dropout)
-        self.ffn = _GuideFFN(d_model, d_ff, dropout)
-        self.norm1 = nn.LayerNorm(d_model)
-        self.norm2 = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x, mask=None):
-        residual = x
-        x, _ = self.self_attn(x, x, x, mask)  # the guide's .mha(...)
-        x = self.norm1(self.dropout(x) + residual)
-        return self.norm2(self.ffn(x) + x)
-
-
-class _GuideGPTLayer(nn.Module):
-    def __init__(self, d_model, n_heads, d_ff, dropout=0.1):
-        super().__init__()
-        self.self_attn = _GuideMHA(d_model, n_heads, dropout)
-        self.ffn = _GuideFFN(d_model, d_ff, dropout, activation="gelu")
-        self.norm1 = nn.LayerNorm(d_model)
-        self.norm2 = nn.LayerNorm(d_model)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x, mask=None):
-        residual = x
-        x, _ = self.self_attn(x, x, x, mask)
-        x = self.norm1(self.dropout(x) + residual)
-        return self.norm2(self.ffn(x) + x)
-
-
-class _GuideGPT(nn.Module):
-    def __init__(self, vocab_size, d_model, n_heads, num_layers, d_ff, max_len, dropout):
-        super().__init__()
-        self.token_embedding = nn.Embedding(vocab_size, d_model)
-        self.position_embedding = nn.Embedding(max_len, d_model)
-        self.layers = nn.ModuleList(_GuideGPTLayer(d_model, n_heads, d_ff, dropout) for _ in range(num_layers))
-        self.norm = nn.LayerNorm(d_model)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
-        self.lm_head.weight = self.token_embedding.weight
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, input_ids):
-        b, n = input_ids.shape
-        pos = torch.arange(n, device=input_ids.device).unsqueeze(0).expand(b, -1)
-        x = self.dropout(self.token_embedding(input_ids) + self.position_embedding(pos))
-        mask = torch.tril(torch.ones(n, n, device=input_ids.device))  # the guide's causal intent (1 = keep)
-        for layer in self.layers:
-            x = layer(x, mask)
-        return self.lm_head(self.norm(x))
-
-
-class _GuideViT(nn.Module):
-    def __init__(self, img_size, patch_size, num_classes, embed_dim, depth, num_heads, dropout):
-        super().__init__()
-        self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv2d(3, embed_dim, kernel_size=patch_size, stride=patch_size)
-        n = (img_size // patch_size) ** 2
-        self.cls_token = nn.Parameter(torch.zeros(1, 1, embed_dim))
-        self.pos_embed = nn.Parameter(torch.zeros(1, n + 1, embed_dim))
-        self.pos_drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(_GuideEncoderLayer(embed_dim, num_heads, 4 * embed_dim, dropout)
-                                    for _ in range(depth))
-        self.norm = nn.LayerNorm(embed_dim)
-        self.head = nn.Linear(embed_dim, num_classes)
-
-    def forward(self, x):
-        x = self.patch_embed.proj(x).flatten(2).transpose(1, 2)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
-        x = self.pos_drop(x + self.pos_embed)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x)[:, 0])
-
-
-class _GuideLongformerAttention(nn.Module):
-    def __init__(self, d_model, n_heads, window_size=512, dropout=0.1):
-        super().__init__()
-        self.d_model, self.n_heads, self.d_k, self.window_size = d_model, n_heads, d_model // n_heads, window_size
-        self.global_tokens: list[int] = []
-        self.w_q = nn.Linear(d_model, d_model)
-        self.w_k = nn.Linear(d_model, d_model)
-        self.w_v = nn.Linear(d_model, d_model)
-        self.w_q_global = nn.Linear(d_model, d_model)
-        self.w_k_global = nn.Linear(d_model, d_model)
-        self.w_v_global = nn.Linear(d_model, d_model)
-        self.w_o = nn.Linear(d_model, d_model)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x, global_mask=None):
-        b, n, _ = x.shape
-        q = self.w_q(x).view(b, n, self.n_heads, self.d_k).transpose(1, 2)
-        k = self.w_k(x).view(b, n, self.n_heads, self.d_k).transpose(1, 2)
-        v = self.w_v(x).view(b, n, self.n_heads, self.d_k).transpose(1, 2)
-        scores = torch.matmul(q, k.transpose(-2, -1)) / (self.d_k**0.5)
-        pos = torch.arange(n, device=x.device)
-        mask = ((pos.unsqueeze(0) - pos.unsqueeze(1)).abs() <= self.window_size).float()[None, None]
-        scores = scores.masked_fill(mask == 0, -1e9)
-        out = torch.matmul(self.dropout(F.softmax(scores, dim=-1)), v)
-        out = out.transpose(1, 2).contiguous().view(b, n, self.d_model)
-        return self.dropout(self.w_o(out))
+from ..core import BenchConfig, Case, Provider, Ratio, Suite
 
 
 class _LongformerEncoderLayer(nn.Module):
@@ -194,22 +41,6 @@ class _LongformerEncoderLayer(nn.Module):
     def forward(self, x):
         x = self.norm1(x + self.attn(x))
         return self.norm2(x + self.ffn(x))
-
-
-class _GuideLSTMCell(nn.Module):
-    def __init__(self, input_size, hidden_size):
-        super().__init__()
-        self.weight_ih = nn.Parameter(torch.empty(4 * hidden_size, input_size).uniform_(-0.1, 0.1))
-        self.weight_hh = nn.Parameter(torch.empty(4 * hidden_size, hidden_size).uniform_(-0.1, 0.1))
-        self.bias_ih = nn.Parameter(torch.empty(4 * hidden_size).uniform_(-0.1, 0.1))
-        self.bias_hh = nn.Parameter(torch.empty(4 * hidden_size).uniform_(-0.1, 0.1))
-
-    def forward(self, x, hidden):
-        h, c = hidden
-        gates = torch.mm(x, self.weight_ih.t()) + self.bias_ih + torch.mm(h, self.weight_hh.t()) + self.bias_hh
-        f, i, o, g = gates.chunk(4, 1)
-        c_new = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-        return torch.sigmoid(o) * torch.tanh(c_new), c_new
 
 
 class _CellStack(nn.Module):
@@ -266,12 +97,13 @@ def _pair(build_ours: Callable[[], nn.Module], build_ref: Callable[[], nn.Module
 
 
 def _case(name: str, params: dict[str, Any], flops: float | None, ours_ref: tuple[nn.Module, nn.Module],
-          make_input: Callable[[], Any], extra: list[Provider] | None = None) -> Case:
+          make_input: Callable[[], Any], extra: list[Provider] | None = None, target: float | None = None
+          ) -> Case:
     ours, ref = ours_ref
     providers = [Provider("fastarch", "fastarch", _train_step(ours, make_input)),
                  Provider("reference", "reference", _train_step(ref, make_input))]
     return Case(name=name, params=params, flops=flops, providers=providers + (extra or []), reference="reference",
-                group=name.split(",")[0], x="L")
+                group=name.split(",")[0], x="L", ratios=(Ratio("fastarch", "reference", target=target),))
 
 
 def _gpt_case(quick: bool) -> Case:
@@ -279,11 +111,11 @@ def _gpt_case(quick: bool) -> Case:
 
     d, layers, heads, n, vocab = (128, 2, 4, 256, 512) if quick else (512, 8, 8, 1024, 2048)
     pair = _pair(lambda: GPTTransformer(vocab, d, heads, layers, 4 * d, n, dropout=0.0),
-                 lambda: _GuideGPT(vocab, d, heads, layers, 4 * d, n, dropout=0.0))
+                 lambda: guides.GPTTransformer(vocab, d, heads, layers, 4 * d, n, dropout=0.0))
     ids = torch.randint(0, vocab, (1, n))
     flops = 3 * layers * (2 * n * 12 * d * d + 2 * n * n * d)  # fwd+bwd = 3x fwd; causal counted as full
     return _case(f"gpt,d={d},layers={layers},L={n}", {"L": n, "d_model": d, "layers": layers}, flops, pair,
-                 lambda: ids)
+                 lambda: ids, target=None if quick else 3.0)
 
 
 def _vit_case(quick: bool) -> Case:
@@ -291,7 +123,7 @@ def _vit_case(quick: bool) -> Case:
 
     img, depth, batch = (64, 2, 2) if quick else (224, 12, 8)
     pair = _pair(lambda: VisionTransformer(img, 16, 3, 1000, 384, depth, 6, dropout=0.0),
-                 lambda: _GuideViT(img, 16, 1000, 384, depth, 6, dropout=0.0))
+                 lambda: guides.VisionTransformer(img, 16, 3, 1000, 384, depth, 6, dropout=0.0))
     x = torch.randn(batch, 3, img, img)
     n = (img // 16) ** 2 + 1
     return _case(f"vit_s16,img={img},depth={depth},B={batch}", {"L": n, "B": batch, "depth": depth}, None, pair,
@@ -303,7 +135,7 @@ def _longformer_case(quick: bool) -> Case:
 
     n, d, heads, w = (1024, 128, 4, 64) if quick else (8192, 256, 4, 256)
     pair = _pair(lambda: _LongformerEncoderLayer(LongformerAttention(d, heads, window_size=w, dropout=0.0), d, 4 * d),
-                 lambda: _LongformerEncoderLayer(_GuideLongformerAttention(d, heads, w, dropout=0.0), d, 4 * d))
+                 lambda: _LongformerEncoderLayer(guides.LongformerAttention(d, heads, w, dropout=0.0), d, 4 * d))
     x = torch.randn(1, n, d)
     return _case(f"longformer,L={n},w={w}", {"L": n, "d_model": d, "window": w}, None, pair, lambda: x)
 
@@ -313,7 +145,7 @@ def _lstm_case(quick: bool) -> Case:
 
     n, hidden, layers, batch = (64, 64, 2, 4) if quick else (512, 256, 4, 8)
     torch.manual_seed(0)
-    ref_cells = [_GuideLSTMCell(hidden, hidden) for _ in range(layers)]
+    ref_cells = [guides.LSTMCell(hidden, hidden) for _ in range(layers)]
     our_cells = [LSTMCell(hidden, hidden) for _ in range(layers)]
     for o, r in zip(our_cells, ref_cells):
         o.load_state_dict(r.state_dict(), strict=True)
@@ -336,13 +168,17 @@ class _FirstOutput(nn.Module):
 
 def cases(cfg: BenchConfig) -> list[Case]:
     quick = cfg.quick or cfg.toy
-    out = [_gpt_case(quick), _vit_case(quick), _lstm_case(quick)]
-    try:
-        out.insert(2, _longformer_case(quick))
-    except ImportError:  # fastarch.nn.LongformerAttention belongs to the attention issue
-        pass
-    return out
+    return [_gpt_case(quick), _vit_case(quick), _longformer_case(quick), _lstm_case(quick)]
+
+
+def headline_cases(cfg: BenchConfig) -> list[Case]:
+    """Forward+backward of whole models on the same weights, fastarch.nn against the guides' code: GPT
+    d_model 512 x 8 layers at L=1024 (bar: 3x), ViT-S/16 at batch 8, a Longformer-style encoder layer at
+    L=8192 (window 256) and a 4-layer LSTM over L=512."""
+    quick = cfg.toy
+    return [_gpt_case(quick), _vit_case(quick), _longformer_case(quick), _lstm_case(quick)]
 
 
 SUITE = Suite(name="models", description="Whole models, forward+backward: fastarch.nn vs the seed guides' code "
-              "(GPT, ViT-S/16, Longformer-style encoder, 4-layer LSTM)", cases=cases)
+              "(GPT, ViT-S/16, Longformer-style encoder, 4-layer LSTM)", cases=cases,
+              case_sets={"models-headline": headline_cases})

@@ -7,7 +7,6 @@ Cases:
   matrix (:func:`s4_kernel_ref`, complex128; skipped when that exceeds 2^23 elements);
 - ``S4Layer fwd`` (B=1, d_model=H, d_state=64): :class:`fastarch.nn.S4Layer` in convolution mode (kernel +
   FFT convolution) against the seed guide's ``S4Layer`` (a Python loop over time, the reference).
-  Issue 6's bar: at L=16384, at least 20x faster than the guide's loop (``--full``; quick runs L=512).
 """
 
 from __future__ import annotations
@@ -17,43 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn as nn
 
-from ..core import BenchConfig, Case, Provider, Skip, Suite
-from ..helpers import fastarch_op, randn, require_backend
+from fastarch.testing import guides
+
+from ..core import BenchConfig, Case, Provider, Ratio, Skip, Suite
+from ..helpers import fastarch_op, randn, require_backend, timed_call
 
 BACKENDS = ("cpp", "triton", "torch")
 
 
-class GuideS4Layer(nn.Module):
-    """The seed guide's S4Layer (000_..., cluster 6.1): Euler step at the mean dt, one shared state,
-    a Python loop over time. Same parameters, initialisation and arithmetic."""
-
-    def __init__(self, d_model: int, d_state: int = 64, dropout: float = 0.1) -> None:
-        super().__init__()
-        self.d_model, self.d_state = d_model, d_state
-        self.A = nn.Parameter(torch.randn(d_state, d_state))
-        self.B = nn.Parameter(torch.randn(d_state, d_model))
-        self.C = nn.Parameter(torch.randn(d_model, d_state))
-        self.D = nn.Parameter(torch.randn(d_model))
-        self.log_dt = nn.Parameter(torch.randn(d_model))
-        self.dropout = nn.Dropout(dropout)
-        nn.init.xavier_uniform_(self.A)
-        nn.init.xavier_uniform_(self.B)
-        nn.init.xavier_uniform_(self.C)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch_size, seq_len, _ = x.size()
-        dt = torch.exp(self.log_dt)
-        a_bar = torch.eye(self.d_state, device=self.A.device) + dt.mean() * self.A
-        b_bar = dt.mean() * self.B
-        h = torch.zeros(batch_size, self.d_state, device=x.device)
-        outputs = []
-        for t in range(seq_len):
-            x_t = x[:, t, :]
-            h = torch.matmul(h, a_bar.T) + torch.matmul(x_t, b_bar.T)
-            outputs.append(torch.matmul(h, self.C.T) + x_t * self.D)
-        return self.dropout(torch.stack(outputs, dim=1))
+GuideS4Layer = guides.S4Layer
 
 
 def _system(cfg: BenchConfig, h: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,15 +41,7 @@ def _kernel_case(cfg: BenchConfig, h: int, n: int, L: int, backward: bool) -> Ca
 
     def timed(fn: Callable[..., torch.Tensor]) -> Callable[[], Any]:
         dta, coef = _system(cfg, h, n)
-        if not backward:
-            def fwd() -> Any:
-                with torch.no_grad():
-                    return fn(dta, coef)
-            return fwd
-        dta.requires_grad_()
-        coef.requires_grad_()
-        g = torch.randn(h, L, generator=torch.Generator().manual_seed(3)).to(cfg.device)
-        return lambda: torch.autograd.grad(fn(dta, coef), [dta, coef], g)
+        return timed_call(fn, (dta.requires_grad_(backward), coef.requires_grad_(backward)), backward)
 
     def ours(backend: str) -> Callable[[], Callable[[], Any]]:
         def setup() -> Callable[[], Any]:
@@ -152,7 +116,7 @@ def _layer_case(cfg: BenchConfig, h: int, L: int, b: int = 1, d_state: int = 64)
         return setup
 
     def guide() -> Callable[[], Any]:
-        layer = GuideS4Layer(h, d_state, dropout=0.0).to(cfg.device, cfg.dtype).eval()
+        layer = guides.S4Layer(h, d_state, dropout=0.0).to(cfg.device, cfg.dtype).eval()
         inp = x()
 
         def run() -> Any:
@@ -179,5 +143,55 @@ def cases(cfg: BenchConfig) -> list[Case]:
     return out
 
 
+def _headline_layer_case(cfg: BenchConfig, h: int, L: int, d_state: int = 64) -> Case:
+    def run(part: str) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            torch.manual_seed(cfg.seed)
+            if part == "reference":
+                layer = guides.S4Layer(h, d_state, dropout=0.0)
+            else:
+                from fastarch.nn import S4Layer
+
+                layer = S4Layer(h, d_state, dropout=0.0)
+            layer = layer.to(cfg.device, cfg.dtype).eval()
+            fn = layer.ssm if part == "fastarch-ssm" else layer
+            return timed_call(fn, [randn(1, L, h, cfg=cfg, seed=1)], False)
+        return setup
+
+    parts = ("fastarch-ssm", "fastarch-layer", "reference")
+    return Case(name=f"S4 conv mode fwd d_model={h},d_state={d_state},L={L}",
+                params={"B": 1, "H": h, "N": d_state, "L": L}, flops=None,
+                providers=[Provider(p, "reference" if p == "reference" else "fastarch", run(p)) for p in parts],
+                group="S4 conv mode fwd", x="H",
+                ratios=(Ratio("fastarch-ssm", "reference", target=20.0), Ratio("fastarch-layer", "reference")))
+
+
+def _headline_kernel_case(cfg: BenchConfig, h: int, L: int, d_state: int = 64) -> Case:
+    def run(backend: str) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            require_backend("s4_kernel", backend, cfg.device, torch.float32, n=d_state // 2, L=L)
+            from fastarch.nn import S4Layer
+
+            layer = S4Layer(h, d_state, dropout=0.0, backend=backend).to(cfg.device).eval()
+            return timed_call(lambda: layer.kernel(L), (), False)
+        return setup
+
+    return Case(name=f"S4Layer.kernel d_model={h},d_state={d_state},L={L}",
+                params={"H": h, "N": d_state, "L": L}, flops=None,
+                providers=[Provider(f"fastarch-{b}", "fastarch", run(b)) for b in BACKENDS],
+                reference="fastarch-torch", group="S4Layer.kernel", x="H",
+                ratios=(Ratio("fastarch-cpp", "fastarch-torch"),))
+
+
+def headline_cases(cfg: BenchConfig) -> list[Case]:
+    """S4 at L=16384, B=1, d_state=64, d_model 16 ... 256, forward in eval mode: the layer's state-space
+    part in convolution mode (``S4Layer.ssm``: kernel + FFT convolution + D skip, what the guide's layer
+    computes; bar: 20x the guide's loop over time) and the whole layer (plus GELU, Linear(H, 2H) and GLU,
+    which the guide's layer lacks) against the guide's loop, and the kernel generation alone per backend."""
+    L, widths = (256, (8, 16)) if cfg.toy else (16384, (16, 32, 64, 128, 256))
+    out = [_headline_layer_case(cfg, h, L) for h in widths]
+    return out + [_headline_kernel_case(cfg, h, L) for h in widths]
+
+
 SUITE = Suite(name="s4", description="S4D: fused Vandermonde kernel generation and the conv-mode layer vs "
-              "the guide's recurrent loop", cases=cases)
+              "the guide's recurrent loop", cases=cases, case_sets={"s4-headline": headline_cases})

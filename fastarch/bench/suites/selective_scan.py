@@ -4,12 +4,13 @@ Providers: ``fastarch-cpp`` / ``fastarch-triton`` / ``fastarch-cuda`` / ``fastar
 backend), ``reference`` (:func:`fastarch.ops.selective_scan_ref`, mamba-ssm's ``selective_scan_ref``
 semantics: it builds B x D x L x N tensors and loops over L), and the peer ``mamba-ssm`` (its CUDA
 ``selective_scan_fn``, GPU only). Variable B/C, D, z, delta_bias and softplus (Mamba's configuration).
-The issue-5 headline is ``fwd B=2,D=1536,L=2048,N=16`` (``--full``); ``--quick`` uses small sizes.
+The headline is ``fwd B=2,D=1536,L=2048,N=16`` (``--full`` and the case set ``selective-scan-headline``);
+``--quick`` uses small sizes.
 
 ``--full`` also has: forward+backward at L=256 with the reference's autograd (it is too slow to time at
 L=2048, where the case runs without it), an N=64 forward+backward at the same B*D*L as the N=16 one (peak
 memory has no N factor beyond the N/64 checkpoints), and the guide's ``MambaBlock`` (d_model=768, L=2048,
-batch 1, forward+backward; its class is copied here as the reference) against :class:`fastarch.nn.MambaBlock`.
+batch 1, forward+backward; :class:`fastarch.testing.guides.MambaBlock`) against :class:`fastarch.nn.MambaBlock`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
-from ..core import BenchConfig, Case, Provider, Skip, Suite
-from ..helpers import require_backend, require_cuda, require_package
+from fastarch.testing import guides
+
+from ..core import BenchConfig, Case, Provider, Ratio, Skip, Suite
+from ..helpers import require_backend, require_cuda, require_package, timed_call
 
 BACKENDS = ("cpp", "cuda", "triton", "torch")
 
@@ -41,19 +42,7 @@ def _inputs(cfg: BenchConfig, b: int, d: int, L: int, n: int, grad: bool) -> lis
 
 def _runner(fn: Callable[..., Any], cfg: BenchConfig, shape: tuple[int, int, int, int], backward: bool
             ) -> Callable[[], Callable[[], Any]]:
-    def setup() -> Callable[[], Any]:
-        ins = _inputs(cfg, *shape, grad=backward)
-        if not backward:
-            def fwd() -> Any:
-                with torch.no_grad():
-                    return fn(*ins)
-            return fwd
-
-        def fwd_bwd() -> Any:
-            out = fn(*ins)
-            return torch.autograd.grad(out, ins, torch.ones_like(out))
-        return fwd_bwd
-    return setup
+    return lambda: timed_call(fn, _inputs(cfg, *shape, grad=backward), backward)
 
 
 def _fastarch(backend: str, cfg: BenchConfig, shape, backward: bool) -> Callable[[], Callable[[], Any]]:
@@ -101,53 +90,7 @@ def _mamba_ssm(cfg: BenchConfig, shape, backward: bool) -> Callable[[], Callable
     return setup
 
 
-class GuideMambaBlock(nn.Module):
-    """The seed guide's MambaBlock (000_..., section 6.2), copied as the reference: a Python loop over time
-    with B x L x D x N ``A_bar`` / ``B_bar`` tensors."""
-
-    def __init__(self, d_model, d_state=16, d_conv=4, expand=2, dropout=0.1):
-        super().__init__()
-        self.d_model = d_model
-        self.d_state = d_state
-        self.d_inner = d_model * expand
-        self.d_conv = d_conv
-        self.in_proj = nn.Linear(d_model, self.d_inner * 2)
-        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, kernel_size=d_conv, padding=d_conv - 1,
-                                groups=self.d_inner)
-        self.x_proj = nn.Linear(self.d_inner, d_state + d_state + self.d_inner)
-        self.dt_proj = nn.Linear(self.d_inner, self.d_inner)
-        self.A_log = nn.Parameter(torch.randn(self.d_inner, d_state))
-        self.D = nn.Parameter(torch.ones(self.d_inner))
-        self.out_proj = nn.Linear(self.d_inner, d_model)
-        self.dropout = nn.Dropout(dropout)
-        self.norm = nn.LayerNorm(d_model)
-
-    def selective_scan(self, x, delta, A, B, C):
-        batch_size, seq_len, d_inner = x.size()
-        A_bar = torch.exp(delta.unsqueeze(-1) * A.unsqueeze(0).unsqueeze(0))
-        B_bar = delta.unsqueeze(-1) * B.unsqueeze(2)
-        h = torch.zeros(batch_size, d_inner, A.size(1), device=x.device)
-        outputs = []
-        for t in range(seq_len):
-            h = A_bar[:, t] * h + B_bar[:, t] * x[:, t].unsqueeze(-1)
-            outputs.append(torch.sum(C[:, t].unsqueeze(1) * h, dim=-1))
-        return torch.stack(outputs, dim=1)
-
-    def forward(self, x):
-        residual = x
-        x = self.norm(x)
-        x, z = self.in_proj(x).chunk(2, dim=-1)
-        x = x.transpose(1, 2)
-        x = self.conv1d(x)[:, :, :x.size(2)]
-        x = x.transpose(1, 2)
-        x = F.silu(x)
-        delta, B, C = torch.split(self.x_proj(x), [self.d_inner, self.d_state, self.d_state], dim=-1)
-        delta = F.softplus(self.dt_proj(delta))
-        A = -torch.exp(self.A_log)
-        y = self.selective_scan(x, delta, A, B, C)
-        y = y + x * self.D.unsqueeze(0).unsqueeze(0)
-        y = y * F.silu(z)
-        return self.dropout(self.out_proj(y)) + residual
+GuideMambaBlock = guides.MambaBlock
 
 
 def _block(cfg: BenchConfig, d_model: int, L: int, fastarch: bool) -> Callable[[], Callable[[], Any]]:
@@ -155,7 +98,7 @@ def _block(cfg: BenchConfig, d_model: int, L: int, fastarch: bool) -> Callable[[
         from fastarch.nn import MambaBlock
 
         torch.manual_seed(cfg.seed)
-        guide = GuideMambaBlock(d_model).eval()
+        guide = guides.MambaBlock(d_model).eval()
         m = guide
         if fastarch:
             m = MambaBlock(d_model).eval()
@@ -181,7 +124,8 @@ def _scan_case(cfg: BenchConfig, shape: tuple[int, int, int, int], backward: boo
                           peer_package="mamba_ssm"))
     return Case(name=f"{'fwd+bwd' if backward else 'fwd'}{tag} B={b},D={d},L={L},N={n}",
                 params={"B": b, "D": d, "L": L, "N": n}, flops=flops, providers=provs,
-                group=("fwd+bwd" if backward else "fwd") + tag, x="L", measure_memory=backward)
+                group=("fwd+bwd" if backward else "fwd") + tag, x="L", measure_memory=backward,
+                ratios=(Ratio("fastarch-cpp", "reference"),))
 
 
 def _aux_case(cfg: BenchConfig, name: str, op: str, make_inputs: Callable[[], list[torch.Tensor]],
@@ -189,18 +133,8 @@ def _aux_case(cfg: BenchConfig, name: str, op: str, make_inputs: Callable[[], li
     """A case for the scan's companion ops (causal conv, decode steps): each backend vs the reference."""
 
     def timed(fn: Callable[..., Any]) -> Callable[[], Any]:
-        ins = make_inputs()
-        if backward:
-            ins = [t.requires_grad_(t.is_floating_point()) for t in ins]
-            def fwd_bwd() -> Any:
-                out = fn(*ins)
-                return torch.autograd.grad(out, [t for t in ins if t.requires_grad], torch.ones_like(out))
-            return fwd_bwd
-
-        def fwd() -> Any:
-            with torch.no_grad():
-                return fn(*ins)
-        return fwd
+        ins = [t.requires_grad_(backward and t.is_floating_point()) for t in make_inputs()]
+        return timed_call(fn, ins, backward)
 
     def ours(backend: str) -> Callable[[], Callable[[], Any]]:
         def setup() -> Callable[[], Any]:
@@ -210,10 +144,11 @@ def _aux_case(cfg: BenchConfig, name: str, op: str, make_inputs: Callable[[], li
 
     providers = [Provider(f"fastarch-{b}", "fastarch", ours(b)) for b in ("cpp", "triton", "torch")]
     providers.append(Provider("reference", "reference", lambda: timed(ref)))
-    return Case(name=name, params=dict(features), flops=None, providers=providers, group=name.split(" ")[0])
+    return Case(name=name, params=dict(features), flops=None, providers=providers, group=name.split(" ")[0],
+                ratios=(Ratio("fastarch-cpp", "fastarch-torch"), Ratio("fastarch-cpp", "reference")))
 
 
-def _aux_cases(cfg: BenchConfig) -> list[Case]:
+def _aux_cases(cfg: BenchConfig, sizes: tuple[int, int, int, int, int] | None = None) -> list[Case]:
     from fastarch.ops import (
         causal_conv1d,
         causal_conv1d_ref,
@@ -223,7 +158,7 @@ def _aux_cases(cfg: BenchConfig) -> list[Case]:
         selective_state_update_ref,
     )
 
-    b, d, L, w, n = (2, 256, 512, 4, 16) if cfg.quick else (2, 1536, 2048, 4, 16)
+    b, d, L, w, n = sizes or ((2, 256, 512, 4, 16) if cfg.quick else (2, 1536, 2048, 4, 16))
     g = torch.Generator().manual_seed(cfg.seed)
 
     def r(*shape, dtype=cfg.dtype):
@@ -268,13 +203,30 @@ def _scan_cases(cfg: BenchConfig) -> list[Case]:
                _scan_case(cfg, (2, 1536, 256, 16), True), _scan_case(cfg, (2, 1536, 2048, 16), True),
                _scan_case(cfg, (2, 1536, 2048, 64), True, tag=" N=64")]
         block = (768, 2048)
-    dm, L = block
-    out.append(Case(name=f"MambaBlock fwd+bwd d_model={dm},L={L},B=1", params={"d_model": dm, "L": L},
-                    flops=None, group="MambaBlock fwd+bwd", x="L",
-                    providers=[Provider(name="fastarch", kind="fastarch", setup=_block(cfg, dm, L, True)),
-                               Provider(name="reference", kind="reference", setup=_block(cfg, dm, L, False))]))
-    return out
+    return out + [_block_case(cfg, *block)]
+
+
+def _block_case(cfg: BenchConfig, dm: int, L: int) -> Case:
+    return Case(name=f"MambaBlock fwd+bwd d_model={dm},L={L},B=1", params={"d_model": dm, "L": L},
+                flops=None, group="MambaBlock fwd+bwd", x="L",
+                providers=[Provider(name="fastarch", kind="fastarch", setup=_block(cfg, dm, L, True)),
+                           Provider(name="reference", kind="reference", setup=_block(cfg, dm, L, False))],
+                ratios=(Ratio("fastarch", "reference"),))
+
+
+def headline_cases(cfg: BenchConfig) -> list[Case]:
+    """CPU selective scan at B=2, D=1536, L=2048, N=16 (variable B/C, D, z, delta_bias, softplus): the C++
+    backend against the reference loop, forward and forward+backward (the reference's autograd at L=256),
+    the forward+backward peak memory at N=16 and N=64, the guide's MambaBlock (d_model=768, L=2048), and
+    one decode step of the two decode ops at B=1, D=1536."""
+    if cfg.toy:
+        scan = [_scan_case(cfg, (1, 32, 64, 8), False), _scan_case(cfg, (1, 32, 64, 8), True)]
+        return scan + [_block_case(cfg, 32, 32)] + _aux_cases(cfg, (1, 32, 64, 4, 8))[1:]
+    scan = [_scan_case(cfg, (2, 1536, 2048, 16), False), _scan_case(cfg, (2, 1536, 256, 16), True),
+            _scan_case(cfg, (2, 1536, 2048, 16), True), _scan_case(cfg, (2, 1536, 2048, 64), True, tag=" N=64"),
+            _scan_case(cfg, (1, 256, 512, 16), True, tag=" small")]
+    return scan + [_block_case(cfg, 768, 2048)] + _aux_cases(cfg, (1, 1536, 2048, 4, 16))[1:]
 
 
 SUITE = Suite(name="selective_scan", description="Mamba selective scan (mamba-ssm selective_scan_fn semantics)",
-              cases=cases)
+              cases=cases, case_sets={"selective-scan-headline": headline_cases})

@@ -4,69 +4,46 @@ block mask (compiled), dense masked SDPA, the seed guide's Longformer attention 
 Providers per case:
 
 - ``fastarch-cpp`` / ``fastarch-triton``: :func:`fastarch.ops.attention` with ``window=(w, w)``;
-- ``reference``: the guide-000 ``LongformerAttention._sliding_window_attention`` computation (dense
-  L x L scores, ``masked_fill(mask == 0, -1e9)``, softmax, matmul) on the same q, k, v;
+- ``reference``: guide 000's ``LongformerAttention._sliding_window_attention`` (dense L x L scores,
+  ``masked_fill(mask == 0, -1e9)``, softmax, matmul) on the same q, k, v;
 - ``sdpa-dense-mask``: ``F.scaled_dot_product_attention`` with a dense boolean band mask;
 - ``flex_attention``: ``torch.compile(flex_attention)`` with ``create_block_mask`` of the band, timed
   after compilation (compilation takes minutes on CPU, so only in ``--full`` there);
 - ``local-attention`` (peer, if installed): lucidrains' ``LocalAttention`` with window w, one window of
   look-back and look-ahead (bucketed windows: a superset of the exact band, so not the same function).
 
-The issue-3 bar is the ``fwd L=8192,w=256`` case on CPU: fastarch-cpp at least 2x faster than
-flex_attention. Memory is measured in ``--full`` and for the quick long case.
+The bar is the ``fwd L=8192,w=256`` case on CPU: fastarch-cpp at least 2x faster than flex_attention
+(case set ``attention-headline``, with full/causal attention against SDPA and the long-sequence memory).
+Memory is measured in ``--full`` and for the quick long case.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..core import BenchConfig, Case, Provider, Skip, Suite
+from ..core import BenchConfig, Case, Provider, Ratio, Skip, Suite
 from ..flops import attention_flops
-from ..helpers import fastarch_op, randn, require_backend, require_package
+from ..helpers import fastarch_op, qkv, require_backend, require_package, timed_call
+from . import attention
 
 
-def _inputs(cfg: BenchConfig, B: int, H: int, L: int, D: int, grad: bool):
-    return tuple(randn(B, H, L, D, cfg=cfg, seed=s, requires_grad=grad) for s in (1, 2, 3))
-
-
-def _runner(fn: Callable[..., torch.Tensor], q, k, v, grad: bool) -> Callable[[], Any]:
-    if not grad:
-        def run() -> Any:
-            with torch.no_grad():
-                return fn(q, k, v)
-        return run
-
-    def run_bwd() -> Any:
-        o = fn(q, k, v)
-        o.sum().backward()
-        q.grad = k.grad = v.grad = None
-        return o
-    return run_bwd
-
-
-def _guide_sliding_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: int) -> torch.Tensor:
-    # The seed guide's LongformerAttention._sliding_window_attention (dropout off).
-    L, d_k = q.shape[2], q.shape[3]
-    scores = torch.matmul(q, k.transpose(-2, -1)) / (d_k**0.5)
-    pos = torch.arange(L, device=q.device)
-    mask = ((pos.unsqueeze(0) - pos.unsqueeze(1)).abs() <= w).float().unsqueeze(0).unsqueeze(0)
-    scores = scores.masked_fill(mask == 0, -1e9)
-    return torch.matmul(F.softmax(scores, dim=-1), v)
-
-
-def _case(cfg: BenchConfig, B: int, H: int, L: int, D: int, w: int, grad: bool, memory: bool = False) -> Case:
+def _case(cfg: BenchConfig, B: int, H: int, L: int, D: int, w: int, grad: bool, memory: bool = False,
+          flex_on_cpu: bool = False) -> Case:
     mode = "fwd_bwd" if grad else "fwd"
+
+    def timed(fn: Callable[..., torch.Tensor]) -> Callable[[], Any]:
+        return timed_call(fn, qkv(cfg, B, H, L, D, grad), grad)
 
     def fastarch_provider(backend: str) -> Callable[[], Callable[[], Any]]:
         def setup() -> Callable[[], Any]:
             attention = fastarch_op("attention")
             require_backend("attention", backend, cfg.device, cfg.dtype, head_dim=D, Lq=L, Lk=L, window=(w, w))
-            q, k, v = _inputs(cfg, B, H, L, D, grad)
-            return _runner(lambda a, b, c: attention(a, b, c, window=(w, w), backend=backend), q, k, v, grad)
+            return timed(lambda a, b, c: attention(a, b, c, window=(w, w), backend=backend))
         return setup
 
     def dense_bytes_ok() -> None:
@@ -75,18 +52,19 @@ def _case(cfg: BenchConfig, B: int, H: int, L: int, D: int, w: int, grad: bool, 
 
     def ref_setup() -> Callable[[], Any]:
         dense_bytes_ok()
-        q, k, v = _inputs(cfg, B, H, L, D, grad)
-        return _runner(lambda a, b, c: _guide_sliding_window(a, b, c, w), q, k, v, grad)
+        from fastarch.testing.guides import LongformerAttention
+
+        guide = LongformerAttention(D * H, H, window_size=w, dropout=0.0).to(cfg.device)
+        return timed(lambda a, b, c: guide._sliding_window_attention(a, b, c, w))
 
     def sdpa_setup() -> Callable[[], Any]:
         dense_bytes_ok()
-        q, k, v = _inputs(cfg, B, H, L, D, grad)
         pos = torch.arange(L, device=cfg.device)
         band = (pos[:, None] - pos[None, :]).abs() <= w
-        return _runner(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=band), q, k, v, grad)
+        return timed(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, attn_mask=band))
 
     def flex_setup() -> Callable[[], Any]:
-        if cfg.quick and not cfg.is_cuda:
+        if cfg.quick and not cfg.is_cuda and not flex_on_cpu:
             raise Skip("compiling flex_attention takes minutes on CPU: --full only")
         try:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -98,8 +76,7 @@ def _case(cfg: BenchConfig, B: int, H: int, L: int, D: int, w: int, grad: bool, 
 
         bm = create_block_mask(band, None, None, L, L, device=str(cfg.device))
         flex = torch.compile(flex_attention)
-        q, k, v = _inputs(cfg, B, H, L, D, grad)
-        run = _runner(lambda a, b, c: flex(a, b, c, block_mask=bm), q, k, v, grad)
+        run = timed(lambda a, b, c: flex(a, b, c, block_mask=bm))
         run()  # compile outside the timed calls
         return run
 
@@ -109,8 +86,7 @@ def _case(cfg: BenchConfig, B: int, H: int, L: int, D: int, w: int, grad: bool, 
                                 dim=D).to(cfg.device)
         if L % w:
             raise Skip(f"local-attention needs L divisible by the window ({L} % {w})")
-        q, k, v = _inputs(cfg, B, H, L, D, grad)
-        return _runner(lambda a, b, c: mod(a, b, c), q, k, v, grad)
+        return timed(mod)
 
     providers = [Provider(f"fastarch-{b}", "fastarch", fastarch_provider(b)) for b in ("cpp", "triton")]
     providers += [
@@ -128,6 +104,8 @@ def _case(cfg: BenchConfig, B: int, H: int, L: int, D: int, w: int, grad: bool, 
         group=f"{mode} w={w}",
         x="L",
         measure_memory=memory,
+        ratios=(Ratio("fastarch-cpp", "flex_attention"), Ratio("fastarch-cpp", "sdpa-dense-mask"),
+                Ratio("fastarch-cpp", "local-attention")),
     )
 
 
@@ -146,9 +124,27 @@ def cases(cfg: BenchConfig) -> list[Case]:
     return out
 
 
+def headline_cases(cfg: BenchConfig) -> list[Case]:
+    """CPU attention headline, B=1, H=8, D=64, fp32: the sliding window (256, 256) at L=8192 against
+    compiled flex_attention (bar: 2x), dense masked SDPA and local-attention; full and causal attention at
+    L=4096 against SDPA; the window's forward+backward at L=8192; and the peak memory of a window-128
+    forward at L=65536."""
+    L, L_full, L_mem = (256, 128, 512) if cfg.toy else (8192, 4096, 65536)
+    w, w_mem = (16, 8) if cfg.toy else (256, 128)
+    window = _case(cfg, 1, 8, L, 64, w, False, flex_on_cpu=True)
+    window = window.only("fastarch-cpp", "fastarch-triton", "flex_attention", "sdpa-dense-mask", "local-attention")
+    window = replace(window, ratios=(Ratio("fastarch-cpp", "flex_attention", target=2.0), *window.ratios[1:]))
+    full = [attention.case(cfg, 1, 8, L_full, 64, causal, False).only("fastarch-cpp", "sdpa")
+            for causal in (False, True)]
+    bwd = _case(cfg, 1, 8, L, 64, w, True).only("fastarch-cpp")
+    mem = replace(_case(cfg, 1, 8, L_mem, 64, w_mem, False).only("fastarch-cpp"), measure_memory=True)
+    return [window, *full, bwd, mem]
+
+
 SUITE = Suite(
     name="sliding_window",
     description="sliding-window attention (w, w): fastarch vs flex_attention (compiled), dense masked SDPA, "
                 "the guide's Longformer attention, local-attention",
     cases=cases,
+    case_sets={"attention-headline": headline_cases},
 )

@@ -1,11 +1,15 @@
-"""Guide code copied as the reference for the drop-in tests (guides 000, 001, 003). Changes from the guides
-are only the minimal fixes the guides need to run at all, each marked FIX; fastarch documents the same
-deviations (docs/models.md)."""
+"""The seed guides' own code (guides 000, 001, 003), transcribed: the oracles of the drop-in tests and the
+references of the benchmarks. Changes from the guides are only the minimal fixes the guides need to run at
+all, each marked FIX; fastarch documents the same deviations (docs/models.md).
+
+Class names are the guides' (guide 001 and 003 classes carry the guide's number, as ``Transformer003``);
+fastarch's drop-in modules load these classes' ``state_dict`` with ``strict=True``."""
 # ruff: noqa: N803, N806
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -644,6 +648,160 @@ class GAT001(nn.Module):
         return F.log_softmax(self.gat2(x, adj_matrix), dim=-1)
 
 
+class LongformerAttention(nn.Module):
+    def __init__(self, d_model, n_heads, window_size=512, global_tokens=[], dropout=0.1):  # noqa: B006 (guide)
+        super().__init__()
+        assert d_model % n_heads == 0
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.d_k = d_model // n_heads
+        self.window_size = window_size
+        self.global_tokens = global_tokens
+        self.w_q = nn.Linear(d_model, d_model)
+        self.w_k = nn.Linear(d_model, d_model)
+        self.w_v = nn.Linear(d_model, d_model)
+        self.w_q_global = nn.Linear(d_model, d_model)
+        self.w_k_global = nn.Linear(d_model, d_model)
+        self.w_v_global = nn.Linear(d_model, d_model)
+        self.w_o = nn.Linear(d_model, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def _sliding_window_attention(self, q, k, v, window_size):
+        batch_size, n_heads, seq_len, d_k = q.size()
+        scores = torch.matmul(q, k.transpose(-2, -1)) / (d_k ** 0.5)
+        mask = self._create_sliding_window_mask(seq_len, window_size, q.device)
+        mask = mask.unsqueeze(0).unsqueeze(0)
+        scores = scores.masked_fill(mask == 0, -1e9)
+        attention = self.dropout(F.softmax(scores, dim=-1))
+        return torch.matmul(attention, v)
+
+    def _create_sliding_window_mask(self, seq_len, window_size, device):
+        positions = torch.arange(seq_len, device=device)
+        distance = positions.unsqueeze(0) - positions.unsqueeze(1)
+        return (torch.abs(distance) <= window_size).float()
+
+    def forward(self, x, global_mask=None):
+        batch_size, seq_len, _ = x.size()
+        Q = self.w_q(x).view(batch_size, seq_len, self.n_heads, self.d_k).transpose(1, 2)
+        K = self.w_k(x).view(batch_size, seq_len, self.n_heads, self.d_k).transpose(1, 2)
+        V = self.w_v(x).view(batch_size, seq_len, self.n_heads, self.d_k).transpose(1, 2)
+        output = self._sliding_window_attention(Q, K, V, self.window_size)
+        if global_mask is not None:
+            Q_global = self.w_q_global(x).view(batch_size, seq_len, self.n_heads, self.d_k).transpose(1, 2)
+            K_global = self.w_k_global(x).view(batch_size, seq_len, self.n_heads, self.d_k).transpose(1, 2)
+            V_global = self.w_v_global(x).view(batch_size, seq_len, self.n_heads, self.d_k).transpose(1, 2)
+            global_scores = torch.matmul(Q_global, K_global.transpose(-2, -1)) / (self.d_k ** 0.5)
+            global_output = torch.matmul(F.softmax(global_scores, dim=-1), V_global)
+            mask_expanded = global_mask.unsqueeze(1).unsqueeze(-1)
+            output = output * (1 - mask_expanded) + global_output * mask_expanded
+        output = output.transpose(1, 2).contiguous().view(batch_size, seq_len, self.d_model)
+        return self.dropout(self.w_o(output))
+
+
+class LSTMCell(nn.Module):
+    def __init__(self, input_size, hidden_size):
+        super().__init__()
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.weight_ih = nn.Parameter(torch.randn(4 * hidden_size, input_size))
+        self.weight_hh = nn.Parameter(torch.randn(4 * hidden_size, hidden_size))
+        self.bias_ih = nn.Parameter(torch.randn(4 * hidden_size))
+        self.bias_hh = nn.Parameter(torch.randn(4 * hidden_size))
+        std = 1.0 / (self.hidden_size) ** 0.5
+        for weight in self.parameters():
+            weight.data.uniform_(-std, std)
+
+    def forward(self, x, hidden):
+        h, c = hidden
+        gates = (torch.mm(x, self.weight_ih.t()) + self.bias_ih + torch.mm(h, self.weight_hh.t()) + self.bias_hh)
+        forget_gate, input_gate, output_gate, cell_candidate = gates.chunk(4, 1)
+        f_t = torch.sigmoid(forget_gate)
+        i_t = torch.sigmoid(input_gate)
+        o_t = torch.sigmoid(output_gate)
+        c_tilde = torch.tanh(cell_candidate)
+        c_new = f_t * c + i_t * c_tilde
+        h_new = o_t * torch.tanh(c_new)
+        return h_new, c_new
+
+
+class S4Layer(nn.Module):
+    """Guide 000's S4 layer: Euler step at the mean dt, one shared state, a Python loop over time."""
+
+    def __init__(self, d_model, d_state=64, dropout=0.1):
+        super().__init__()
+        self.d_model, self.d_state = d_model, d_state
+        self.A = nn.Parameter(torch.randn(d_state, d_state))
+        self.B = nn.Parameter(torch.randn(d_state, d_model))
+        self.C = nn.Parameter(torch.randn(d_model, d_state))
+        self.D = nn.Parameter(torch.randn(d_model))
+        self.log_dt = nn.Parameter(torch.randn(d_model))
+        self.dropout = nn.Dropout(dropout)
+        nn.init.xavier_uniform_(self.A)
+        nn.init.xavier_uniform_(self.B)
+        nn.init.xavier_uniform_(self.C)
+
+    def forward(self, x):
+        batch_size, seq_len, _ = x.size()
+        dt = torch.exp(self.log_dt)
+        a_bar = torch.eye(self.d_state, device=self.A.device) + dt.mean() * self.A
+        b_bar = dt.mean() * self.B
+        h = torch.zeros(batch_size, self.d_state, device=x.device)
+        outputs = []
+        for t in range(seq_len):
+            x_t = x[:, t, :]
+            h = torch.matmul(h, a_bar.T) + torch.matmul(x_t, b_bar.T)
+            outputs.append(torch.matmul(h, self.C.T) + x_t * self.D)
+        return self.dropout(torch.stack(outputs, dim=1))
+
+
+class MambaBlock(nn.Module):
+    """Guide 000's Mamba block: a Python loop over time with B x L x D x N ``A_bar`` / ``B_bar`` tensors."""
+
+    def __init__(self, d_model, d_state=16, d_conv=4, expand=2, dropout=0.1):
+        super().__init__()
+        self.d_model = d_model
+        self.d_state = d_state
+        self.d_inner = d_model * expand
+        self.d_conv = d_conv
+        self.in_proj = nn.Linear(d_model, self.d_inner * 2)
+        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, kernel_size=d_conv, padding=d_conv - 1,
+                                groups=self.d_inner)
+        self.x_proj = nn.Linear(self.d_inner, d_state + d_state + self.d_inner)
+        self.dt_proj = nn.Linear(self.d_inner, self.d_inner)
+        self.A_log = nn.Parameter(torch.randn(self.d_inner, d_state))
+        self.D = nn.Parameter(torch.ones(self.d_inner))
+        self.out_proj = nn.Linear(self.d_inner, d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.norm = nn.LayerNorm(d_model)
+
+    def selective_scan(self, x, delta, A, B, C):
+        batch_size, seq_len, d_inner = x.size()
+        A_bar = torch.exp(delta.unsqueeze(-1) * A.unsqueeze(0).unsqueeze(0))
+        B_bar = delta.unsqueeze(-1) * B.unsqueeze(2)
+        h = torch.zeros(batch_size, d_inner, A.size(1), device=x.device)
+        outputs = []
+        for t in range(seq_len):
+            h = A_bar[:, t] * h + B_bar[:, t] * x[:, t].unsqueeze(-1)
+            outputs.append(torch.sum(C[:, t].unsqueeze(1) * h, dim=-1))
+        return torch.stack(outputs, dim=1)
+
+    def forward(self, x):
+        residual = x
+        x = self.norm(x)
+        x, z = self.in_proj(x).chunk(2, dim=-1)
+        x = x.transpose(1, 2)
+        x = self.conv1d(x)[:, :, :x.size(2)]
+        x = x.transpose(1, 2)
+        x = F.silu(x)
+        delta, B, C = torch.split(self.x_proj(x), [self.d_inner, self.d_state, self.d_state], dim=-1)
+        delta = F.softplus(self.dt_proj(delta))
+        A = -torch.exp(self.A_log)
+        y = self.selective_scan(x, delta, A, B, C)
+        y = y + x * self.D.unsqueeze(0).unsqueeze(0)
+        y = y * F.silu(z)
+        return self.dropout(self.out_proj(y)) + residual
+
+
 # ============================================= guide 003 ==================================================
 class TokenEmbedding003(nn.Module):
     def __init__(self, vocab_size, d_model):
@@ -727,6 +885,13 @@ class FeedFowardNetwork003(nn.Module):
         return self.ffn(X)
 
 
+def layer_norm003(x, gamma, beta, eps=1e-6):
+    """Guide 003's ``LayerNorm.forward`` on given parameters: unbiased std, ``eps`` added to the std."""
+    mean = x.mean(dim=-1, keepdim=True)
+    std = x.std(dim=-1, keepdim=True)
+    return gamma * (x - mean) / (std + eps) + beta
+
+
 class LayerNorm003(nn.Module):
     def __init__(self, d_model, eps=1e-6):
         super().__init__()
@@ -735,9 +900,7 @@ class LayerNorm003(nn.Module):
         self.beta = nn.Parameter(torch.zeros(d_model))
 
     def forward(self, x):
-        mean = x.mean(dim=-1, keepdim=True)
-        std = x.std(dim=-1, keepdim=True)
-        return self.gamma * (x - mean) / (std + self.eps) + self.beta
+        return layer_norm003(x, self.gamma, self.beta, self.eps)
 
 
 class TransformerBlock003(nn.Module):
@@ -782,3 +945,25 @@ class Transformer003(nn.Module):
         for block in self.blocks:
             x = block(x, mask, causal=(self.mode == 'decoder'))
         return self.output_projection(self.final_norm(x))
+
+
+# ============================================= tokenizers =================================================
+def bpe_train(texts, num_merges):
+    """The guide's BPE training loop (recount every pair and rewrite every word per merge), with the
+    end-of-word marker kept whole (FIX: the guide splits ``</w>`` into four symbols). Returns the merges."""
+    freq = Counter(w for t in texts for w in t.lower().split())
+    words = {" ".join(list(w[:-1]) + [w[-1] + "</w>"]): c for w, c in freq.items()}
+    merges = []
+    for _ in range(num_merges):
+        pairs = Counter()
+        for w, c in words.items():
+            s = w.split()
+            for p in zip(s, s[1:]):
+                pairs[p] += c
+        if not pairs:
+            break
+        best = max(pairs, key=pairs.get)
+        big, rep = " ".join(best), "".join(best)
+        words = {w.replace(big, rep): c for w, c in words.items()}
+        merges.append(best)
+    return merges

@@ -1,4 +1,5 @@
-"""Helpers for the model-family tests: drop-in checks against guide reference classes, and toy training."""
+"""Checks for drop-in modules: the same ``state_dict`` and outputs as a guide class (:mod:`fastarch.testing.guides`),
+and that a model trains on a toy batch."""
 
 from __future__ import annotations
 

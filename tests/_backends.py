@@ -73,6 +73,19 @@ def require_backend(op: str, backend: str, device: str = "cpu") -> registry.Impl
     pytest.fail(f"{op}/{backend} cannot be loaded: {err}", pytrace=False)
 
 
+def require_extension(name: str, kind: str = "cpu"):
+    """The compiled extension ``name``; skip only when no toolchain is present and C++ is not required."""
+    from fastarch.extensions import ExtensionBuildError, load_extension
+
+    try:
+        return load_extension(name, kind)
+    except ExtensionBuildError as exc:
+        missing = None if cpp_required() else _toolchain_missing()
+        if missing is not None:
+            pytest.skip(f"extension {name} ({kind}): {missing} (set FASTARCH_REQUIRE_CPP=1 to make this a failure)")
+        pytest.fail(f"extension {name} ({kind}) cannot be loaded: {exc}", pytrace=False)
+
+
 def backend_cases(op: str, devices: tuple[str, ...] = ("cpu",)) -> list[tuple[str, str, str]]:
     """(op, backend, device) for every registered implementation of ``op`` on each of ``devices``."""
     out = []

@@ -209,7 +209,6 @@ def test_reorder_and_lengths():
 
 
 def test_multihead_attention_with_kv_cache_dropin():
-    pytest.importorskip("fastarch.ops.attention", reason="fastarch.ops.attention has not landed")
     import math
 
     import torch.nn.functional as F

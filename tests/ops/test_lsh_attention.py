@@ -23,7 +23,7 @@ pytestmark = pytest.mark.op("lsh_attention")
 
 # -- an independent oracle: for each query, list the key occurrences the rule gives, in float64 -------------
 def oracle(qk, v, rotations, bucket_size, causal=False, key_padding_mask=None):
-    """Per-query loops straight from the issue text; O(L^2) and slow, for tiny L only."""
+    """Per-query loops straight from the rule in fastarch.ops.lsh_attention's docstring; O(L^2) and slow, for tiny L only."""
     B, H, L, D = qk.shape
     NH = rotations.shape[1]
     nb = max(2, math.ceil(L / bucket_size))

@@ -24,12 +24,10 @@ def _grads(y, tensors, dy):
     return torch.autograd.grad(y, ts, dy)
 
 
+# the unbiased std of one element is undefined (NaN in torch too): that pair is left out
 @pytest.mark.op("layer_norm")
-@pytest.mark.parametrize("n", WIDTHS)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("n,mode", [(n, m) for n in WIDTHS for m in MODES if not (n == 1 and m[0])])
 def test_layer_norm_fp32(backend, n, mode):
-    if n == 1 and mode[0]:
-        pytest.skip("unbiased std of one element is undefined (NaN in torch too)")
     rows = 3 if n > 1000 else 13
     x, w, b = _inputs(rows, n, torch.float32)
     kw = dict(unbiased=mode[0], eps_inside_sqrt=mode[1])

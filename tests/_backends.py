@@ -32,14 +32,16 @@ def devices_present() -> tuple[str, ...]:
     return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
-def _toolchain_missing() -> str | None:
-    from torch.utils.cpp_extension import is_ninja_available
+def _toolchain_missing(kind: str = "cpu") -> str | None:
+    from torch.utils import cpp_extension
 
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         return f"no C++ compiler ({cxx!r} not found)"
-    if not is_ninja_available():
+    if not cpp_extension.is_ninja_available():
         return "ninja is not installed"
+    if kind == "cuda" and cpp_extension.CUDA_HOME is None:
+        return "no CUDA toolkit (nvcc not found)"
     return None
 
 
@@ -67,7 +69,7 @@ def require_backend(op: str, backend: str, device: str = "cpu") -> registry.Impl
     if err is None:
         return impl
     if impl.backend in COMPILED_BACKENDS and not cpp_required():
-        missing = _toolchain_missing()
+        missing = _toolchain_missing("cuda" if impl.backend == "cuda" else "cpu")
         if missing is not None:
             pytest.skip(f"{op}/{backend}: {missing} (set FASTARCH_REQUIRE_CPP=1 to make this a failure)")
     pytest.fail(f"{op}/{backend} cannot be loaded: {err}", pytrace=False)
@@ -80,7 +82,7 @@ def require_extension(name: str, kind: str = "cpu"):
     try:
         return load_extension(name, kind)
     except ExtensionBuildError as exc:
-        missing = None if cpp_required() else _toolchain_missing()
+        missing = None if cpp_required() else _toolchain_missing(kind)
         if missing is not None:
             pytest.skip(f"extension {name} ({kind}): {missing} (set FASTARCH_REQUIRE_CPP=1 to make this a failure)")
         pytest.fail(f"extension {name} ({kind}) cannot be loaded: {exc}", pytrace=False)

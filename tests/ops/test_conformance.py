@@ -419,6 +419,22 @@ SPECS: dict[str, Spec] = {
 }
 
 
+# Cases hypothesis found failing once, kept as fixed examples: (case, dtype, seed) per op.
+FOUND: dict[str, list[tuple[dict, torch.dtype, int]]] = {
+    "attention": [
+        # one key: d(bias) is 0 exactly, fp16 rounding leaves ~3e-4 (judged by the fp16 criterion)
+        (dict(B=1, Hk=1, group=1, Lq=1, Lk=1, D=8, causal=False, window=None, mask="none", bias="full",
+              dropout=0.0, layout="contiguous", seed=0), torch.float16, 0),
+        # dropout with bias in fp16: the yardstick must round P to fp16 as the kernels do
+        (dict(B=1, Hk=1, group=1, Lq=2, Lk=2, D=8, causal=False, window=None, mask="none", bias="full",
+              dropout=0.25, layout="contiguous", seed=0), torch.float16, 1),
+    ],
+    "causal_conv1d": [(dict(B=1, D=1, L=1, W=2, bias=False, act=None, layout="contiguous"), torch.float16, 0)],
+    "selective_scan": [(dict(B=1, D=2, L=4, N=1, groups=1, bform="const", cform="const", has_D=False, has_z=False,
+                             has_bias=False, softplus=False, layout="contiguous"), torch.float16, 0)],
+}
+
+
 # -- running a case ---------------------------------------------------------------------------------------
 def _relayout(t: torch.Tensor | None, layout: str) -> torch.Tensor | None:
     """The same values in a non-contiguous layout: every other element of a wider buffer, or a transpose."""
@@ -644,8 +660,10 @@ def test_matches_reference(op, backend_name, device_name):
         check_case(op, backend_name, device_name, case, dtype, seed)
         accepted.append(case)
 
-    for ex in spec.examples:  # fixed cases first: found failures and edge cases stay covered
-        run = example(case=ex, dtype=torch.float32, seed=0)(run)
+    fixed = [(ex, torch.float32, 0) for ex in spec.examples] + FOUND.get(op, [])
+    for ex, dt, sd in fixed:  # fixed cases first: edge cases and past failures stay covered
+        if dt in dtypes:
+            run = example(case=ex, dtype=dt, seed=sd)(run)
     run()
     assert accepted, f"{op}/{backend_name} took none of the drawn cases"
 

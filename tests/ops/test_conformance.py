@@ -273,8 +273,9 @@ def _linear_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tensor, 
 # -- LSH attention ----------------------------------------------------------------------------------------
 @st.composite
 def _lsh_cases(draw, tiny: bool) -> dict:
-    return dict(B=draw(st.integers(1, 2)), H=draw(st.integers(1, 2)), L=draw(st.integers(1, 12 if tiny else 60)),
-                D=draw(st.sampled_from([4, 8, 13, 16])), nh=draw(st.integers(1, 2 if tiny else 3)),
+    return dict(B=draw(st.integers(1, 1 if tiny else 2)), H=draw(st.integers(1, 2)),
+                L=draw(st.integers(1, 10 if tiny else 60)), D=draw(st.sampled_from([4, 8, 13] if tiny else [4, 8, 13, 16])),
+                nh=draw(st.integers(1, 2 if tiny else 3)),
                 bs=draw(st.sampled_from([1, 2, 4, 5, 8, 16])), causal=draw(st.booleans()),
                 mask=draw(st.sampled_from(["none", "random", "empty-row"])), layout=draw(st.sampled_from(LAYOUTS)),
                 seed=draw(st.integers(0, 2**16)))
@@ -403,7 +404,7 @@ SPECS: dict[str, Spec] = {
     "linear_attention": Spec(_linear_cases, _linear_build, _linear_run, ("q", "k", "v"), rtol=1e-4, atol=1e-4,
                              examples=[dict(B=1, H=2, Lq=9, Lk=9, m=4, D=5, causal=True, layout="strided")]),
     "lsh_attention": Spec(_lsh_cases, _lsh_build, _lsh_run, ("qk", "v"), rtol=1e-4, atol=1e-4,
-                          examples=[dict(B=1, H=2, L=11, D=8, nh=2, bs=4, causal=True, mask="empty-row",
+                          examples=[dict(B=1, H=1, L=7, D=4, nh=2, bs=2, causal=True, mask="empty-row",
                                          layout="strided", seed=3)]),
     # complex64 inputs whatever the backend's real dtypes; checked against complex128
     "s4_kernel": Spec(_s4_cases, _s4_build, _s4_run, ("dtA", "coef"), rtol=0.0, atol=2e-5,
@@ -575,6 +576,12 @@ def _cases() -> list[tuple[str, str, str]]:
 _FAKE_STRIDES = ("the fake (meta) implementation gives contiguous strides where the real one follows the "
                  "input's layout (or the reverse), so torch.compile plans with wrong strides. Repro: "
                  "opcheck on the op's custom op with a transposed input, e.g. {}")
+_SCAN_REPRO = (
+    "u, dl, A = torch.randn(1, 2, 5), torch.rand(1, 2, 5), -torch.rand(2, 3); B = torch.randn(1, 1, 5, 3)"
+    ".transpose(2, 3); C = torch.randn(1, 3, 5); out, last, ck = torch.ops.fastarch.selective_scan_fwd(u, dl, A, "
+    "B, C, None, None, None, False, True, 'cpp'); opcheck(torch.ops.fastarch.selective_scan_bwd.default, "
+    "(torch.randn_like(out), None, u, dl, A, B, C, None, None, None, ck, False, 'cpp'))  # dB (the grouped B "
+    "stored transposed); the torch backend fails it too")
 KNOWN_BUGS: dict[tuple[str, str, str], str] = {
     ("opcheck", "rms_norm", "*"): _FAKE_STRIDES.format(
         "x = torch.randn(3, 4, 5).transpose(0, 2); opcheck(torch.ops.fastarch.rms_norm_fwd.default, "
@@ -594,10 +601,8 @@ KNOWN_BUGS: dict[tuple[str, str, str], str] = {
         "o, den = torch.ops.fastarch.linear_attention_causal_fwd(q, k, v, 1e-6, 'torch'); "
         "opcheck(torch.ops.fastarch.linear_attention_causal_bwd.default, (torch.randn_like(o), q, k, v, o, den, "
         "'torch'))  # output 2 (dv)"),
-    ("opcheck", "selective_scan", "cpp"): _FAKE_STRIDES.format(
-        "fastarch::selective_scan_bwd, grouped B (batch, groups, N, L) stored transposed: output 3 (dB)"),
-    ("opcheck", "selective_scan", "triton"): _FAKE_STRIDES.format(
-        "fastarch::selective_scan_bwd, grouped B (batch, groups, N, L) stored transposed: output 3 (dB)"),
+    ("opcheck", "selective_scan", "cpp"): _FAKE_STRIDES.format(_SCAN_REPRO),
+    ("opcheck", "selective_scan", "triton"): _FAKE_STRIDES.format(_SCAN_REPRO),
     ("opcheck", "attention", "*"): (
         "attention's autograd formula branches on data (bool((dlse != 0).any()) in ops/attention.py "
         "_backward), which AOT autograd cannot trace: opcheck's test_aot_dispatch_dynamic fails"),
@@ -650,7 +655,7 @@ def test_matches_reference(op, backend_name, device_name):
     impl = require_backend(op, backend_name, device_name)
     dtypes = _dtypes(spec, impl, device_name)
     tiny = _tiny(backend_name, device_name)
-    n = 4 if tiny else 10
+    n = 4 if tiny else 8
     accepted = []
 
     @settings(max_examples=n, deadline=None, derandomize=True, database=None,

@@ -1,4 +1,4 @@
-"""FlashAttention's low-precision criterion (DESIGN.md): the kernel's error against an fp32 reference may be
+"""FlashAttention's low-precision criterion: the kernel's error against an fp32 reference may be
 at most ``factor`` times PyTorch's own error in the same dtype, plus a small absolute slack."""
 
 from __future__ import annotations

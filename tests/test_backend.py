@@ -142,3 +142,37 @@ def test_real_op_respects_override():
     with fastarch.use_backend("torch"):
         assert B.select("layer_norm", B.Call(x.device, x.dtype, {"n": 8})).backend == "torch"
     assert "layer_norm: runs on" in fastarch.explain("layer_norm", x, n=8)
+
+
+# -- the test suite's rule: a backend is skipped only for a reason outside the code ---------------------------
+@pytest.mark.parametrize("env,ci,required", [({}, None, False), ({}, "true", True), ({"FASTARCH_REQUIRE_CPP": "1"}, None, True),
+                                             ({"FASTARCH_REQUIRE_CPP": "0"}, "true", False)])
+def test_cpp_required_by_env_and_ci(monkeypatch, env, ci, required):
+    from tests import _backends
+
+    monkeypatch.delenv("FASTARCH_REQUIRE_CPP", raising=False)
+    monkeypatch.delenv("CI", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    if ci is not None:
+        monkeypatch.setenv("CI", ci)
+    assert _backends.cpp_required() is required
+
+
+@pytest.mark.parametrize("toolchain,required,outcome", [(True, False, "fail"), (False, False, "skip"),
+                                                        (False, True, "fail")])
+def test_broken_cpp_build_fails_unless_no_toolchain(probe, monkeypatch, toolchain, required, outcome):
+    from tests import _backends
+
+    monkeypatch.setenv("FASTARCH_REQUIRE_CPP", "1" if required else "0")
+    monkeypatch.setattr(_backends, "_toolchain_missing", lambda kind="cpu": None if toolchain else "no C++ compiler")
+    _ProbeCpp.fail_load = True
+    try:
+        impl = B.implementations("_probe")["cpp"]
+        impl._loaded = False
+        expected = pytest.fail.Exception if outcome == "fail" else pytest.skip.Exception
+        with pytest.raises(expected, match="no such header" if outcome == "fail" else "no C\\+\\+ compiler"):
+            _backends.require_backend("_probe", "cpp")
+    finally:
+        _ProbeCpp.fail_load = False
+    assert _backends.require_backend("_probe", "torch") is B.implementations("_probe")["torch"]

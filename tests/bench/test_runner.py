@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import json
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -273,11 +272,6 @@ def test_plots_skip_without_matplotlib(monkeypatch, tmp_path):
 
     paths, msg = plot_suites(RunResult([], {}, None, 0.0), tmp_path)
     assert paths == [] and "matplotlib is not installed" in msg
-
-
-def test_toy_suite_module_source_is_valid():
-    # The toy suite above is plain Python: compile it so a syntax slip fails here, not in a subprocess.
-    compile(textwrap.dedent(TOY), "zz_toy_suite.py", "exec")
 
 
 def test_time_limit_shrinks_budgets():

@@ -1,4 +1,4 @@
-"""Tiny language models for the generation tests, following the protocols of SHARED_APIS.md, and a plain
+"""Tiny language models for the generation tests, following fastarch.generation's model protocols, and a plain
 PyTorch attention that implements fastarch.ops.attention's semantics (bottom-right alignment)."""
 
 from __future__ import annotations

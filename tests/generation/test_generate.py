@@ -3,6 +3,7 @@ import threading
 import pytest
 import torch
 
+import fastarch.nn
 from fastarch.generation import CallbackStreamer, TokenIteratorStreamer, generate, generate_stream
 
 from ._models import TinyGPT, TinyRecurrentLM, op_attention
@@ -39,7 +40,6 @@ def test_cached_greedy_equals_uncached_gpt(window):
 
 
 def test_cached_greedy_equals_uncached_with_op_attention():
-    pytest.importorskip("fastarch.ops.attention", reason="fastarch.ops.attention has not landed")
     torch.manual_seed(2)
     model = TinyGPT(attn=op_attention).eval()
     ids = torch.randint(0, 13, (2, 4))
@@ -55,18 +55,6 @@ def test_cached_greedy_equals_uncached_recurrent():
     assert torch.equal(cached, _greedy_reference(model, ids, 15))
 
 
-def _real_model(*names):
-    import fastarch.models
-    import fastarch.nn
-
-    for name in names:
-        for mod in (fastarch.nn, fastarch.models):
-            cls = getattr(mod, name, None)
-            if cls is not None:
-                return cls
-    return None
-
-
 GPT_CONFIGS = {
     "GPTTransformer": dict(vocab_size=31, d_model=32, n_heads=4, num_layers=2, d_ff=64, max_len=32, dropout=0.0),
     "GPTModel": dict(vocab_size=31, embed_dim=32, num_heads=4, num_layers=2, ff_dim=64, max_len=32, dropout=0.0),
@@ -75,13 +63,9 @@ GPT_CONFIGS = {
 
 @pytest.mark.parametrize("name", sorted(GPT_CONFIGS))
 def test_cached_equals_uncached_real_gpt(name):
-    cls = _real_model(name)
-    if cls is None:
-        pytest.skip(f"{name} not importable from fastarch.nn or fastarch.models yet")
+    cls = getattr(fastarch.nn, name)
     torch.manual_seed(0)
     model = cls(**GPT_CONFIGS[name]).eval()
-    if not hasattr(model, "allocate_kv_cache"):
-        pytest.skip(f"{name} has no allocate_kv_cache yet")
     ids = torch.randint(0, 31, (2, 5))
     cached = generate(model, ids, 10)
     assert torch.equal(cached, generate(model, ids, 10, use_cache=False))
@@ -91,13 +75,8 @@ def test_cached_equals_uncached_real_gpt(name):
 
 
 def test_cached_equals_uncached_real_mamba():
-    cls = _real_model("MambaLM")
-    if cls is None:
-        pytest.skip("MambaLM not importable from fastarch.nn or fastarch.models yet")
     torch.manual_seed(0)
-    model = cls(vocab_size=29, d_model=16, n_layers=2).eval()
-    if not hasattr(model, "step"):
-        pytest.skip("MambaLM has no step() yet")
+    model = fastarch.nn.MambaLM(vocab_size=29, d_model=16, n_layers=2).eval()
     ids = torch.randint(0, 29, (2, 5))
     cached = generate(model, ids, 8)
     assert torch.equal(cached, generate(model, ids, 8, use_cache=False))

@@ -14,8 +14,9 @@ import torch
 
 from tests._tolerance import assert_fa_close
 
-triton = pytest.importorskip("triton")
-A = pytest.importorskip("fastarch.kernels.attention")
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+from fastarch.kernels import attention as A  # noqa: E402
 
 M32 = 0xFFFFFFFF
 
@@ -31,7 +32,7 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def keep_mask(seed: int, B: int, H: int, Lq: int, Lk: int, p: float) -> torch.Tensor:
-    """(B, H, Lq, Lk) bool: the SHARED_APIS.md dropout rule, spelled out in int64 torch ops."""
+    """(B, H, Lq, Lk) bool: fastarch's hash dropout rule, spelled out in int64 torch ops."""
     b = torch.arange(B, dtype=torch.int64).view(B, 1, 1, 1)
     h = torch.arange(H, dtype=torch.int64).view(1, H, 1, 1)
     i = torch.arange(Lq, dtype=torch.int64).view(1, 1, Lq, 1)

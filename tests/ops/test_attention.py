@@ -2,7 +2,8 @@
 
 fp32 tolerances: atol 5e-5 / rtol 1e-4 for the kernels — they sum up to ~1000 terms in a different order
 (blockwise online softmax, exp2 polynomial with ~2e-7 relative error) than the dense reference, which puts
-their error around 1e-6..1e-5 on O(1) values. fp16/bf16 use FlashAttention's criterion (DESIGN.md).
+their error around 1e-6..1e-5 on O(1) values. fp16/bf16 use FlashAttention's criterion
+(tests/_tolerance.py).
 """
 
 from __future__ import annotations
@@ -12,33 +13,11 @@ import torch
 
 from fastarch.backend import BackendUnavailableError, Call, select
 from fastarch.ops.attention import attention, attention_ref, dropout_keep_mask
+from tests._backends import require_backend
 from tests._tolerance import assert_fa_close
 
-
-def _triton_available() -> str | None:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed"
-    try:
-        from fastarch.kernels import attention as _k  # noqa: F401
-    except Exception as exc:  # the kernel file is another engineer's; skip until it imports
-        return f"fastarch.kernels.attention cannot be imported: {exc}"
-    return None
-
-
-def _cpp_available() -> str | None:
-    from fastarch.backend import get_implementation
-
-    err = get_implementation("attention", "cpp").ensure_loaded()
-    return None if err is None else f"cpp extension unavailable: {err}"
-
-
-TRITON_SKIP = _triton_available()
-CPP_SKIP = _cpp_available()
-FAST_BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(CPP_SKIP is not None,
-                                                                      reason=str(CPP_SKIP)))]
-needs_triton = pytest.mark.skipif(TRITON_SKIP is not None, reason=str(TRITON_SKIP))
+# The Triton interpreter is slow: Triton runs the small cases in test_triton_interpreter instead.
+FAST = pytest.mark.op("attention", exclude=("triton",))
 TOL = {"rtol": 1e-4, "atol": 5e-5}
 
 
@@ -77,14 +56,14 @@ SHAPES = [(1, 239), (97, 97), (113, 203), (127, 513)]
 SHAPE_D = [(lq, lk, d) for lq, lk in SHAPES for d in (16, 40, 64, 72, 128) if not (d in (64, 128) and lk > 300)]
 
 
-@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@FAST
 @pytest.mark.parametrize("Lq,Lk,D", SHAPE_D)
 @pytest.mark.parametrize("causal", [False, True])
 def test_shapes_headdims(backend, Lq, Lk, D, causal):
     _compare(backend, 1, 2, 2, Lq, Lk, D, causal=causal)
 
 
-@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@FAST
 def test_long_pair(backend):
     # (1023, 1024): bands longer than one tile and more than one key chunk on the C++ path.
     _compare(backend, 1, 1, 1, 1023, 1024, 16, causal=True)
@@ -92,13 +71,13 @@ def test_long_pair(backend):
 
 
 # -- windows, GQA, padding, bias ----------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@FAST
 @pytest.mark.parametrize("window", [(7, 3), (0, 5), (-1, 4), (12, -1), (0, 0), (500, 500)])
 def test_windows(backend, window):
     _compare(backend, 2, 2, 2, 61, 83, 16, window=window)
 
 
-@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@FAST
 def test_window_and_causal_combined(backend):
     # causal folds right = 0 into the window
     o = _compare(backend, 1, 2, 2, 50, 50, 16, window=(5, 9), causal=True)
@@ -106,13 +85,13 @@ def test_window_and_causal_combined(backend):
     assert o.shape == o2.shape
 
 
-@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@FAST
 @pytest.mark.parametrize("Hk", [1, 2])
 def test_gqa(backend, Hk):
     _compare(backend, 2, 4, Hk, 37, 51, 40, window=(9, 2))
 
 
-@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@FAST
 def test_padding_with_fully_padded_row(backend):
     kpm = torch.rand(3, 70) > 0.3
     kpm[1] = False  # batch row 1 has no real key: its output must be 0 with finite gradients
@@ -120,7 +99,7 @@ def test_padding_with_fully_padded_row(backend):
     assert torch.all(o[1] == 0)
 
 
-@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@FAST
 def test_fully_masked_rows_by_alignment(backend):
     # Lq > Lk with causal, bottom-right aligned: the first Lq - Lk rows see no key at all.
     o = _compare(backend, 1, 2, 2, 30, 12, 16, causal=True)
@@ -130,13 +109,13 @@ def test_fully_masked_rows_by_alignment(backend):
     assert torch.isneginf(lse[:, :, :18]).all()
 
 
-@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@FAST
 @pytest.mark.parametrize("bias_shape", [(2, 2, 33, 47), (1, 2, 33, 47), (2, 1, 1, 47), (33, 47), (47,)])
 def test_bias_and_its_gradient(backend, bias_shape):
     _compare(backend, 2, 2, 2, 33, 47, 16, bias_shape=bias_shape, window=(10, 10))
 
 
-@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@FAST
 def test_lse_gradient(backend):
     q, k, v = _inputs(1, 2, 2, 29, 41, 16)
     o, lse = attention(q, k, v, window=(6, 6), return_lse=True, backend=backend)
@@ -171,7 +150,7 @@ def test_dropout_mask_is_the_shared_hash():
     assert abs(m.float().mean().item() - 0.7) < 0.02
 
 
-@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@FAST
 def test_dropout_against_reference_and_reproducible(backend):
     _compare(backend, 2, 2, 1, 40, 56, 16, window=(11, 4), dropout_p=0.25, dropout_seed=77)
     q, k, v = _inputs(1, 2, 2, 40, 56, 16, grad=False)
@@ -188,8 +167,7 @@ def test_dropout_against_reference_and_reproducible(backend):
 
 
 def test_dropout_same_mask_across_backends():
-    if CPP_SKIP:
-        pytest.skip(CPP_SKIP)
+    require_backend("attention", "cpp")
     q, k, v = _inputs(1, 2, 2, 33, 33, 16, grad=False)
     a = attention(q, k, v, dropout_p=0.4, dropout_seed=9, backend="torch")
     b = attention(q, k, v, dropout_p=0.4, dropout_seed=9, backend="cpp")
@@ -206,10 +184,10 @@ def _dense_same_dtype(q, k, v, causal):
     return torch.matmul(torch.softmax(s, -1), v)
 
 
-@pytest.mark.skipif(CPP_SKIP is not None, reason=str(CPP_SKIP))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 def test_low_precision_cpp(dtype, causal):
+    require_backend("attention", "cpp")
     q32, k32, v32 = _inputs(1, 2, 2, 77, 90, 40)
     q, k, v = (t.detach().to(dtype).requires_grad_(True) for t in (q32, k32, v32))
     o = attention(q, k, v, causal=causal, backend="cpp")
@@ -229,7 +207,6 @@ def test_low_precision_cpp(dtype, causal):
 
 
 # -- Triton under the interpreter: small shapes only ----------------------------------------------------------
-@needs_triton
 @pytest.mark.parametrize(
     "case",
     [
@@ -241,6 +218,7 @@ def test_low_precision_cpp(dtype, causal):
     ],
 )
 def test_triton_interpreter(case):
+    require_backend("attention", "triton")
     case = dict(case)
     B, H, Hk, Lq, Lk, D = (case.pop(n) for n in ("B", "H", "Hk", "Lq", "Lk", "D"))
     if case.pop("padded", False):
@@ -250,8 +228,8 @@ def test_triton_interpreter(case):
     _compare("triton", B, H, Hk, Lq, Lk, D, **case)
 
 
-@needs_triton
 def test_triton_fp16_interpreter():
+    require_backend("attention", "triton")
     q32, k32, v32 = _inputs(1, 2, 2, 24, 24, 16, grad=False)
     q, k, v = (t.half() for t in (q32, k32, v32))
     o = attention(q, k, v, causal=True, backend="triton")
@@ -259,8 +237,8 @@ def test_triton_fp16_interpreter():
     assert_fa_close(o, ref, _dense_same_dtype(q, k, v, True), 2.0)
 
 
-@needs_triton
 def test_triton_refuses_head_dim_over_256_and_auto_falls_back():
+    require_backend("attention", "triton")
     q, k, v = _inputs(1, 1, 1, 5, 7, 272, grad=False)
     with pytest.raises(BackendUnavailableError, match="head dim 272 > 256"):
         attention(q, k, v, backend="triton")
@@ -269,8 +247,7 @@ def test_triton_refuses_head_dim_over_256_and_auto_falls_back():
 
 # -- selection, compile, empty inputs ---------------------------------------------------------------------
 def test_auto_selects_cpp_on_cpu():
-    if CPP_SKIP:
-        pytest.skip(CPP_SKIP)
+    require_backend("attention", "cpp")
     call = Call(torch.device("cpu"), torch.float32, {"head_dim": 64})
     assert select("attention", call).backend == "cpp"
 
@@ -324,9 +301,7 @@ def test_bad_inputs():
 @pytest.mark.parametrize("delegate", [False, True])
 def test_cpp_plain_calls_on_both_paths(causal, delegate, monkeypatch):
     """Plain full/causal calls go to ATen's flash CPU kernel by default; the banded kernel must agree too."""
-    from fastarch.backend import implementations
-
-    monkeypatch.setattr(implementations("attention")["cpp"], "delegate_plain", delegate)
+    monkeypatch.setattr(require_backend("attention", "cpp"), "delegate_plain", delegate)
     q, k, v = (torch.randn(2, 3, 97, 40, requires_grad=True) for _ in range(3))
     out, lse = attention(q, k, v, causal=causal, return_lse=True, backend="cpp")
     ref, lse_ref = attention_ref(q, k, v, causal=causal, return_lse=True)

@@ -6,14 +6,13 @@ import torch
 from fastarch.ops.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update
 from tests._tolerance import assert_fa_close
 
-BACKENDS = ["torch", "cpp", "triton"]
 # (width, activation, has_bias, L): widths 2..4 each with and without SiLU/bias, L=1 (shorter than the
 # filter), odd L, and an L spanning several Triton time blocks.
 CASES = [(2, None, True, 1), (2, "silu", False, 37), (3, "silu", True, 37), (3, None, False, 1),
          (4, "silu", True, 300), (4, None, True, 37), (4, "silu", False, 1)]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.op("causal_conv1d")
 @pytest.mark.parametrize("width,activation,has_bias,L", CASES)
 def test_matches_reference(backend, width, activation, has_bias, L):
     x = torch.randn(2, 5, L, requires_grad=True)
@@ -31,7 +30,7 @@ def test_matches_reference(backend, width, activation, has_bias, L):
         torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.op("causal_conv1d")
 def test_fp16(backend):
     x = torch.randn(2, 8, 33).half()
     w, b = torch.randn(8, 4), torch.randn(8)
@@ -41,7 +40,7 @@ def test_fp16(backend):
     assert_fa_close(out, ref32, causal_conv1d_ref(x, w, b, "silu"))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.op("causal_conv1d_update")
 @pytest.mark.parametrize("width,state_len,activation", [(2, 0, "silu"), (3, 1, None), (4, 0, "silu"),
                                                          (4, 2, None)])  # state_len: slots beyond width - 1
 def test_update_matches_full(backend, width, state_len, activation):
@@ -61,7 +60,7 @@ def test_update_matches_full(backend, width, state_len, activation):
     torch.testing.assert_close(state2, state)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.op("causal_conv1d_update")
 def test_update_fp16_noncontiguous_state(backend):
     x, w, b = torch.randn(2, 6, 5).half(), torch.randn(6, 4), torch.randn(6)
     full = causal_conv1d_ref(x.float(), w, b, "silu")
@@ -73,7 +72,7 @@ def test_update_fp16_noncontiguous_state(backend):
         torch.testing.assert_close(state.float(), x[..., -3:].float())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.op("causal_conv1d_update")
 def test_errors_and_no_mutation_on_error(backend):
     x, w = torch.randn(2, 4, 5), torch.randn(4, 3)
     with pytest.raises(NotImplementedError, match="activation"):

@@ -3,18 +3,11 @@
 import pytest
 import torch
 
-from fastarch.backend import implementations
 from fastarch.ops.linear_attention import _la_causal_fwd, linear_attention, linear_attention_ref
+from tests._backends import require_backend
 from tests._tolerance import assert_fa_close
 
-BACKENDS = ["torch", "cpp", "triton"]
-
-
-def _available(backend: str) -> bool:
-    impl = implementations("linear_attention")[backend]
-    from fastarch.backend import Call
-
-    return not impl.not_supported_reasons(Call(torch.device("cpu"), torch.float32, {}))
+pytestmark = pytest.mark.op("linear_attention")
 
 
 def _inputs(b, h, L, m, d, dtype=torch.float32, lk=None):
@@ -33,11 +26,8 @@ def _grads(fn, q, k, v, g):
     return out.detach(), [t.grad for t in ts]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("L,m,d", [(1, 16, 8), (17, 20, 8), (97, 32, 40), (130, 64, 59)])
 def test_causal_matches_dense_oracle(backend, L, m, d):
-    if not _available(backend):
-        pytest.skip(f"{backend} unavailable")
     if backend == "triton" and L > 97:
         L = 70  # the interpreter is slow
     q, k, v = _inputs(2, 2, L, m, d)
@@ -50,10 +40,8 @@ def test_causal_matches_dense_oracle(backend, L, m, d):
         torch.testing.assert_close(a, r.float(), rtol=1e-4, atol=1e-4, msg=f"d{name} ({backend})")
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.op("linear_attention", exclude=("triton",))  # the interpreter has no bf16
 def test_causal_fp16_bf16(backend):
-    if not _available(backend):
-        pytest.skip(f"{backend} unavailable")
     for dtype in (torch.float16, torch.bfloat16):
         q, k, v = _inputs(1, 2, 65, 32, 16, dtype)
         g = torch.randn(1, 2, 65, 16).to(dtype)
@@ -74,8 +62,7 @@ def _dense_same_dtype(q, k, v, eps=1e-6):
 
 
 def test_triton_fp16_inputs():
-    if not _available("triton"):
-        pytest.skip("triton unavailable")
+    require_backend("linear_attention", "triton")
     q, k, v = _inputs(1, 1, 40, 16, 16, torch.float16)
     out = linear_attention(q, k, v, causal=True, backend="triton")
     ref = linear_attention_ref(q.float(), k.float(), v.float(), causal=True)
@@ -102,8 +89,7 @@ def test_causal_first_row_is_its_own_value():
 
 
 def test_backends_agree_on_long_sequence():
-    if not _available("cpp"):
-        pytest.skip("cpp unavailable")
+    require_backend("linear_attention", "cpp")
     q, k, v = _inputs(1, 2, 1000, 32, 16)
     a = linear_attention(q, k, v, causal=True, backend="cpp")
     b = linear_attention(q, k, v, causal=True, backend="torch")

@@ -6,10 +6,9 @@ import torch
 from fastarch import ops
 from tests._tolerance import assert_fa_close
 
-BACKENDS = ["torch", "cpp", "triton"]
+pytestmark = pytest.mark.op("rotary")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("shape,rot", [((2, 7, 3, 16), 16), ((1, 1, 2, 40), 24), ((2, 5, 1, 64), 64)])
 def test_rotary_matches_reference(backend, interleaved, shape, rot):
@@ -24,7 +23,6 @@ def test_rotary_matches_reference(backend, interleaved, shape, rot):
     torch.testing.assert_close(g, gr, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_rotary_fp16(backend):
     x = torch.randn(2, 9, 2, 32).half()
     cos, sin = ops.rotary_cos_sin(9, 32)
@@ -37,10 +35,10 @@ def test_rotary_is_a_rotation():
     # Norms of each rotated pair are preserved and the inverse rotation restores x.
     x = torch.randn(1, 6, 2, 8)
     cos, sin = ops.rotary_cos_sin(6, 8)
-    y = ops.rotary_embedding(x, cos, sin, interleaved=True, backend="cpp")
+    y = ops.rotary_embedding(x, cos, sin, interleaved=True)
     pair_norm = lambda t: t.reshape(*t.shape[:-1], -1, 2).norm(dim=-1)  # noqa: E731
     torch.testing.assert_close(pair_norm(y), pair_norm(x))
-    back = ops.rotary_embedding(y, cos, -sin, interleaved=True, backend="cpp")
+    back = ops.rotary_embedding(y, cos, -sin, interleaved=True)
     torch.testing.assert_close(back, x, atol=1e-6, rtol=1e-5)
 
 

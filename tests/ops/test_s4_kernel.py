@@ -5,15 +5,10 @@ import math
 import pytest
 import torch
 
-from fastarch.backend import Call, implementations
 from fastarch.ops.s4_kernel import _s4_kernel_fwd, s4_kernel, s4_kernel_ref
+from tests._backends import require_backend
 
-BACKENDS = ["torch", "cpp", "triton"]
-
-
-def _available(backend):
-    return not implementations("s4_kernel")[backend].not_supported_reasons(
-        Call(torch.device("cpu"), torch.float32, {}))
+pytestmark = pytest.mark.op("s4_kernel")
 
 
 def _system(h, n, dt_min=1e-3, dt_max=1e-1):
@@ -30,11 +25,8 @@ def _grads(fn, dta, coef, g):
     return k.detach(), a.grad, c.grad
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("h,n,L", [(1, 1, 1), (3, 5, 97), (4, 32, 1023), (2, 17, 4096)])
 def test_matches_vandermonde_oracle(backend, h, n, L):
-    if not _available(backend):
-        pytest.skip(f"{backend} unavailable")
     if backend == "triton" and L > 1023:
         L = 300  # interpreter speed
     dta, coef = _system(h, n)
@@ -52,8 +44,7 @@ def test_matches_vandermonde_oracle(backend, h, n, L):
 
 def test_long_kernel_stays_accurate_in_cpp():
     # Block starts in double: no drift over 16k positions even for slowly decaying, fast rotating modes.
-    if not _available("cpp"):
-        pytest.skip("cpp unavailable")
+    require_backend("s4_kernel", "cpp")
     dta = torch.complex(torch.full((2, 4), -1e-4), torch.tensor([[0.3, 1.1, 2.9, 0.01]] * 2))
     coef = torch.randn(2, 4, dtype=torch.complex64)
     L = 16384
@@ -61,11 +52,8 @@ def test_long_kernel_stays_accurate_in_cpp():
     torch.testing.assert_close(k, s4_kernel_ref(dta, coef, L), rtol=0, atol=5e-5 * coef.abs().sum().item())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_fast_decaying_modes_underflow_cleanly(backend):
     # Modes that decay below fp32's range within a block or two (the cpp tables flush them to zero).
-    if not _available(backend):
-        pytest.skip(f"{backend} unavailable")
     dta = torch.complex(-torch.logspace(-4, 2, 12).reshape(2, 6), torch.rand(2, 6) * 3).contiguous()
     coef = torch.randn(2, 6, dtype=torch.complex64)
     L, g = 700, torch.randn(2, 700)

@@ -7,7 +7,7 @@ from fastarch.ops.selective_scan import selective_scan, selective_scan_fn, selec
 from fastarch.ops.selective_state_update import selective_state_update, selective_state_update_ref
 from tests._tolerance import assert_fa_close
 
-BACKENDS = ["torch", "cpp", "triton"]
+pytestmark = pytest.mark.op("selective_scan")
 NAMES = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias"]
 
 
@@ -108,7 +108,6 @@ def test_odd_shapes(backend, shape):
     check_close(inputs, backend, True, rtol=5e-5, atol=5e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_fp16_inputs_fp32_weights(backend):
     inputs = make(2, 8, 33 if backend != "triton" else 11, 4, "var", "var", dtype=torch.float16)
     out, last, grads = run(inputs, backend, True)
@@ -174,9 +173,6 @@ def test_errors():
 
 
 # -- selective_state_update ---------------------------------------------------------------------------------
-SSU_BACKENDS = ["torch", "cpp", "triton"]
-
-
 def make_ssu(batch, nheads, dim, N, groups, heads=True, dtype=torch.float32, flags=(True, True, True)):
     """State update inputs: heads form (nheads, dim) or, with heads=False, the 3-D form (dim channels)."""
     has_D, has_z, has_bias = flags
@@ -189,7 +185,7 @@ def make_ssu(batch, nheads, dim, N, groups, heads=True, dtype=torch.float32, fla
                 dt_bias=torch.randn(*hd) * 0.2 if has_bias else None)
 
 
-@pytest.mark.parametrize("backend", SSU_BACKENDS)
+@pytest.mark.op("selective_state_update")
 @pytest.mark.parametrize("form", ["no-heads", "heads-1group", "heads-2groups", "heads-4groups"])
 @pytest.mark.parametrize("flags", [(True, True, True, True), (False, False, False, False), (True, False, True, False)],
                          ids=["D-z-bias-softplus", "bare", "D-bias"])
@@ -206,7 +202,7 @@ def test_state_update_matches_reference(backend, form, flags):
     torch.testing.assert_close(ins["state"], ref_state, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", SSU_BACKENDS)
+@pytest.mark.op("selective_state_update")
 def test_state_update_fp16_and_noncontiguous_state(backend):
     ins = make_ssu(2, 2, 6, 4, 2, dtype=torch.float16)
     # A non-contiguous fp32 state (a transposed view) and an fp16 one are both updated in place.
@@ -220,7 +216,7 @@ def test_state_update_fp16_and_noncontiguous_state(backend):
         torch.testing.assert_close(state.float(), ref_state, rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("backend", SSU_BACKENDS)
+@pytest.mark.op("selective_state_update")
 @pytest.mark.parametrize("heads", [False, True])
 def test_state_update_matches_scan_steps(backend, heads):
     batch, dim, N, L = 2, 6, 4, 5
@@ -241,7 +237,7 @@ def test_state_update_matches_scan_steps(backend, heads):
     torch.testing.assert_close(torch.stack(outs, -1), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", SSU_BACKENDS)
+@pytest.mark.op("selective_state_update")
 def test_state_update_validates_before_mutating(backend):
     state = torch.randn(2, 3, 4)
     before = state.clone()

@@ -7,16 +7,12 @@ import pytest
 import torch
 
 import fastarch.optim as O
-
-ext = pytest.importorskip("fastarch.extensions")
+from tests._backends import require_extension
 
 
 @pytest.fixture(scope="module")
 def adam_ext():
-    try:
-        return ext.load_extension("adam", "cpu")
-    except Exception as exc:  # noqa: BLE001 - a missing compiler is a skip, not a failure
-        pytest.skip(f"adam extension unavailable: {exc}")
+    return require_extension("adam", "cpu")
 
 
 # Odd sizes, a 0-dim and a 1-element tensor, an empty one, and one of 20011 elements (several vector blocks).

@@ -1,10 +1,13 @@
 """Functional ops. Each op lives in its own file with its validation, its PyTorch reference (``X_ref``)
-and the backend implementations it dispatches to; importing this package registers them all."""
+and the backend implementations it dispatches to; importing this package registers them all and installs
+the measured automatic orders (``_orders``)."""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+
+from . import _orders
 
 __all__: list[str] = []
 
@@ -20,3 +23,4 @@ def _load_all() -> None:
 
 
 _load_all()
+_orders.apply()

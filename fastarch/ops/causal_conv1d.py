@@ -20,10 +20,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import AUTO, Implementation, TritonImplementation, register
-from ..extensions import load_extension
+from ..backend import register
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import (
+    AtenImplementation,
+    CppImplementation,
+    TorchImplementation,
+    TritonImplementation,
+    call_of,
+    resolve,
+    run,
+)
 
 __all__ = ["causal_conv1d", "causal_conv1d_fn", "causal_conv1d_ref", "causal_conv1d_update",
            "causal_conv1d_update_ref"]
@@ -106,7 +113,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _validate(x, weight, bias)
     if x.numel() == 0:
         return causal_conv1d_ref(x, weight, bias, activation)
-    return _conv_fwd(x, weight, bias, silu, backend or AUTO)
+    return _conv_fwd(x, weight, bias, silu, resolve(OP, lambda: call_of(x, width=weight.shape[1]), backend))
 
 
 def causal_conv1d_fn(x, weight, bias=None, activation=None):
@@ -162,13 +169,14 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     with torch.no_grad():
         if x.numel() == 0:
             return causal_conv1d_update_ref(x, conv_state, weight, bias, activation)
-        return _conv_update(x, conv_state, weight, bias, silu, backend or AUTO)
+        name = resolve(OP_UPDATE, lambda: call_of(x, width=weight.shape[1]), backend)
+        return _conv_update(x, conv_state, weight, bias, silu, name)
 
 
 # -- backends ---------------------------------------------------------------------------------------------
-class TorchCausalConv1d(Implementation):
-    op, backend = OP, "torch"
-    description = "F.conv1d (grouped, left-padded); backward by autograd"
+class TorchCausalConv1d(TorchImplementation):
+    op = OP
+    description = "grouped F.conv1d forward; analytic backward in composed PyTorch"
 
     def forward(self, x, weight, bias, silu):
         return causal_conv1d_ref(x, weight, bias, "silu" if silu else None)
@@ -192,13 +200,33 @@ class TorchCausalConv1d(Implementation):
         return causal_conv1d_update_ref(x, conv_state, weight, bias, "silu" if silu else None)
 
 
-class CppCausalConv1d(Implementation):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
-    description = "C++ loop over (batch, channel), width-unrolled, fp32; part of the selective_scan extension"
+class AtenCausalConv1d(AtenImplementation):
+    op = OP
+    description = "PyTorch's native grouped convolution (F.conv1d) and convolution_backward, in fp32"
 
-    def load(self):
-        return load_extension("selective_scan", "cpu")
+    def forward(self, x, weight, bias, silu):
+        return causal_conv1d_ref(x, weight.float(), None if bias is None else bias.float(),
+                                 "silu" if silu else None)
+
+    def backward(self, dout, x, weight, bias, silu):
+        xf, w = x.float(), weight.float().unsqueeze(1)
+        dim, width = weight.shape
+        g = dout.float()
+        if silu:
+            pre = F.conv1d(xf, w, None if bias is None else bias.float(), padding=width - 1,
+                           groups=dim)[..., : x.shape[-1]]
+            sg = torch.sigmoid(pre)
+            g = g * sg * (1 + pre * (1 - sg))
+        # The convolution's output has L + W - 1 steps, of which the first L are kept.
+        g = F.pad(g, (0, width - 1))
+        dx, dw, db = torch.ops.aten.convolution_backward(g, xf, w, [dim], [1], [width - 1], [1], False, [0], dim,
+                                                          [True, True, True])
+        return dx, dw.squeeze(1), db
+
+
+class CppCausalConv1d(CppImplementation):
+    op, extension = OP, "selective_scan"
+    description = "C++ loop over (batch, channel), width-unrolled, fp32; part of the selective_scan extension"
 
     def forward(self, x, weight, bias, silu):
         b = None if bias is None else bias.float().contiguous()
@@ -227,13 +255,8 @@ def _compiled_update(kernel, x, conv_state, weight, bias, silu):
 
 
 class TritonCausalConv1d(TritonImplementation):
-    op = OP
+    op, kernel_module = OP, "causal_conv1d"
     description = "Triton: tiled (channel block x time block) forward; backward with per-tile dw/dbias partials"
-
-    def load(self):
-        from ..kernels import causal_conv1d as k
-
-        return k
 
     def forward(self, x, weight, bias, silu):
         b = None if bias is None else bias.contiguous()
@@ -262,6 +285,6 @@ class TritonCausalConv1dUpdate(TritonCausalConv1d):
     description = "Triton: a program per (batch, channel block); state shifted in place"
 
 
-for _impl in (TorchCausalConv1d, CppCausalConv1d, TritonCausalConv1d, TorchCausalConv1dUpdate,
+for _impl in (TorchCausalConv1d, AtenCausalConv1d, CppCausalConv1d, TritonCausalConv1d, TorchCausalConv1dUpdate,
               CppCausalConv1dUpdate, TritonCausalConv1dUpdate):
     register(_impl)

@@ -29,10 +29,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import AUTO, Implementation, TritonImplementation, register, select
-from ..extensions import load_extension
+from ..backend import choose, register
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import CppImplementation, TorchImplementation, TritonImplementation, call_of, resolve, run
 
 __all__ = ["lsh_attention", "lsh_attention_ref", "lsh_n_buckets", "lsh_hash", "lsh_rotations"]
 
@@ -291,7 +290,7 @@ def _lsh_prepare(
     qk: torch.Tensor, rotations: torch.Tensor, bucket_size: int, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     L = qk.shape[-2]
-    impl = select(OP, _call(qk, bucket_size, False), None if backend == AUTO else backend)
+    impl = choose(OP, _call(qk, bucket_size, False), backend)
     buckets = impl.hash(qk, rotations)
     perm, inv = impl.sort(buckets, L, bucket_size, lsh_n_buckets(L, bucket_size))
     return buckets, perm, inv
@@ -432,21 +431,22 @@ def lsh_attention(
         ``(B, H, L, D)`` in qk's dtype [, buckets]. Differentiable w.r.t. ``qk`` and ``v``.
     """
     _validate(qk, v, n_hashes, bucket_size, key_padding_mask, rotations)
-    _, buckets, perm, inv = _prepare(qk, n_hashes, bucket_size, seed, rotations, backend or AUTO)
+    name = resolve(OP, lambda: _call(qk, bucket_size, bool(causal)), backend)
+    _, buckets, perm, inv = _prepare(qk, n_hashes, bucket_size, seed, rotations, name)
     if qk.numel() == 0:
         out = torch.zeros_like(qk) + 0 * v
     else:
         kpm = key_padding_mask.contiguous() if key_padding_mask is not None else None
         out, _ = _lsh_fwd(
-            qk, v, perm, inv, kpm, bool(causal), int(bucket_size), int(n_hashes), backend or AUTO
+            qk, v, perm, inv, kpm, bool(causal), int(bucket_size), int(n_hashes), name
         )
     return (out, buckets) if return_buckets else out
 
 
 # -- backends ---------------------------------------------------------------------------------------------
-class TorchLSHAttention(Implementation):
-    op, backend = OP, "torch"
-    description = "gathers and dense chunk matmuls in fp32 (the reference); backward by recomputation"
+class TorchLSHAttention(TorchImplementation):
+    op = OP
+    description = "gathers and dense chunk matmuls in fp32; analytic backward on the recomputed chunks"
 
     def hash(self, qk, rotations):
         return lsh_hash(qk, rotations)
@@ -519,13 +519,9 @@ def _normalize_bwd(qk: torch.Tensor, dkn: torch.Tensor) -> torch.Tensor:
     return (dkn - kh * proj) / ns
 
 
-class CppLSHAttention(Implementation):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
+class CppLSHAttention(CppImplementation):
+    op, extension = OP, "lsh_attention"
     description = "C++ OpenMP kernel per (batch, head, chunk), reading through the permutation, fp32"
-
-    def load(self):
-        return load_extension("lsh_attention", "cpu")
 
     def hash(self, qk, rotations):
         return self.lib.lsh_hash(qk.detach().float().contiguous(), rotations.float().contiguous())
@@ -565,23 +561,12 @@ class CppLSHAttention(Implementation):
 
 
 class TritonLSHAttention(TritonImplementation):
-    op = OP
-    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    op, kernel_module = OP, "lsh_attention"
+    max_head_dim = 256  # a tile row holds the whole head dim; any bucket size fits
     description = (
         "Triton flash-style chunk kernels through the permutation (online softmax over key blocks; "
         "dQ and dK/dV kernels), fp32 accumulation"
     )
-
-    def check(self, call):
-        # the kernels tile queries and keys, so any bucket size fits; a tile row holds the whole head dim
-        if call.get("head_dim", 0) > 256:
-            return [f"head_dim {call['head_dim']} > 256"]
-        return []
-
-    def load(self):
-        from ..kernels import lsh_attention
-
-        return lsh_attention
 
     def hash(self, qk, rotations):
         return lsh_hash(qk, rotations)

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import AUTO, Implementation, TritonImplementation, register
-from ..extensions import load_extension
+from ..backend import register
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import CppImplementation, TorchImplementation, TritonImplementation, call_of, resolve, run
 
 __all__ = ["rotary_embedding", "rotary_embedding_ref", "rotary_cos_sin"]
 
@@ -99,37 +98,29 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
     _validate(x, cos, sin, seqlen_offset)
     if x.numel() == 0:
         return x.clone()
-    return _rotary(x, cos, sin, bool(interleaved), False, int(seqlen_offset), backend or AUTO)
+    name = resolve(OP, lambda: call_of(x), backend)
+    return _rotary(x, cos, sin, bool(interleaved), False, int(seqlen_offset), name)
 
 
-class TorchRotary(Implementation):
-    op, backend = OP, "torch"
+class TorchRotary(TorchImplementation):
+    op = OP
     description = "composed PyTorch in fp32 (the reference)"
 
     def forward(self, x, cos, sin, interleaved, conj, offset):
         return rotary_embedding_ref(x, cos, -sin if conj else sin, interleaved, offset)
 
 
-class CppRotary(Implementation):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
+class CppRotary(CppImplementation):
+    op, extension = OP, "norms"
     description = "fused C++ kernel"
-
-    def load(self):
-        return load_extension("norms", "cpu")
 
     def forward(self, x, cos, sin, interleaved, conj, offset):
         return self.lib.rotary(x, cos, sin, interleaved, conj, offset)
 
 
 class TritonRotary(TritonImplementation):
-    op = OP
+    op, kernel_module = OP, "norms"
     description = "Triton kernel, one program per (token, head)"
-
-    def load(self):
-        from ..kernels import norms
-
-        return norms
 
     def forward(self, x, cos, sin, interleaved, conj, offset):
         return self.lib.rotary(x, cos, sin, interleaved, conj, offset)

@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import AUTO, Implementation, TritonImplementation, register
-from ..extensions import load_extension
+from ..backend import register
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import CppImplementation, TorchImplementation, TritonImplementation, call_of, resolve, run
 
 __all__ = ["s4_kernel", "s4_kernel_ref"]
 
@@ -110,15 +109,16 @@ def s4_kernel(dtA: torch.Tensor, coef: torch.Tensor, L: int, backend: str | None
         ``(H, L)`` float32, differentiable in ``dtA`` and ``coef``.
     """
     _validate(dtA, coef, L)
-    return _s4_kernel_fwd(dtA.real, dtA.imag, coef.real, coef.imag, int(L), backend or AUTO)
+    name = resolve(OP, lambda: call_of(dtA.real, n=dtA.shape[1], L=L), backend)
+    return _s4_kernel_fwd(dtA.real, dtA.imag, coef.real, coef.imag, int(L), name)
 
 
 # -- backends ---------------------------------------------------------------------------------------------
 _TORCH_CHUNK = 256
 
 
-class TorchS4Kernel(Implementation):
-    op, backend = OP, "torch"
+class TorchS4Kernel(TorchImplementation):
+    op = OP
     description = "PyTorch, (H, N, 256) Vandermonde tiles at a time, fp32"
 
     def forward(self, ar, ai, wr, wi, L):
@@ -153,13 +153,9 @@ def _grads_from_sums(s0r, s0i, s1r, s1i, wr, wi):
     return (2 * (wr * s1r - wi * s1i), -2 * (wr * s1i + wi * s1r), 2 * s0r, -2 * s0i)
 
 
-class CppS4Kernel(Implementation):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
+class CppS4Kernel(CppImplementation):
+    op, extension = OP, "s4"
     description = "C++ blocked Vandermonde: double-precision power tables + one batched GEMM (H, L/64, 2N) x (2N, 64)"
-
-    def load(self):
-        return load_extension("s4", "cpu")
 
     def forward(self, ar, ai, wr, wi, L):
         return self.lib.kernel_fwd(ar, ai, wr, wi, L)
@@ -170,13 +166,8 @@ class CppS4Kernel(Implementation):
 
 
 class TritonS4Kernel(TritonImplementation):
-    op = OP
+    op, kernel_module = OP, "s4"
     description = "Triton fused Vandermonde tiles (exp/sin/cos in registers)"
-
-    def load(self):
-        from ..kernels import s4
-
-        return s4
 
     def forward(self, ar, ai, wr, wi, L):
         return self.lib.kernel_fwd(ar, ai, wr, wi, L)

@@ -23,13 +23,22 @@ keeps besides the inputs: memory linear in B*D*L, never B*D*L*N.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from ..backend import AUTO, Implementation, TritonImplementation, register
-from ..extensions import load_extension
+from ..backend import Call, register
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import (
+    CppImplementation,
+    CudaImplementation,
+    TorchImplementation,
+    TritonImplementation,
+    call_of,
+    resolve,
+    run,
+)
 
 __all__ = ["selective_scan", "selective_scan_fn", "selective_scan_ref"]
 
@@ -136,8 +145,8 @@ def _validate(u, delta, A, B, C, D, z, delta_bias) -> None:
     check_same_device(OP, "u", u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias)
 
 
-def _features(u: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> dict:
-    return {"dstate": A.shape[1], "seqlen": u.shape[2], "b_dim": B.dim(), "c_dim": C.dim()}
+def _call(u: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> Call:
+    return call_of(u, dstate=A.shape[1], seqlen=u.shape[2], b_dim=B.dim(), c_dim=C.dim())
 
 
 def _empty(t: torch.Tensor) -> torch.Tensor:
@@ -159,7 +168,7 @@ def _selective_scan_fwd(
     need_ckpt: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    call = call_of(u, **_features(u, A, B, C))
+    call = _call(u, A, B, C)
     out, last, ckpt = run(OP, "forward", call, backend, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                           need_ckpt)
     return out, last, ckpt
@@ -192,7 +201,7 @@ def _selective_scan_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """Returns fp32 (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias); absent optional inputs get empty grads."""
-    call = call_of(u, **_features(u, A, B, C))
+    call = _call(u, A, B, C)
     grads = run(OP, "backward", call, backend, dout, dlast, u, delta, A, B, C, D, z, delta_bias, ckpt,
                 delta_softplus)
     return tuple(g if g is not None else _empty(u) for g in grads)
@@ -256,8 +265,8 @@ def selective_scan(
         return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
     tensors = (u, delta, A, B, C, D, z, delta_bias)
     need_ckpt = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    out, last, _ = _selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), need_ckpt,
-                                       backend or AUTO)
+    name = resolve(OP, lambda: _call(u, A, B, C), backend)
+    out, last, _ = _selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), need_ckpt, name)
     return (out, last) if return_last_state else out
 
 
@@ -305,9 +314,9 @@ def _scan_loop(u, delta, A, B, C, D, z, delta_bias, softplus, need_ckpt):
     return y.to(u.dtype), h, ckpt
 
 
-class TorchSelectiveScan(Implementation):
-    op, backend = OP, "torch"
-    description = "PyTorch step loop in fp32 (reference semantics); backward by autograd of the reference"
+class TorchSelectiveScan(TorchImplementation):
+    op = OP
+    description = "PyTorch step loop in fp32; analytic backward as a reverse step loop"
 
     def forward(self, u, delta, A, B, C, D, z, delta_bias, softplus, need_ckpt):
         return _scan_loop(u, delta, A, B, C, D, z, delta_bias, softplus, need_ckpt)
@@ -409,8 +418,10 @@ def _opt32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float().contiguous()
 
 
-class _CompiledScan(Implementation):
+class _CompiledScan:
     """Shared glue for the C++ and CUDA extensions: both expose ``fwd``/``bwd`` with the same arguments."""
+
+    lib: Any
 
     def forward(self, u, delta, A, B, C, D, z, delta_bias, softplus, need_ckpt):
         dim = u.shape[1]
@@ -434,32 +445,17 @@ class _CompiledScan(Implementation):
                 dbias if delta_bias is not None else None)
 
 
-class CppSelectiveScan(_CompiledScan):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
+class CppSelectiveScan(CppImplementation, _CompiledScan):
+    op, extension = OP, "selective_scan"
+    limits = {"dstate": MAX_STATE}
     description = "C++: AVX2-vectorised over 16-channel blocks, polynomial exp, chunked recompute backward"
-
-    def check(self, call):
-        n = call.get("dstate", 0)
-        return [f"d_state {n} > {MAX_STATE}"] if n > MAX_STATE else []
-
-    def load(self):
-        return load_extension("selective_scan", "cpu")
 
 
 class TritonSelectiveScan(TritonImplementation):
-    op = OP
+    op, kernel_module = OP, "selective_scan"
+    limits = {"dstate": MAX_STATE}
+    deterministic = False  # variable B/C gradients are summed with atomics
     description = "Triton: one program per (batch, channel block), chunked, states stored at chunk boundaries"
-    dtypes = (torch.float32, torch.float16, torch.bfloat16)
-
-    def check(self, call):
-        n = call.get("dstate", 0)
-        return [f"d_state {n} > {MAX_STATE}"] if n > MAX_STATE else []
-
-    def load(self):
-        from ..kernels import selective_scan as k
-
-        return k
 
     def forward(self, u, delta, A, B, C, D, z, delta_bias, softplus, need_ckpt):
         return self.lib.selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, softplus, need_ckpt, CHUNK)
@@ -471,17 +467,11 @@ class TritonSelectiveScan(TritonImplementation):
                                            CHUNK)
 
 
-class CudaSelectiveScan(_CompiledScan):
-    op, backend = OP, "cuda"
-    devices = ("cuda",)
+class CudaSelectiveScan(CudaImplementation, _CompiledScan):
+    op, extension = OP, "selective_scan"
+    limits = {"dstate": 64}  # the state lives in registers
+    deterministic = False  # variable B/C gradients are summed with atomics
     description = "hand-written CUDA scan: one thread per (batch, channel), state in registers"
-
-    def check(self, call):
-        n = call.get("dstate", 0)
-        return [f"d_state {n} > 64 (the CUDA kernel keeps the state in registers)"] if n > 64 else []
-
-    def load(self):
-        return load_extension("selective_scan", "cuda")
 
 
 for _impl in (TorchSelectiveScan, CppSelectiveScan, TritonSelectiveScan, CudaSelectiveScan):

@@ -20,13 +20,14 @@ copy that is written back (after validation, so a rejected call never touches it
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from ..backend import AUTO, Implementation, TritonImplementation, register
-from ..extensions import load_extension
+from ..backend import register
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import CppImplementation, TorchImplementation, TritonImplementation, call_of, resolve, run
 
 __all__ = ["selective_state_update", "selective_state_update_ref"]
 
@@ -115,11 +116,12 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     """mamba-ssm's ``selective_state_update`` (see the module docstring); updates ``state`` in place."""
     _validate(state, x, dt, A, B, C, D, z, dt_bias)
     with torch.no_grad():
-        return _ssu(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), backend or AUTO)
+        name = resolve(OP, lambda: call_of(x, dstate=state.shape[-1]), backend)
+        return _ssu(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), name)
 
 
-class TorchSelectiveStateUpdate(Implementation):
-    op, backend = OP, "torch"
+class TorchSelectiveStateUpdate(TorchImplementation):
+    op = OP
     description = "composed PyTorch, fp32 arithmetic (the reference)"
 
     def forward(self, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
@@ -138,9 +140,11 @@ def _heads_args(state, x, dt, A, B, C, D, z, dt_bias):
     return st, work, (c(x4), c(dt4), c(A4), c(B4), c(C4), c(D4), c(z4), c(db4))
 
 
-class _CompiledStateUpdate(Implementation):
+class _CompiledStateUpdate:
     """Shared glue: heads form, fp32 working state written back when the caller's state is not fp32
     contiguous; ``_kernel(work, *fp32 args, softplus)`` returns out (batch, nheads, dim) fp32."""
+
+    lib: Any
 
     def forward(self, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
         st, work, args = _heads_args(state, x, dt, A, B, C, D, z, dt_bias)
@@ -151,26 +155,17 @@ class _CompiledStateUpdate(Implementation):
         return out if state.dim() == 4 else out.squeeze(1)
 
 
-class CppSelectiveStateUpdate(_CompiledStateUpdate):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
+class CppSelectiveStateUpdate(CppImplementation, _CompiledStateUpdate):
+    op, extension = OP, "selective_scan"
     description = "C++: parallel over batch x heads x channels, vectorised over N (polynomial exp), in place"
-
-    def load(self):
-        return load_extension("selective_scan", "cpu")
 
     def _kernel(self, work, x, dt, A, B, C, D, z, dt_bias, softplus):
         return self.lib.state_update(work, x, dt, A, B, C, D, z, dt_bias, softplus)
 
 
 class TritonSelectiveStateUpdate(TritonImplementation, _CompiledStateUpdate):
-    op = OP
+    op, kernel_module = OP, "selective_scan"
     description = "Triton: a program per (batch, head, channel block), state tile in registers, in place"
-
-    def load(self):
-        from ..kernels import selective_scan as k
-
-        return k
 
     def _kernel(self, work, x, dt, A, B, C, D, z, dt_bias, softplus):
         return self.lib.selective_state_update_fwd(work, x, dt, A, B, C, D, z, dt_bias, softplus)

@@ -304,6 +304,7 @@ def _setup_context(ctx, inputs, output) -> None:
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, kpm, bias)
     ctx.args = (wl, wr, p, seed, scale, backend)
+    ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero tensor
 
 
 def _reduce_to(g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -319,7 +320,7 @@ def _backward(ctx, do, dlse):
     if do is None:
         do = torch.zeros_like(o)
     D = q.shape[-1]
-    if dlse is not None and bool((dlse != 0).any()):
+    if dlse is not None:  # None unless the caller's loss used the lse (grads are not materialised)
         # The lse gradient adds P * dlse to dS, i.e. it lowers Di = rowsum(dO * O) by dlse. Every backend
         # computes Di from (dO, O), so append head-dim columns: O' = [O, 1, 0..], dO' = [dO, -dlse, 0..], with
         # zero columns on q, k, v (scores and dP unchanged); the extra output columns are dropped. Eight
@@ -493,7 +494,8 @@ class AtenAttention(AtenImplementation):
         causal = wr == 0
         if q.device.type == "cpu":
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-            return o, lse.float()
+            # the kernel's outputs are (B, L, H, .) in memory; the op returns dense (B, H, L, .) tensors
+            return o.contiguous(), lse.float().contiguous()
         o, lse = self._efficient(q, k, v, causal, scale)[:2]
         return o, lse[..., :q.shape[2]].float().contiguous()
 

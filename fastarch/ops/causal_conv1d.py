@@ -71,7 +71,8 @@ def _validate(x, weight, bias) -> None:
 @torch.library.custom_op("fastarch::causal_conv1d_fwd", mutates_args=())
 def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool, backend: str
               ) -> torch.Tensor:
-    return run(OP, "forward", call_of(x, width=weight.shape[1]), backend, x, weight, bias, silu)
+    # contiguous: the fake output is, and the F.conv1d backends return a slice of a longer output
+    return run(OP, "forward", call_of(x, width=weight.shape[1]), backend, x, weight, bias, silu).contiguous()
 
 
 @_conv_fwd.register_fake

@@ -90,8 +90,9 @@ class Implementation:
     - ``devices``, ``dtypes``: device types and dtypes of the call's main tensor;
     - ``max_head_dim``: the largest ``head_dim`` feature (None: any);
     - ``limits``: the largest value of other integer features, e.g. ``{"dstate": 256}``;
-    - ``supports_dropout``, ``supports_bias_grad``, ``supports_varlen``: refuse calls whose ``dropout``,
-      ``bias_grad`` or ``varlen`` feature is true when False;
+    - ``supports_dropout``, ``supports_bias_grad``, ``supports_varlen``: True or False for ops with that
+      feature, None (the default) for ops without it; a call whose ``dropout``, ``bias_grad`` or ``varlen``
+      feature is true is refused unless it is True;
     - ``deterministic``: False refuses every call while ``torch.use_deterministic_algorithms(True)``.
 
     Loading is declared too: ``kernel_module`` names a module of :mod:`fastarch.kernels` (Triton), and
@@ -104,9 +105,9 @@ class Implementation:
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
     max_head_dim: int | None = None
     limits: Mapping[str, int] = {}
-    supports_dropout: bool = True
-    supports_bias_grad: bool = True
-    supports_varlen: bool = False
+    supports_dropout: bool | None = None
+    supports_bias_grad: bool | None = None
+    supports_varlen: bool | None = None
     deterministic: bool = True
     kernel_module: str | None = None
     description: str = ""

@@ -1,4 +1,4 @@
-"""How a public op reaches its implementation, and the base class of each backend kind.
+"""How a public op reaches its implementation.
 
 A public op resolves its backend once, with :func:`resolve`, and passes the name to its custom op; the
 custom op's forward and backward run that implementation through :func:`run`. So the backward always runs
@@ -16,11 +16,9 @@ from typing import Any
 
 import torch
 
-from ..backend import Call, Implementation, TritonImplementation, choose, requested_backend, select
-from ..extensions import load_extension
+from ..backend import Call, choose, requested_backend, select
 
-__all__ = ["AtenImplementation", "CppImplementation", "CudaImplementation", "TorchImplementation",
-           "TritonImplementation", "call_of", "resolve", "run"]
+__all__ = ["call_of", "resolve", "run"]
 
 
 def call_of(t: torch.Tensor, **features: Any) -> Call:
@@ -44,37 +42,3 @@ def resolve(op: str, make_call: Callable[[], Call], backend: str | None) -> str:
 def run(op: str, fn: str, call: Call, backend: str, *args: Any) -> Any:
     """Call the method ``fn`` of ``op``'s implementation ``backend`` (a name from :func:`resolve`)."""
     return getattr(choose(op, call, backend), fn)(*args)
-
-
-class TorchImplementation(Implementation):
-    """PyTorch compositions: run anywhere, used where no kernel takes the call."""
-
-    backend = "torch"
-
-
-class AtenImplementation(Implementation):
-    """PyTorch's native kernels (SDPA, ``native_layer_norm``, ...)."""
-
-    backend = "aten"
-
-
-class CppImplementation(Implementation):
-    """C++ CPU kernels from the extension named by ``extension`` (``csrc/cpu/<extension>.cpp``)."""
-
-    backend = "cpp"
-    devices = ("cpu",)
-    extension: str = ""
-
-    def load(self) -> Any:
-        return load_extension(self.extension, "cpu")
-
-
-class CudaImplementation(Implementation):
-    """CUDA kernels from the extension named by ``extension`` (``csrc/cuda/<extension>.cu``)."""
-
-    backend = "cuda"
-    devices = ("cuda",)
-    extension: str = ""
-
-    def load(self) -> Any:
-        return load_extension(self.extension, "cuda")

@@ -29,16 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import Call, register
+from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import (
-    AtenImplementation,
-    CppImplementation,
-    TorchImplementation,
-    TritonImplementation,
-    call_of,
-    resolve,
-    run,
-)
+from ._dispatch import call_of, resolve, run
 
 __all__ = ["attention", "attention_ref", "dropout_keep_mask", "normalize_window"]
 
@@ -414,6 +407,8 @@ def _query_chunk(B: int, H: int, Lk: int, budget: int = 1 << 26) -> int:
 
 class TorchAttention(TorchImplementation):
     op = OP
+    supports_dropout = supports_bias_grad = True
+    supports_varlen = False
     description = "dense masked attention in fp32, chunked over query rows"
 
     def forward(self, q, k, v, kpm, bias, wl, wr, p, seed, scale):
@@ -472,8 +467,7 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 class AtenAttention(AtenImplementation):
     op = OP
-    supports_dropout = False
-    supports_bias_grad = False
+    supports_dropout = supports_bias_grad = supports_varlen = False
     description = ("PyTorch's fused SDPA kernels (flash on CPU, memory-efficient on CUDA) for full and causal "
                    "attention, GQA included")
 
@@ -523,6 +517,8 @@ class AtenAttention(AtenImplementation):
 
 class CppAttention(CppImplementation):
     op, extension = OP, "attention"
+    supports_dropout = supports_bias_grad = True
+    supports_varlen = False
     description = "banded tiled online-softmax C++ kernel (AVX2/FMA micro-GEMMs), fp32 accumulation"
 
     def forward(self, q, k, v, kpm, bias, wl, wr, p, seed, scale):
@@ -549,6 +545,8 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 class TritonAttention(TritonImplementation):
     op, kernel_module = OP, "attention"
     max_head_dim = MAX_TRITON_HEAD_DIM
+    supports_dropout = supports_bias_grad = True
+    supports_varlen = False
     description = "Triton FlashAttention-2 style kernels (kernels/attention.py), fp32 accumulation"
 
     @staticmethod

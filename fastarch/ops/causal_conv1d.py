@@ -21,16 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import register
+from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import (
-    AtenImplementation,
-    CppImplementation,
-    TorchImplementation,
-    TritonImplementation,
-    call_of,
-    resolve,
-    run,
-)
+from ._dispatch import call_of, resolve, run
 
 __all__ = ["causal_conv1d", "causal_conv1d_fn", "causal_conv1d_ref", "causal_conv1d_update",
            "causal_conv1d_update_ref"]
@@ -109,7 +102,21 @@ _conv_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   activation: str | None = None, *, backend: str | None = None) -> torch.Tensor:
-    """Depthwise causal conv1d (see the module docstring); differentiable in ``x``, ``weight`` and ``bias``."""
+    """Depthwise causal conv1d: ``out[b, d, t] = bias[d] + sum_k weight[d, k] x[b, d, t - W + 1 + k]``.
+
+    Args:
+        x: the input; steps before the start count as zeros.
+        weight: one filter of width ``W`` (1 to 64) per channel.
+        bias: optional per-channel bias.
+        activation: None, ``"silu"`` or ``"swish"``.
+        backend: force 'aten', 'cpp', 'triton' or 'torch' (default: the selector's choice).
+
+    Returns:
+        The output in ``x.dtype``; differentiable in ``x``, ``weight`` and ``bias``.
+
+    Shapes:
+        x, out: ``(B, D, L)``; weight: ``(D, W)``; bias: ``(D,)``.
+    """
     silu = _check_activation(OP, activation)
     _validate(x, weight, bias)
     if x.numel() == 0:
@@ -118,7 +125,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def causal_conv1d_fn(x, weight, bias=None, activation=None):
-    """The ``causal_conv1d`` package's name for :func:`causal_conv1d`."""
+    """The ``causal_conv1d`` package's name and signature for :func:`causal_conv1d` (same Args, Returns and
+    Shapes)."""
     return causal_conv1d(x, weight, bias, activation)
 
 
@@ -151,8 +159,22 @@ def _(x, conv_state, weight, bias, silu, backend):
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None = None, activation: str | None = None, *,
                          backend: str | None = None) -> torch.Tensor:
-    """One (or T) decode step(s): ``x`` ``(B, D)`` or ``(B, D, T)``, ``conv_state`` ``(B, D, S)``,
-    ``S >= width - 1``, updated in place. Returns ``(B, D)`` or ``(B, D, T)`` in ``x.dtype``."""
+    """One (or T) decode steps of :func:`causal_conv1d`, shifting ``conv_state`` in place.
+
+    Args:
+        x: the new inputs.
+        conv_state: the last ``S >= W - 1`` inputs of each channel; updated in place.
+        weight: one filter of width ``W`` per channel.
+        bias: optional per-channel bias.
+        activation: None, ``"silu"`` or ``"swish"``.
+        backend: force 'cpp', 'triton' or 'torch' (default: the selector's choice).
+
+    Returns:
+        The outputs of the new steps in ``x.dtype`` and ``x``'s shape (not differentiable).
+
+    Shapes:
+        x, out: ``(B, D)`` or ``(B, D, T)``; conv_state: ``(B, D, S)``; weight: ``(D, W)``; bias: ``(D,)``.
+    """
     op = OP_UPDATE
     silu = _check_activation(op, activation)
     check_tensor(op, "x", x, ndim=(2, 3))

@@ -24,8 +24,9 @@ from __future__ import annotations
 import torch
 
 from ..backend import Call, register
+from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import CppImplementation, TorchImplementation, TritonImplementation, call_of, resolve, run
+from ._dispatch import call_of, resolve, run
 
 __all__ = ["linear_attention", "linear_attention_ref"]
 
@@ -157,11 +158,15 @@ def linear_attention(
         v: ``(B, H, Lk, D)`` values.
         causal: position i sees keys j <= i (needs Lq == Lk).
         eps: added to the normaliser ``phi_q . z``.
-        backend: force 'torch', 'cpp' or 'triton' for the causal kernels (the non-causal case is two
+        backend: force 'cpp', 'triton' or 'torch' for the causal kernels (the non-causal case is two
             matmuls on whatever device the tensors are).
 
     Returns:
-        ``(B, H, Lq, D)`` in ``v``'s dtype. Differentiable in all three inputs.
+        The output in ``v``'s dtype. Differentiable in all three inputs.
+
+    Shapes:
+        q_features: ``(B, H, Lq, m)``; k_features: ``(B, H, Lk, m)``; v: ``(B, H, Lk, D)``;
+        output: ``(B, H, Lq, D)``.
     """
     _validate(q_features, k_features, v, causal, eps)
     if not causal:

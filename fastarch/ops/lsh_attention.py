@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import choose, register
+from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import CppImplementation, TorchImplementation, TritonImplementation, call_of, resolve, run
+from ._dispatch import call_of, resolve, run
 
 __all__ = ["lsh_attention", "lsh_attention_ref", "lsh_n_buckets", "lsh_hash", "lsh_rotations"]
 
@@ -426,9 +427,14 @@ def lsh_attention(
         causal: mask keys at later positions. key_padding_mask: ``(B, L)`` bool, True = real key.
         seed: draws the rotations ``(D, n_hashes, n_buckets/2)``; ``rotations`` passes them instead.
         return_buckets: also return the buckets ``(B, H, n_hashes, L)`` int64 of the real positions.
-        backend: force 'torch', 'cpp' or 'triton'.
+        backend: force 'cpp', 'triton' or 'torch' (default: the selector's choice).
+
     Returns:
-        ``(B, H, L, D)`` in qk's dtype [, buckets]. Differentiable w.r.t. ``qk`` and ``v``.
+        The output in qk's dtype, or ``(output, buckets)``. Differentiable w.r.t. ``qk`` and ``v``.
+
+    Shapes:
+        qk, v, output: ``(B, H, L, D)``; key_padding_mask: ``(B, L)``;
+        rotations: ``(D, n_hashes, n_buckets // 2)``; buckets: ``(B, H, n_hashes, L)``.
     """
     _validate(qk, v, n_hashes, bucket_size, key_padding_mask, rotations)
     name = resolve(OP, lambda: _call(qk, bucket_size, bool(causal)), backend)

@@ -10,16 +10,9 @@ from __future__ import annotations
 import torch
 
 from ..backend import register
+from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import (
-    AtenImplementation,
-    CppImplementation,
-    TorchImplementation,
-    TritonImplementation,
-    call_of,
-    resolve,
-    run,
-)
+from ._dispatch import call_of, resolve, run
 
 __all__ = ["rms_norm", "rms_norm_ref"]
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 
 from ..backend import register
+from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import CppImplementation, TorchImplementation, TritonImplementation, call_of, resolve, run
+from ._dispatch import call_of, resolve, run
 
 __all__ = ["s4_kernel", "s4_kernel_ref"]
 
@@ -103,10 +104,13 @@ def s4_kernel(dtA: torch.Tensor, coef: torch.Tensor, L: int, backend: str | None
         dtA: ``(H, N)`` complex, ``dt * A`` (real part < 0 for a stable system).
         coef: ``(H, N)`` complex, ``C * B_bar`` (ZOH: ``B_bar = (exp(dtA) - 1) / A * B``).
         L: kernel length.
-        backend: force 'torch', 'cpp' or 'triton'.
+        backend: force 'cpp', 'triton' or 'torch' (default: the selector's choice).
 
     Returns:
-        ``(H, L)`` float32, differentiable in ``dtA`` and ``coef``.
+        The kernel in float32, differentiable in ``dtA`` and ``coef``.
+
+    Shapes:
+        dtA, coef: ``(H, N)``; output: ``(H, L)``.
     """
     _validate(dtA, coef, L)
     name = resolve(OP, lambda: call_of(dtA.real, n=dtA.shape[1], L=L), backend)

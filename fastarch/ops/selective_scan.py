@@ -29,16 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import Call, register
+from ._backends import CppImplementation, CudaImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import (
-    CppImplementation,
-    CudaImplementation,
-    TorchImplementation,
-    TritonImplementation,
-    call_of,
-    resolve,
-    run,
-)
+from ._dispatch import call_of, resolve, run
 
 __all__ = ["selective_scan", "selective_scan_fn", "selective_scan_ref"]
 
@@ -253,12 +246,28 @@ def selective_scan(
     *,
     backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """mamba-ssm's ``selective_scan_fn``: see the module docstring for the recurrence and the shapes.
+    """mamba-ssm's ``selective_scan_fn``: the recurrence of the module docstring over every channel.
 
-    Returns ``out`` ``(B, D, L)`` in ``u.dtype``, or ``(out, last_state)`` with ``last_state`` ``(B, D, N)``
-    fp32 when ``return_last_state``. Differentiable in every tensor argument (``A``, ``D``, ``delta_bias``
-    and constant ``B``/``C`` get fp32-accumulated gradients). ``backend`` forces 'torch', 'cpp', 'triton'
-    or 'cuda'.
+    Args:
+        u: the input sequence.
+        delta: the time steps (before ``delta_bias`` and softplus).
+        A: the real state matrix, one diagonal per channel.
+        B: input weights: constant, variable (one row per step) or grouped.
+        C: output weights, in any of the forms of ``B``.
+        D: optional skip weight.
+        z: optional gate: the output is multiplied by ``silu(z)``.
+        delta_bias: optional bias added to ``delta``.
+        delta_softplus: apply softplus to ``delta + delta_bias``.
+        return_last_state: also return the state after the last step.
+        backend: force 'cpp', 'cuda', 'triton' or 'torch' (default: the selector's choice).
+
+    Returns:
+        ``out`` in ``u.dtype``, or ``(out, last_state)`` with ``last_state`` fp32. Differentiable in every
+        tensor argument (``A``, ``D``, ``delta_bias`` and constant ``B``/``C`` get fp32-accumulated gradients).
+
+    Shapes:
+        u, delta, z, out: ``(B, D, L)``; A: ``(D, N)``; B, C: ``(D, N)``, ``(B, N, L)`` or ``(B, G, N, L)``
+        with ``G`` dividing ``D``; D, delta_bias: ``(D,)``; last_state: ``(B, D, N)``.
     """
     _validate(u, delta, A, B, C, D, z, delta_bias)
     if u.shape[2] == 0 or u.shape[0] == 0 or u.shape[1] == 0:
@@ -272,7 +281,8 @@ def selective_scan(
 
 def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                       return_last_state=False):
-    """Alias with mamba-ssm's name, so ``from fastarch.ops import selective_scan_fn`` is a drop-in."""
+    """mamba-ssm's name and positional signature for :func:`selective_scan` (same Args, Returns and Shapes),
+    so ``from fastarch.ops import selective_scan_fn`` is a drop-in."""
     return selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
 
 

@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import register
+from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import CppImplementation, TorchImplementation, TritonImplementation, call_of, resolve, run
+from ._dispatch import call_of, resolve, run
 
 __all__ = ["selective_state_update", "selective_state_update_ref"]
 
@@ -113,7 +114,29 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
                            z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                            dt_softplus: bool = False, *, backend: str | None = None) -> torch.Tensor:
-    """mamba-ssm's ``selective_state_update`` (see the module docstring); updates ``state`` in place."""
+    """One decode step of the selective scan (mamba-ssm's ``selective_state_update``).
+
+    Args:
+        state: the SSM state; updated in place (fp32 recommended).
+        x: the step's input.
+        dt: the step's time steps (before ``dt_bias`` and softplus).
+        A: the real state matrix.
+        B: input weights, shared by the heads of a group.
+        C: output weights, shared by the heads of a group.
+        D: optional skip weight.
+        z: optional gate: the output is multiplied by ``silu(z)``.
+        dt_bias: optional bias added to ``dt``.
+        dt_softplus: apply softplus to ``dt + dt_bias``.
+        backend: force 'cpp', 'triton' or 'torch' (default: the selector's choice).
+
+    Returns:
+        The step's output in ``x.dtype`` and ``x``'s shape (not differentiable).
+
+    Shapes:
+        without heads: state ``(B, dim, N)``; x, dt, z, out ``(B, dim)``; A ``(dim, N)``; B, C ``(B, N)``;
+        D, dt_bias ``(dim,)``. With heads: state ``(B, H, dim, N)``; x, dt, z, out ``(B, H, dim)``;
+        A ``(H, dim, N)``; B, C ``(B, G, N)`` with ``G`` dividing ``H``; D, dt_bias ``(H, dim)``.
+    """
     _validate(state, x, dt, A, B, C, D, z, dt_bias)
     with torch.no_grad():
         name = resolve(OP, lambda: call_of(x, dstate=state.shape[-1]), backend)

@@ -1,7 +1,7 @@
 """The measured automatic orders, per op and device type, fastest first.
 
 An op not listed here uses :data:`fastarch.backend.DEFAULT_ORDER`. Each entry comes from
-``python -m fastarch.ops._orders``, which times the backends on the cases below (the quick sizes of
+``python -m fastarch.ops._orders``, which times the backends on the cases below (the sizes of
 ``fastarch bench``, fp32, ``torch.utils.benchmark``) beside PyTorch's own function and the automatic choice,
 and prints the ratios; docs/backends.md records the last run.
 A backend that refuses a call is skipped for it, so ``aten`` first for attention still sends windowed,
@@ -45,8 +45,8 @@ def _cases() -> dict[str, Callable[[str], Step]]:
     from .layer_norm import layer_norm
     from .rms_norm import rms_norm
 
-    def attn(L: int, causal: bool, bwd: bool) -> Callable[[str], Step]:
-        q, k, v = (torch.randn(1, 4, L, 64, requires_grad=bwd) for _ in range(3))
+    def attn(L: int, causal: bool, bwd: bool, H: int = 4) -> Callable[[str], Step]:
+        q, k, v = (torch.randn(1, H, L, 64, requires_grad=bwd) for _ in range(3))
         return _maker(lambda b: attention(q, k, v, causal=causal, backend=b),
                       lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), bwd)
 
@@ -62,6 +62,8 @@ def _cases() -> dict[str, Callable[[str], Step]]:
         "attention full fwd B=1,H=4,L=1024,D=64": attn(1024, False, False),
         "attention causal fwd B=1,H=4,L=1024,D=64": attn(1024, True, False),
         "attention causal fwd+bwd B=1,H=4,L=512,D=64": attn(512, True, True),
+        "attention full fwd+bwd B=1,H=8,L=2048,D=64": attn(2048, False, True, 8),
+        "attention causal fwd+bwd B=1,H=8,L=2048,D=64": attn(2048, True, True, 8),
         "layer_norm fwd rows=8192,N=1024": norm(layer_norm, F.layer_norm, True, False),
         "layer_norm fwd+bwd rows=8192,N=1024": norm(layer_norm, F.layer_norm, True, True),
         "rms_norm fwd rows=8192,N=1024": norm(rms_norm, F.rms_norm, False, False),

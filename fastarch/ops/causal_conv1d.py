@@ -8,7 +8,8 @@ the start), then SiLU when ``activation`` is ``"silu"`` or ``"swish"``. Output i
 ``x`` is ``(B, D)`` or ``(B, D, T)``; ``conv_state`` ``(B, D, S)`` with ``S >= W - 1`` holds the last S
 inputs and is shifted in place; returns the output in ``x``'s shape. Everything is validated first.
 
-Backends (both ops): ``torch`` (``F.conv1d``; the backward is analytic, in composed PyTorch), ``cpp`` (C++
+Backends (both ops, but ``aten`` only for the convolution): ``aten`` (PyTorch's native grouped convolution
+and its backward), ``torch`` (``F.conv1d``; the backward is analytic, in composed PyTorch), ``cpp`` (C++
 loops parallel over batch x channel, in the selective_scan extension) and ``triton`` (tiled kernels in
 ``kernels/causal_conv1d.py``; the backward sums per-tile partials of dw/dbias, no atomics). The update's
 compiled backends shift an fp32 contiguous ``conv_state`` directly and any other one through an fp32 copy
@@ -295,7 +296,7 @@ class TritonCausalConv1d(TritonImplementation):
 
 class TorchCausalConv1dUpdate(TorchCausalConv1d):
     op = OP_UPDATE
-    description = "composed PyTorch (the reference), in place on conv_state"
+    description = "composed PyTorch, in place on conv_state"
 
 
 class CppCausalConv1dUpdate(CppCausalConv1d):

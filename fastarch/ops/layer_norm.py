@@ -188,7 +188,7 @@ def _row_stats(xf: torch.Tensor, eps: float, mode: int) -> tuple[torch.Tensor, t
 
 class TorchLayerNorm(TorchImplementation):
     op = OP
-    description = "composed PyTorch in fp32 (the reference)"
+    description = "composed PyTorch in fp32"
 
     def forward(self, x, weight, bias, eps, mode):
         xf = x.float()

@@ -226,11 +226,8 @@ class TorchLinearAttention(TorchImplementation):
     op = OP
     description = "chunked PyTorch (masked chunk matmuls + running (m, D) state), fp32"
 
-    def forward(self, q, k, va):
-        return _chunked_fwd_torch(q, k, va)
-
-    def backward(self, q, k, va, ga):
-        return _chunked_bwd_torch(q, k, va, ga)
+    forward = staticmethod(_chunked_fwd_torch)
+    backward = staticmethod(_chunked_bwd_torch)
 
 
 class CppLinearAttention(CppImplementation):

@@ -16,7 +16,7 @@ the rule that trax, Hugging Face's Reformer and reformer-pytorch implement:
    with no valid key but the query itself weighs nothing; if every round is like that the output is the
    query's own ``v`` (the limit of the large negative self score the reference implementations use).
 
-Backends: ``torch`` (the reference: gathers and dense chunk matmuls), ``cpp`` (OpenMP, one task per
+Backends: ``torch`` (gathers and dense chunk matmuls, as the reference), ``cpp`` (OpenMP, one task per
 (batch, head, chunk), reading through the permutation), ``triton`` (one program per (chunk, batch*head)).
 All of them return the output and the combined log-sum-exp ``LSE`` (``(B, H, L)`` fp32, ``-inf`` where the
 output fell back to the query's own value). The backward only needs ``LSE``: with ``P_ij = exp(s_ij - LSE_i)``

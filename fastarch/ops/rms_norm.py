@@ -109,22 +109,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     return _rms_norm_fwd(x, weight, float(eps), name)[0]
 
 
-class TorchRMSNorm(TorchImplementation):
-    op = OP
-    description = "composed PyTorch in fp32 (the reference)"
-
-    def forward(self, x, weight, eps):
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-        y = xf * rstd[:, None]
-        if weight is not None:
-            y = y * weight.float()
-        return y.to(x.dtype), rstd
-
-    def backward(self, dy, x, weight, rstd):
-        return _composed_backward(dy, x, weight, rstd)
-
-
 def _composed_backward(dy, x, weight, rstd):
     """(dx, dw fp32) from the forward's ``rstd``, in composed PyTorch."""
     xf, g = x.float(), dy.float()
@@ -136,6 +120,21 @@ def _composed_backward(dy, x, weight, rstd):
     return dx.to(x.dtype), dw
 
 
+class TorchRMSNorm(TorchImplementation):
+    op = OP
+    description = "composed PyTorch in fp32"
+
+    def forward(self, x, weight, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+        y = xf * rstd[:, None]
+        if weight is not None:
+            y = y * weight.float()
+        return y.to(x.dtype), rstd
+
+    backward = staticmethod(_composed_backward)
+
+
 class AtenRMSNorm(AtenImplementation):
     op = OP
     description = ("PyTorch's _fused_rms_norm (what F.rms_norm runs); the backward is composed, as PyTorch "
@@ -145,8 +144,7 @@ class AtenRMSNorm(AtenImplementation):
         y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
         return y, rstd.float().view(-1)
 
-    def backward(self, dy, x, weight, rstd):
-        return _composed_backward(dy, x, weight, rstd)
+    backward = staticmethod(_composed_backward)
 
 
 class CppRMSNorm(CppImplementation):

@@ -121,7 +121,7 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
 
 class TorchRotary(TorchImplementation):
     op = OP
-    description = "composed PyTorch in fp32 (the reference)"
+    description = "composed PyTorch in fp32"
 
     def forward(self, x, cos, sin, interleaved, conj, offset):
         return rotary_embedding_ref(x, cos, -sin if conj else sin, interleaved, offset)

@@ -20,6 +20,8 @@ Backward (same fusions): ``dcoef`` and ``d dtA`` are weighted sums over l of ``z
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..backend import register
@@ -157,28 +159,27 @@ def _grads_from_sums(s0r, s0i, s1r, s1i, wr, wi):
     return (2 * (wr * s1r - wi * s1i), -2 * (wr * s1i + wi * s1r), 2 * s0r, -2 * s0i)
 
 
-class CppS4Kernel(CppImplementation):
+class _CompiledS4Kernel:
+    """Shared glue: the C++ extension and the Triton module expose ``kernel_fwd``/``kernel_bwd_sums`` alike."""
+
+    lib: Any
+
+    def forward(self, ar, ai, wr, wi, L):
+        return self.lib.kernel_fwd(ar, ai, wr, wi, L)
+
+    def backward(self, dk, ar, ai, wr, wi):
+        s0r, s0i, s1r, s1i = self.lib.kernel_bwd_sums(dk, ar, ai)
+        return _grads_from_sums(s0r, s0i, s1r, s1i, wr, wi)
+
+
+class CppS4Kernel(CppImplementation, _CompiledS4Kernel):
     op, extension = OP, "s4"
     description = "C++ blocked Vandermonde: double-precision power tables + one batched GEMM (H, L/64, 2N) x (2N, 64)"
 
-    def forward(self, ar, ai, wr, wi, L):
-        return self.lib.kernel_fwd(ar, ai, wr, wi, L)
 
-    def backward(self, dk, ar, ai, wr, wi):
-        s0r, s0i, s1r, s1i = self.lib.kernel_bwd_sums(dk, ar, ai)
-        return _grads_from_sums(s0r, s0i, s1r, s1i, wr, wi)
-
-
-class TritonS4Kernel(TritonImplementation):
+class TritonS4Kernel(TritonImplementation, _CompiledS4Kernel):
     op, kernel_module = OP, "s4"
     description = "Triton fused Vandermonde tiles (exp/sin/cos in registers)"
-
-    def forward(self, ar, ai, wr, wi, L):
-        return self.lib.kernel_fwd(ar, ai, wr, wi, L)
-
-    def backward(self, dk, ar, ai, wr, wi):
-        s0r, s0i, s1r, s1i = self.lib.kernel_bwd_sums(dk, ar, ai)
-        return _grads_from_sums(s0r, s0i, s1r, s1i, wr, wi)
 
 
 for _impl in (TorchS4Kernel, CppS4Kernel, TritonS4Kernel):

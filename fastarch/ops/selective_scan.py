@@ -12,7 +12,7 @@ Shapes (as in mamba-ssm): ``u``, ``delta``, ``z`` are ``(B, D, L)``; ``A`` is ``
 ``d`` reads group ``d // (D // G)``); ``D`` and ``delta_bias`` are ``(D,)``. ``return_last_state`` adds the
 final state ``(B, D, N)`` (fp32) to the result.
 
-Backends: ``torch`` (a step loop in fp32; backward through autograd of the reference), ``cpp`` (vectorised
+Backends: ``torch`` (a step loop in fp32; the backward a reverse step loop), ``cpp`` (vectorised
 C++ over blocks of channels, backward recomputing states chunk by chunk from checkpoints), ``triton`` and
 ``cuda`` (chunked scans with states stored only at chunk boundaries).
 

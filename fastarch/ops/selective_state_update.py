@@ -11,7 +11,7 @@
 ``out`` in ``x.dtype`` with ``x``'s shape. Every argument is validated before ``state`` is written.
 Inference only (not differentiable), like mamba-ssm's.
 
-Backends: ``torch`` (the reference, composed PyTorch in fp32), ``cpp`` (parallel over batch x heads x
+Backends: ``torch`` (composed PyTorch in fp32, as the reference), ``cpp`` (parallel over batch x heads x
 channels, each row's N-long update one vectorised loop with a polynomial exp; in the selective_scan
 extension) and ``triton`` (a program per (batch, head, channel block), the state tile in registers). The
 compiled backends update an fp32 contiguous ``state`` directly; any other state is updated through an fp32
@@ -145,7 +145,7 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
 
 class TorchSelectiveStateUpdate(TorchImplementation):
     op = OP
-    description = "composed PyTorch, fp32 arithmetic (the reference)"
+    description = "composed PyTorch, fp32 arithmetic"
 
     def forward(self, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
         return selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)

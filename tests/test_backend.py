@@ -219,8 +219,13 @@ def test_aten_takes_plain_attention_and_refuses_what_needs_a_dense_mask():
     assert "padding mask" in " ".join(aten.not_supported_reasons(_attention_call(has_mask=True)))
     assert "Lq != Lk" in " ".join(aten.not_supported_reasons(_attention_call(window=(-1, 0), Lq=1)))
     assert "no dropout support" in aten.not_supported_reasons(_attention_call(dropout=True))
+
+
+def test_aten_first_still_sends_what_it_refuses_to_the_next(monkeypatch):
+    monkeypatch.setitem(B._ORDER, "attention", {"cpu": ("aten", "cpp", "torch")})
     assert B.select("attention", _attention_call()).backend == "aten"
     assert B.select("attention", _attention_call(window=(16, 16))).backend == "cpp"
+    assert B.select("attention", _attention_call(dropout=True)).backend == "cpp"
     assert "runs on 'aten'" in B.explain("attention", _attention_call())
 
 

@@ -1,17 +1,20 @@
 """The backend selector: which implementation runs a call of an op, and why.
 
-Every op in :mod:`fastarch.ops` registers one :class:`Implementation` per backend. An implementation
-declares the devices and dtypes it takes and can add call-specific reasons (head dim too large, a feature
-it lacks). The selector is the only place that decides which one runs:
+Every op in :mod:`fastarch.ops` registers one :class:`Implementation` per backend (``triton``, ``cuda``,
+``cpp``, ``aten``: PyTorch's native kernels, ``torch``: PyTorch compositions). An implementation declares
+its capabilities as data (devices, dtypes, max head dim, feature limits, dropout, bias gradient, varlen,
+determinism); its reasons for refusing a call derive from them, plus :meth:`Implementation.check` for the
+rest. The selector is the only place that decides which one runs:
 
 1. an explicit ``backend=`` keyword on the op;
 2. the innermost :func:`use_backend` context;
 3. the ``FASTARCH_BACKEND`` environment variable (``torch``, or ``attention=triton,selective_scan=cpp``);
-4. otherwise the automatic order for the device, fastest first.
+4. otherwise the automatic order for the op and device, fastest first as measured (:func:`set_order`).
 
 A forced backend that cannot take the call raises :class:`BackendUnavailableError` listing every
 backend's reasons. In automatic mode a backend whose build or import fails is skipped with one warning
-per process.
+per process. Ops resolve the implementation once per call and pin it (see ``fastarch.ops._dispatch``), so
+a backward runs the implementation its forward ran.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from ..backend import Call, choose, requested_backend, select
+from ..backend import AUTO, Call, choose, get_implementation, requested_backend, select
 
-__all__ = ["call_of", "resolve", "run"]
+__all__ = ["call_of", "resolve", "run", "run_backward"]
 
 
 def call_of(t: torch.Tensor, **features: Any) -> Call:
@@ -42,3 +42,11 @@ def resolve(op: str, make_call: Callable[[], Call], backend: str | None) -> str:
 def run(op: str, fn: str, call: Call, backend: str, *args: Any) -> Any:
     """Call the method ``fn`` of ``op``'s implementation ``backend`` (a name from :func:`resolve`)."""
     return getattr(choose(op, call, backend), fn)(*args)
+
+
+def run_backward(op: str, call: Call, backend: str, *args: Any) -> Any:
+    """Call the ``backward`` of the implementation the forward ran. Its capabilities were checked for the
+    forward's call (a backward may see other shapes, e.g. the attention lse gradient's extra columns), so a
+    named implementation runs without a second check; 'auto' chooses from ``call`` as the forward did."""
+    impl = choose(op, call) if backend == AUTO else get_implementation(op, backend)
+    return impl.backward(*args)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..backend import Call, register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, resolve, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["attention", "attention_ref", "dropout_keep_mask", "normalize_window"]
 
@@ -273,8 +273,8 @@ def _attention_bwd(
     window_right: int, dropout_p: float, seed: int, scale: float, need_dbias: bool, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     call = _call(q, k, key_padding_mask, attn_bias, window_left, window_right, dropout_p, need_dbias)
-    dq, dk, dv, dbias = run(OP, "backward", call, backend, do, q, k, v, o, lse, key_padding_mask, attn_bias,
-                            window_left, window_right, dropout_p, seed, scale, need_dbias)
+    dq, dk, dv, dbias = run_backward(OP, call, backend, do, q, k, v, o, lse, key_padding_mask, attn_bias,
+                                     window_left, window_right, dropout_p, seed, scale, need_dbias)
     if dbias is None:
         dbias = q.new_empty((0,), dtype=torch.float32)
     return dq, dk, dv, dbias

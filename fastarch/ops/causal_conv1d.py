@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..backend import register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, resolve, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["causal_conv1d", "causal_conv1d_fn", "causal_conv1d_ref", "causal_conv1d_update",
            "causal_conv1d_update_ref"]
@@ -77,7 +77,7 @@ def _(x, weight, bias, silu, backend):
 @torch.library.custom_op("fastarch::causal_conv1d_bwd", mutates_args=())
 def _conv_bwd(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return run(OP, "backward", call_of(x, width=weight.shape[1]), backend, dout, x, weight, bias, silu)
+    return run_backward(OP, call_of(x, width=weight.shape[1]), backend, dout, x, weight, bias, silu)
 
 
 @_conv_bwd.register_fake

@@ -18,7 +18,7 @@ import torch
 from ..backend import Call, register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, resolve, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["layer_norm", "layer_norm_ref"]
 
@@ -102,7 +102,7 @@ def _layer_norm_bwd(
     n = x.shape[-1]
     dy2 = dy.reshape(-1, n).contiguous()
     x2 = x.reshape(-1, n).contiguous()
-    dx, dw, db = run(OP, "backward", _call(x, mode), backend, dy2, x2, weight, mean, rstd, eps, mode)
+    dx, dw, db = run_backward(OP, _call(x, mode), backend, dy2, x2, weight, mean, rstd, eps, mode)
     return dx.view(x.shape), dw, db
 
 

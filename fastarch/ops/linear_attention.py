@@ -26,7 +26,7 @@ import torch
 from ..backend import Call, register
 from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, resolve, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["linear_attention", "linear_attention_ref"]
 
@@ -115,8 +115,8 @@ def _la_causal_bwd(
     # Upstream gradient of the unnormalised product y = [num, den - eps]: d/dnum = g/den,
     # d/dden = -(g . out)/den.
     ga = torch.cat([g / den3, -(g * _flat(out)).sum(-1, keepdim=True) / den3], dim=-1).contiguous()
-    dq, dk, dva = run(OP, "backward", _call(q, v), backend, _flat(q), _flat(k),
-                      _augment(_flat(v)), ga)
+    dq, dk, dva = run_backward(OP, _call(q, v), backend, _flat(q), _flat(k),
+                               _augment(_flat(v)), ga)
     return (dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype),
             dva[..., :d].reshape(v.shape).to(v.dtype))
 

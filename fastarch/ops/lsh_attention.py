@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ..backend import choose, register
 from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, resolve, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["lsh_attention", "lsh_attention_ref", "lsh_n_buckets", "lsh_hash", "lsh_rotations"]
 
@@ -317,30 +317,11 @@ def _call(qk: torch.Tensor, bucket_size: int, causal: bool):
 
 @torch.library.custom_op("fastarch::lsh_attention_fwd", mutates_args=())
 def _lsh_fwd(
-    qk: torch.Tensor,
-    v: torch.Tensor,
-    perm: torch.Tensor,
-    inv: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    causal: bool,
-    bucket_size: int,
-    n_hashes: int,
-    backend: str,
+    qk: torch.Tensor, v: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor,
+    key_padding_mask: torch.Tensor | None, causal: bool, bucket_size: int, n_hashes: int, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = run(
-        OP,
-        "forward",
-        _call(qk, bucket_size, causal),
-        backend,
-        qk.contiguous(),
-        v.contiguous(),
-        perm,
-        inv,
-        key_padding_mask,
-        causal,
-        bucket_size,
-        n_hashes,
-    )
+    out, lse = run(OP, "forward", _call(qk, bucket_size, causal), backend, qk.contiguous(), v.contiguous(), perm,
+                   inv, key_padding_mask, causal, bucket_size, n_hashes)
     return out.to(qk.dtype), lse
 
 
@@ -351,36 +332,13 @@ def _(qk, v, perm, inv, key_padding_mask, causal, bucket_size, n_hashes, backend
 
 @torch.library.custom_op("fastarch::lsh_attention_bwd", mutates_args=())
 def _lsh_bwd(
-    dout: torch.Tensor,
-    qk: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    perm: torch.Tensor,
-    inv: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    causal: bool,
-    bucket_size: int,
-    n_hashes: int,
-    backend: str,
+    dout: torch.Tensor, qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    perm: torch.Tensor, inv: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool,
+    bucket_size: int, n_hashes: int, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dqk, dv = run(
-        OP,
-        "backward",
-        _call(qk, bucket_size, causal),
-        backend,
-        dout.contiguous(),
-        qk.contiguous(),
-        v.contiguous(),
-        out.contiguous(),
-        lse,
-        perm,
-        inv,
-        key_padding_mask,
-        causal,
-        bucket_size,
-        n_hashes,
-    )
+    dqk, dv = run_backward(OP, _call(qk, bucket_size, causal), backend, dout.contiguous(), qk.contiguous(),
+                           v.contiguous(), out.contiguous(), lse, perm, inv, key_padding_mask, causal,
+                           bucket_size, n_hashes)
     return dqk.to(qk.dtype), dv.to(v.dtype)
 
 

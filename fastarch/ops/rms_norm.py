@@ -12,7 +12,7 @@ import torch
 from ..backend import register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, resolve, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["rms_norm", "rms_norm_ref"]
 
@@ -61,8 +61,8 @@ def _(x, weight, eps, backend):
 def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
                   backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.shape[-1]
-    dx, dw = run(OP, "backward", call_of(x, n=n), backend, dy.reshape(-1, n).contiguous(),
-                 x.reshape(-1, n).contiguous(), weight, rstd)
+    dx, dw = run_backward(OP, call_of(x, n=n), backend, dy.reshape(-1, n).contiguous(),
+                          x.reshape(-1, n).contiguous(), weight, rstd)
     return dx.view(x.shape), dw
 
 

@@ -27,7 +27,7 @@ import torch
 from ..backend import register
 from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, resolve, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["s4_kernel", "s4_kernel_ref"]
 
@@ -75,8 +75,8 @@ def _s4_kernel_bwd(dk: torch.Tensor, ar: torch.Tensor, ai: torch.Tensor, wr: tor
                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     h, n = ar.shape
     args = [t.float().contiguous() for t in (ar, ai, wr, wi)]
-    return tuple(run(OP, "backward", call_of(args[0], n=n, L=dk.shape[-1]), backend,
-                     dk.float().contiguous(), *args))
+    return tuple(run_backward(OP, call_of(args[0], n=n, L=dk.shape[-1]), backend,
+                              dk.float().contiguous(), *args))
 
 
 @_s4_kernel_bwd.register_fake

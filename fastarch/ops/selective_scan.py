@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..backend import Call, register
 from ._backends import CppImplementation, CudaImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, resolve, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["selective_scan", "selective_scan_fn", "selective_scan_ref"]
 
@@ -195,8 +195,8 @@ def _selective_scan_bwd(
            torch.Tensor]:
     """Returns fp32 (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias); absent optional inputs get empty grads."""
     call = _call(u, A, B, C)
-    grads = run(OP, "backward", call, backend, dout, dlast, u, delta, A, B, C, D, z, delta_bias, ckpt,
-                delta_softplus)
+    grads = run_backward(OP, call, backend, dout, dlast, u, delta, A, B, C, D, z, delta_bias, ckpt,
+                         delta_softplus)
     return tuple(g if g is not None else _empty(u) for g in grads)
 
 

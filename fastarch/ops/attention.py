@@ -482,6 +482,10 @@ class AtenAttention(AtenImplementation):
             reasons.append("key padding mask (the native kernels would need a dense (Lq, Lk) mask)")
         if call.get("has_bias"):
             reasons.append("additive bias")
+        align = 4 if call.dtype == torch.float32 else 8  # 16 bytes
+        if call.device.type == "cuda" and call.get("head_dim", 0) % align:
+            reasons.append(f"head dim {call['head_dim']} not a multiple of {align} (the memory-efficient "
+                           "kernel's alignment)")
         return reasons
 
     def forward(self, q, k, v, kpm, bias, wl, wr, p, seed, scale):

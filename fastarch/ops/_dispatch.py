@@ -1,8 +1,9 @@
 """How a public op reaches its implementation.
 
 A public op resolves its backend once, with :func:`resolve`, and passes the name to its custom op; the
-custom op's forward and backward run that implementation through :func:`run`. So the backward always runs
-the implementation the forward ran, whatever context is active when it runs.
+custom op's forward runs that implementation through :func:`run` and its backward through
+:func:`run_backward`. So the backward always runs the implementation the forward ran, whatever context is
+active when it runs.
 
 Under ``torch.compile`` the override (``backend=``, :func:`fastarch.use_backend`, ``FASTARCH_BACKEND``) is
 read when the graph is traced, and an automatic choice is made when the graph runs, from the call alone

@@ -1,23 +1,27 @@
 """The backend selector: which implementation runs a call of an op, and why.
 
-Every op in :mod:`fastarch.ops` registers one :class:`Implementation` per backend. An implementation
-declares the devices and dtypes it takes and can add call-specific reasons (head dim too large, a feature
-it lacks). The selector is the only place that decides which one runs:
+Every op in :mod:`fastarch.ops` registers one :class:`Implementation` per backend (``triton``, ``cuda``,
+``cpp``, ``aten``: PyTorch's native kernels, ``torch``: PyTorch compositions). An implementation declares
+its capabilities as data (devices, dtypes, max head dim, feature limits, dropout, bias gradient, varlen,
+determinism); its reasons for refusing a call derive from them, plus :meth:`Implementation.check` for the
+rest. The selector is the only place that decides which one runs:
 
 1. an explicit ``backend=`` keyword on the op;
 2. the innermost :func:`use_backend` context;
 3. the ``FASTARCH_BACKEND`` environment variable (``torch``, or ``attention=triton,selective_scan=cpp``);
-4. otherwise the automatic order for the device, fastest first.
+4. otherwise the automatic order for the op and device, fastest first as measured (:func:`set_order`).
 
 A forced backend that cannot take the call raises :class:`BackendUnavailableError` listing every
 backend's reasons. In automatic mode a backend whose build or import fails is skipped with one warning
-per process.
+per process. Ops resolve the implementation once per call and pin it (see ``fastarch.ops._dispatch``), so
+a backward runs the implementation its forward ran.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import os
 import threading
 import warnings
@@ -27,14 +31,18 @@ from typing import Any
 
 import torch
 
-BACKENDS: tuple[str, ...] = ("triton", "cuda", "cpp", "torch")
+BACKENDS: tuple[str, ...] = ("triton", "cuda", "cpp", "aten", "torch")
 AUTO = "auto"
 
-# Fastest first. Triton is deliberately absent on CPU: it runs there only in interpreter mode, for tests.
+# Fastest first; per-op measured orders replace these through :func:`set_order`. Triton is absent on CPU:
+# it runs there only in interpreter mode, for tests. ``torch`` comes last: it is the composition that runs
+# where no kernel takes the call.
 DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("cuda", "triton", "torch"),
-    "cpu": ("cpp", "torch"),
+    "cuda": ("cuda", "triton", "aten", "torch"),
+    "cpu": ("cpp", "aten", "torch"),
 }
+
+FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -49,8 +57,9 @@ class ExtensionBuildError(RuntimeError):
 class Call:
     """What an implementation needs to know to accept or refuse a call.
 
-    ``device`` and ``dtype`` are always set; ``features`` carries op-specific facts such as
-    ``head_dim``, ``causal`` or ``has_bias`` that an implementation's :meth:`Implementation.check` reads.
+    ``device`` and ``dtype`` are always set; ``features`` carries op-specific facts. The ones the declared
+    capabilities read are ``head_dim``, ``dropout``, ``bias_grad`` and ``varlen``; the others (``causal``,
+    ``window``, ``dstate``, ...) are for an implementation's :meth:`Implementation.check`.
     """
 
     device: torch.device
@@ -68,18 +77,42 @@ def triton_interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
 class Implementation:
     """One backend's implementation of one op.
 
-    Subclasses set ``op``, ``backend``, ``devices`` and ``dtypes``, implement :meth:`load` when they need
-    a compiled extension or an optional package, and add the op's functions (``forward``, ``backward``,
-    ...) as methods. :meth:`check` adds call-specific reasons.
+    Subclasses set ``op`` and ``backend``, declare their capabilities as class attributes, and add the
+    op's functions (``forward``, ``backward``, ...) as methods. :meth:`not_supported_reasons` derives
+    from the declared capabilities; :meth:`check` adds what they cannot say.
+
+    Capabilities:
+
+    - ``devices``, ``dtypes``: device types and dtypes of the call's main tensor;
+    - ``max_head_dim``: the largest ``head_dim`` feature (None: any);
+    - ``limits``: the largest value of other integer features, e.g. ``{"dstate": 256}``;
+    - ``supports_dropout``, ``supports_bias_grad``, ``supports_varlen``: True or False for ops with that
+      feature, None (the default) for ops without it; a call whose ``dropout``, ``bias_grad`` or ``varlen``
+      feature is true is refused unless it is True;
+    - ``deterministic``: False refuses every call while ``torch.use_deterministic_algorithms(True)``.
+
+    Loading is declared too: ``kernel_module`` names a module of :mod:`fastarch.kernels` (Triton), and
+    subclasses for compiled extensions override :meth:`load` once per backend kind, not per op.
     """
 
     op: str = ""
     backend: str = ""
     devices: tuple[str, ...] = ("cpu", "cuda")
-    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+    max_head_dim: int | None = None
+    limits: Mapping[str, int] = {}
+    supports_dropout: bool | None = None
+    supports_bias_grad: bool | None = None
+    supports_varlen: bool | None = None
+    deterministic: bool = True
+    kernel_module: str | None = None
     description: str = ""
 
     def __init__(self) -> None:
@@ -94,6 +127,8 @@ class Implementation:
 
         Raise an exception with a readable message when it cannot be had.
         """
+        if self.kernel_module is not None:
+            return importlib.import_module(f"{__package__}.kernels.{self.kernel_module}")
         return None
 
     def static_reasons(self) -> list[str]:
@@ -121,22 +156,57 @@ class Implementation:
         return self._lib
 
     # -- support -----------------------------------------------------------------------------------
+    @classmethod
+    def capabilities(cls) -> dict[str, Any]:
+        """The declared capabilities, for reports (``fastarch info``)."""
+        caps: dict[str, Any] = {
+            "devices": cls.devices,
+            "dtypes": tuple(_dtype_name(d) for d in cls.dtypes),
+            "max_head_dim": cls.max_head_dim,
+            "dropout": cls.supports_dropout,
+            "bias_grad": cls.supports_bias_grad,
+            "varlen": cls.supports_varlen,
+            "deterministic": cls.deterministic,
+        }
+        caps.update({f"max_{k}": v for k, v in cls.limits.items()})
+        return caps
+
     def check(self, call: Call) -> list[str]:
-        """Op-specific reasons this implementation refuses ``call``; empty when it accepts."""
+        """Reasons beyond the declared capabilities why this implementation refuses ``call``."""
         return []
+
+    def declared_reasons(self, call: Call) -> list[str]:
+        """The reasons that follow from the declared capabilities alone."""
+        reasons = []
+        dev = call.device.type
+        if dev not in self.devices:
+            reasons.append(f"device {dev} not supported (supports {', '.join(self.devices)})")
+        if call.dtype not in self.dtypes:
+            names = ", ".join(_dtype_name(d) for d in self.dtypes)
+            reasons.append(f"dtype {_dtype_name(call.dtype)} not supported (supports {names})")
+        limits = dict(self.limits)
+        if self.max_head_dim is not None:
+            limits["head_dim"] = self.max_head_dim
+        for name, most in limits.items():
+            value = call.get(name)
+            if value is not None and value > most:
+                reasons.append(f"{name.replace('_', ' ')} {value} > {most}")
+        for name, supported in (("dropout", self.supports_dropout), ("bias_grad", self.supports_bias_grad),
+                                ("varlen", self.supports_varlen)):
+            if call.get(name) and not supported:
+                reasons.append(f"no {name.replace('_', ' ')} support")
+        if not self.deterministic and torch.are_deterministic_algorithms_enabled():
+            reasons.append("not deterministic (torch.use_deterministic_algorithms is on)")
+        return reasons
 
     def not_supported_reasons(self, call: Call, *, load: bool = True) -> list[str]:
         """Every reason, in words, why this implementation cannot take ``call``."""
         reasons = list(self.static_reasons())
         if self.backend == "cuda" and torch.version.cuda is None:
             reasons.append("torch is a CPU build (no CUDA)")
-        dev = call.device.type
-        if dev not in self.devices:
-            reasons.append(f"device {dev} not supported (supports {', '.join(self.devices)})")
-        if call.dtype not in self.dtypes:
-            names = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
-            reasons.append(f"dtype {str(call.dtype).replace('torch.', '')} not supported (supports {names})")
-        if self.backend == "triton" and dev == "cpu" and "cpu" in self.devices and not triton_interpret_mode():
+        reasons.extend(self.declared_reasons(call))
+        if self.backend == "triton" and call.device.type == "cpu" and "cpu" in self.devices \
+                and not triton_interpret_mode():
             reasons.append("triton runs on CPU tensors only with TRITON_INTERPRET=1")
         reasons.extend(self.check(call))
         if not reasons and load:
@@ -147,7 +217,8 @@ class Implementation:
 
 
 class TritonImplementation(Implementation):
-    """Base for Triton implementations: unavailable when the triton package cannot be imported."""
+    """Base for Triton implementations: unavailable when the triton package cannot be imported; ``load``
+    imports ``fastarch.kernels.<kernel_module>``."""
 
     backend = "triton"
 
@@ -281,7 +352,11 @@ def requested_backend(op: str, backend: str | None = None) -> str:
     return AUTO
 
 
-def _reasons_table(op: str, call: Call) -> str:
+def _cap_text(v: Any) -> str:
+    return "/".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+
+
+def _reasons_table(op: str, call: Call, with_capabilities: bool = False) -> str:
     lines = []
     for name in BACKENDS:
         impl = _REGISTRY.get(op, {}).get(name)
@@ -290,12 +365,18 @@ def _reasons_table(op: str, call: Call) -> str:
             continue
         reasons = impl.not_supported_reasons(call)
         lines.append(f"  {name}: " + ("available" if not reasons else "; ".join(reasons)))
+        if with_capabilities:
+            caps = ", ".join(f"{k}={_cap_text(v)}" for k, v in impl.capabilities().items() if v is not None)
+            lines.append(f"    declares: {caps}")
     return "\n".join(lines)
 
 
-def select(op: str, call: Call, backend: str | None = None) -> Implementation:
-    """Return the implementation that runs ``call``, honouring overrides; raise if a forced one can't."""
-    want = requested_backend(op, backend)
+def choose(op: str, call: Call, want: str = AUTO) -> Implementation:
+    """The implementation that runs ``call`` when ``want`` (a backend name, or 'auto') is asked for.
+
+    No override is read here: 'auto' is the automatic order alone, so the same call always gets the same
+    implementation. A named backend that cannot take the call raises with every backend's reasons.
+    """
     impls = _REGISTRY.get(op)
     if not impls:
         raise KeyError(f"unknown op {op!r}")
@@ -305,7 +386,7 @@ def select(op: str, call: Call, backend: str | None = None) -> Implementation:
             return impl
         raise BackendUnavailableError(
             f"{op}: backend {want!r} cannot run this call "
-            f"(device={call.device.type}, dtype={str(call.dtype).replace('torch.', '')}).\n"
+            f"(device={call.device.type}, dtype={_dtype_name(call.dtype)}).\n"
             f"Backends and their reasons:\n{_reasons_table(op, call)}"
         )
     for name in auto_order(op, call.device.type):
@@ -326,19 +407,27 @@ def select(op: str, call: Call, backend: str | None = None) -> Implementation:
         return impl
     raise BackendUnavailableError(
         f"{op}: no backend can run this call "
-        f"(device={call.device.type}, dtype={str(call.dtype).replace('torch.', '')}).\n"
+        f"(device={call.device.type}, dtype={_dtype_name(call.dtype)}).\n"
         f"Backends and their reasons:\n{_reasons_table(op, call)}"
     )
+
+
+def select(op: str, call: Call, backend: str | None = None) -> Implementation:
+    """Return the implementation that runs ``call``, honouring overrides; raise if a forced one can't."""
+    return choose(op, call, requested_backend(op, backend))
 
 
 def explain(op: str, call: Call, backend: str | None = None) -> str:
     """A human-readable account of which backend runs ``call`` and why the others do not."""
     try:
-        chosen = select(op, call, backend).backend
-        head = f"{op}: runs on {chosen!r} (requested: {requested_backend(op, backend)})"
+        chosen = select(op, call, backend)
     except BackendUnavailableError as exc:
         return str(exc)
-    return head + "\n" + _reasons_table(op, call)
+    head = f"{op}: runs on {chosen.backend!r} (requested: {requested_backend(op, backend)})"
+    if chosen.description:
+        head += f": {chosen.description}"
+    order = " > ".join(auto_order(op, call.device.type))
+    return f"{head}\nautomatic order on {call.device.type}: {order}\n" + _reasons_table(op, call, True)
 
 
 def availability(op: str, device_type: str, dtype: torch.dtype = torch.float32) -> Mapping[str, list[str]]:

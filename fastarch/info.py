@@ -64,6 +64,22 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def capabilities_table() -> str:
+    """One row per op and backend: what the implementation declares it supports."""
+    keys = ["devices", "dtypes", "max_head_dim", "dropout", "bias_grad", "varlen", "deterministic", "limits"]
+    rows = [["op", "backend", *keys]]
+    for op in backend.ops():
+        if op.startswith("_"):
+            continue
+        for name, impl in backend.implementations(op).items():
+            caps = impl.capabilities()
+            limits = ", ".join(f"{k}<={v}" for k, v in impl.limits.items()) or "-"
+            cells = ["/".join(map(str, caps[k])) if isinstance(caps[k], tuple) else
+                     ("-" if caps[k] is None else str(caps[k]).lower()) for k in keys[:-1]]
+            rows.append([op, name, *cells, limits])
+    return _table(rows)
+
+
 def report(build: bool = True) -> str:
     """The whole report as text. ``build`` lets implementations load (and JIT-build) their extensions."""
     from . import ops  # noqa: F401  (registers every op)
@@ -92,17 +108,18 @@ def report(build: bool = True) -> str:
     parts.append(_table(ext_rows) if len(ext_rows) > 1 else "none found")
     device_types = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for dev in device_types:
-        parts += ["", f"Ops x backends on {dev} (float32; auto order: {' > '.join(backend.DEFAULT_ORDER[dev])})",
-                  "-" * 60]
-        rows = [["op", "auto choice", *backend.BACKENDS]]
+        parts += ["", f"Ops x backends on {dev} (float32)", "-" * 60]
+        rows = [["op", "auto order", "auto choice", *backend.BACKENDS]]
         for op in backend.ops():
             if op.startswith("_"):
                 continue
             avail = backend.availability(op, dev)
             cells = ["available" if not r else "; ".join(r) for r in (avail[b] for b in backend.BACKENDS)]
-            auto = next((b for b in backend.auto_order(op, dev) if not avail[b]), "-")
-            rows.append([op, auto, *cells])
+            order = backend.auto_order(op, dev)
+            auto = next((b for b in order if not avail[b]), "-")
+            rows.append([op, " > ".join(order), auto, *cells])
         parts.append(_table(rows))
+    parts += ["", "Declared capabilities", "---------------------", capabilities_table()]
     parts += ["", "Override with FASTARCH_BACKEND=torch, FASTARCH_BACKEND=attention=triton,selective_scan=cpp,",
               "fastarch.use_backend(...), or backend=... on any op. Triton runs on CPU only with TRITON_INTERPRET=1."]
     return "\n".join(parts)

@@ -176,3 +176,136 @@ def test_broken_cpp_build_fails_unless_no_toolchain(probe, monkeypatch, toolchai
     finally:
         _ProbeCpp.fail_load = False
     assert _backends.require_backend("_probe", "torch") is B.implementations("_probe")["torch"]
+
+
+# -- the backend is pinned per call --------------------------------------------------------------------
+def _spy_backward(monkeypatch, op):
+    """Record which implementations of ``op`` run their backward."""
+    ran = []
+    for name, impl in B.implementations(op).items():
+        orig = impl.backward
+
+        def spy(*args, _orig=orig, _name=name):
+            ran.append(_name)
+            return _orig(*args)
+
+        monkeypatch.setattr(impl, "backward", spy)
+    return ran
+
+
+def _attention_case():
+    q, k, v = (torch.randn(1, 2, 9, 8, requires_grad=True) for _ in range(3))
+    return lambda: ops.attention(q, k, v, causal=True)
+
+
+def _layer_norm_case():
+    x, w, b = torch.randn(4, 16, requires_grad=True), torch.randn(16), torch.randn(16)
+    return lambda: ops.layer_norm(x, w, b)
+
+
+def _selective_scan_case():
+    u, delta = torch.randn(1, 4, 10, requires_grad=True), torch.rand(1, 4, 10)
+    A, Bm, C = -torch.rand(4, 3), torch.randn(1, 3, 10), torch.randn(1, 3, 10)
+    return lambda: ops.selective_scan(u, delta, A, Bm, C)
+
+
+@pytest.mark.parametrize("op, case", [("attention", _attention_case), ("layer_norm", _layer_norm_case),
+                                      ("selective_scan", _selective_scan_case)])
+def test_forced_backend_is_kept_by_the_backward(op, case, monkeypatch):
+    run = case()
+    auto = B.select(op, B.Call(torch.device("cpu"), torch.float32, {})).backend
+    assert auto != "torch"
+    ran = _spy_backward(monkeypatch, op)
+    with fastarch.use_backend("torch"):
+        y = run()
+    y.sum().backward()  # outside the block: must still be the torch backward
+    assert ran == ["torch"]
+    ran.clear()
+    y = run()
+    with fastarch.use_backend("torch"):
+        y.sum().backward()  # a context around the backward alone changes nothing
+    assert ran == [B.select(op, B.Call(torch.device("cpu"), torch.float32, {})).backend]
+
+
+def test_forced_backend_is_kept_under_compile(monkeypatch):
+    q, k, v = (torch.randn(1, 2, 9, 8, requires_grad=True) for _ in range(3))
+    ran = _spy_backward(monkeypatch, "attention")
+    f = torch.compile(lambda a, b, c: ops.attention(a, b, c, causal=True), fullgraph=True, backend="aot_eager")
+    with fastarch.use_backend(attention="torch"):
+        y = f(q, k, v)
+    y.sum().backward()
+    assert ran == ["torch"]
+    torch.testing.assert_close(y, ops.attention_ref(q, k, v, causal=True), atol=1e-5, rtol=1e-5)
+
+
+# -- routing: aten, orders, declared capabilities --------------------------------------------------------
+def _attention_call(device="cpu", **f):
+    base = {"head_dim": 64, "Lq": 128, "Lk": 128, "H": 4, "Hk": 4, "window": (-1, -1), "has_mask": False,
+            "has_bias": False, "dropout": False, "bias_grad": False}
+    return B.Call(torch.device(device), torch.float32, {**base, **f})
+
+
+def test_aten_takes_plain_attention_and_refuses_what_needs_a_dense_mask():
+    aten = B.get_implementation("attention", "aten")
+    assert aten.not_supported_reasons(_attention_call()) == []
+    assert aten.not_supported_reasons(_attention_call(window=(-1, 0), Hk=2)) == []
+    assert "sliding window" in " ".join(aten.not_supported_reasons(_attention_call(window=(16, 16))))
+    assert "padding mask" in " ".join(aten.not_supported_reasons(_attention_call(has_mask=True)))
+    assert "Lq != Lk" in " ".join(aten.not_supported_reasons(_attention_call(window=(-1, 0), Lq=1)))
+    assert "no dropout support" in aten.not_supported_reasons(_attention_call(dropout=True))
+
+
+def test_aten_first_still_sends_what_it_refuses_to_the_next(monkeypatch):
+    monkeypatch.setitem(B._ORDER, "attention", {"cpu": ("aten", "cpp", "torch")})
+    assert B.select("attention", _attention_call()).backend == "aten"
+    assert B.select("attention", _attention_call(window=(16, 16))).backend == "cpp"
+    assert B.select("attention", _attention_call(dropout=True)).backend == "cpp"
+    assert "runs on 'aten'" in B.explain("attention", _attention_call())
+
+
+def test_cuda_attention_reaches_aten_before_the_composition():
+    order = B.auto_order("attention", "cuda")
+    assert order.index("aten") < order.index("torch")
+    assert B.get_implementation("attention", "aten").declared_reasons(_attention_call("cuda")) == []
+
+
+def test_declared_capabilities_give_the_reasons():
+    triton = B.get_implementation("attention", "triton")
+    assert "head dim 300 > 256" in triton.declared_reasons(_attention_call(head_dim=300))
+    assert triton.capabilities()["max_head_dim"] == 256
+    scan = B.get_implementation("selective_scan", "triton")
+    assert not scan.deterministic
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert any("deterministic" in r for r in scan.declared_reasons(B.Call(torch.device("cpu"), torch.float32)))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    call = B.Call(torch.device("cpu"), torch.float32, {"varlen": True})
+    assert "no varlen support" in B.get_implementation("layer_norm", "cpp").declared_reasons(call)
+
+
+def test_layer_norm_variant_has_no_aten_kernel():
+    aten = B.get_implementation("layer_norm", "aten")
+    call = B.Call(torch.device("cpu"), torch.float32, {"n": 64, "mode": 3})
+    assert aten.not_supported_reasons(call)
+    assert B.select("layer_norm", call).backend == "cpp"
+
+
+def test_every_implementation_declares_how_it_loads():
+    from fastarch import extensions
+
+    sources = {name for name, kind in extensions.all_extensions() if kind == "cpu"}
+    for op in B.ops():
+        for impl in B.implementations(op).values():
+            if impl.backend == "cpp":
+                assert impl.extension in sources, (op, impl.extension)
+            if impl.backend == "triton":
+                assert impl.kernel_module and impl.ensure_loaded() is None, (op, impl.ensure_loaded())
+
+
+def test_measured_orders_are_installed():
+    from fastarch.ops import _orders
+
+    for op, per_device in _orders.MEASURED_ORDER.items():
+        for device_type, order in per_device.items():
+            assert B.auto_order(op, device_type) == order

@@ -6,7 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from ..backend import FLOAT_DTYPES
+
+__all__ = ["FLOAT_DTYPES", "check_same_device", "check_same_dtype", "check_tensor", "fail"]
 
 
 def _dt(d: torch.dtype) -> str:

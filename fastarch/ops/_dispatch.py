@@ -1,21 +1,53 @@
-"""Running one function of the implementation the selector picks; used inside the custom ops' bodies so
-that selection happens at run time, where torch.compile never has to trace it."""
+"""How a public op reaches its implementation.
+
+A public op resolves its backend once, with :func:`resolve`, and passes the name to its custom op; the
+custom op's forward runs that implementation through :func:`run` and its backward through
+:func:`run_backward`. So the backward always runs the implementation the forward ran, whatever context is
+active when it runs.
+
+Under ``torch.compile`` the override (``backend=``, :func:`fastarch.use_backend`, ``FASTARCH_BACKEND``) is
+read when the graph is traced, and an automatic choice is made when the graph runs, from the call alone
+(:func:`fastarch.backend.choose` reads no override), so forward and backward still agree.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..backend import AUTO, Call, select
+from ..backend import AUTO, Call, choose, get_implementation, requested_backend, select
+
+__all__ = ["call_of", "resolve", "run", "run_backward"]
 
 
 def call_of(t: torch.Tensor, **features: Any) -> Call:
     return Call(t.device, t.dtype, features)
 
 
+@torch.compiler.assume_constant_result
+def _requested(op: str, backend: str | None) -> str:
+    return requested_backend(op, backend)
+
+
+def resolve(op: str, make_call: Callable[[], Call], backend: str | None) -> str:
+    """The backend name a public op passes to its custom op: the implementation the selector picks for
+    this call (``make_call`` builds the :class:`Call`). While ``torch.compile`` traces, the requested name
+    (or 'auto', decided when the graph runs)."""
+    if torch.compiler.is_compiling():
+        return _requested(op, backend)
+    return select(op, make_call(), backend).backend
+
+
 def run(op: str, fn: str, call: Call, backend: str, *args: Any) -> Any:
-    """Select an implementation of ``op`` for ``call`` (``backend`` is 'auto' or a forced name) and call
-    its method ``fn`` with ``args``."""
-    impl = select(op, call, None if backend == AUTO else backend)
-    return getattr(impl, fn)(*args)
+    """Call the method ``fn`` of ``op``'s implementation ``backend`` (a name from :func:`resolve`)."""
+    return getattr(choose(op, call, backend), fn)(*args)
+
+
+def run_backward(op: str, call: Call, backend: str, *args: Any) -> Any:
+    """Call the ``backward`` of the implementation the forward ran. Its capabilities were checked for the
+    forward's call (a backward may see other shapes, e.g. the attention lse gradient's extra columns), so a
+    named implementation runs without a second check; 'auto' chooses from ``call`` as the forward did."""
+    impl = choose(op, call) if backend == AUTO else get_implementation(op, backend)
+    return impl.backward(*args)

@@ -14,22 +14,24 @@
 - dropout on the probabilities uses a counter-based hash of ``(seed, b, h, i, j)`` (see
   :func:`dropout_keep_mask`), so every backend draws the same mask and backward reproduces it.
 
-Backends: ``torch`` (dense masked fp32, the reference), ``cpp`` (banded tiled online-softmax C++ kernel,
-forward and backward), ``triton`` (kernels/attention.py; on CPU only under ``TRITON_INTERPRET=1``).
+Backends: ``aten`` (PyTorch's fused SDPA kernels, for full and causal attention with or without GQA),
+``cpp`` (banded tiled online-softmax C++ kernel, forward and backward, every feature), ``triton``
+(kernels/attention.py; on CPU only under ``TRITON_INTERPRET=1``) and ``torch`` (dense masked attention in
+fp32, chunked over query rows, for what no kernel takes).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
-from ..backend import AUTO, Implementation, TritonImplementation, register
-from ..extensions import load_extension
+from ..backend import Call, register
+from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["attention", "attention_ref", "dropout_keep_mask", "normalize_window"]
 
@@ -40,7 +42,8 @@ MAX_TRITON_HEAD_DIM = 256
 
 # -- semantics shared by every backend -------------------------------------------------------------------
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """The 32-bit finaliser of SHARED_APIS.md on int64 tensors holding values in [0, 2^32)."""
+    """A 32-bit integer finaliser (xorshift-multiply) on int64 tensors holding values in [0, 2^32); the C++
+    and Triton kernels compute the same function."""
     # int64 products may wrap; the low 32 bits kept by ``& _M`` are still exact.
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _M
@@ -131,6 +134,12 @@ def _softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _expand_kv(t: torch.Tensor, H: int) -> torch.Tensor:
     Hk = t.shape[1]
     return t if Hk == H else t.repeat_interleave(H // Hk, dim=1)
+
+
+def _sum_groups(t: torch.Tensor, Hk: int) -> torch.Tensor:
+    """(B, H, L, D) gradient of expanded keys or values -> (B, Hk, L, D), summing each group's heads."""
+    B, H, L, D = t.shape
+    return t if H == Hk else t.view(B, Hk, H // Hk, L, D).sum(2)
 
 
 def _bias4(attn_bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -231,12 +240,12 @@ def _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale) -> None:
 
 
 # -- the custom ops --------------------------------------------------------------------------------------
-def _features(q: torch.Tensor, k: torch.Tensor, kpm, bias, wl: int, wr: int, dropout_p: float) -> dict:
-    return {
-        "head_dim": q.shape[-1], "Lq": q.shape[2], "Lk": k.shape[2], "H": q.shape[1], "Hk": k.shape[1],
-        "window": (wl, wr), "has_mask": kpm is not None, "has_bias": bias is not None,
-        "dropout": dropout_p > 0,
-    }
+def _call(q: torch.Tensor, k: torch.Tensor, kpm, bias, wl: int, wr: int, dropout_p: float,
+          bias_grad: bool = False) -> Call:
+    return call_of(
+        q, head_dim=q.shape[-1], Lq=q.shape[2], Lk=k.shape[2], H=q.shape[1], Hk=k.shape[1], window=(wl, wr),
+        has_mask=kpm is not None, has_bias=bias is not None, dropout=dropout_p > 0, bias_grad=bias_grad,
+    )
 
 
 @torch.library.custom_op("fastarch::attention_fwd", mutates_args=())
@@ -245,7 +254,7 @@ def _attention_fwd(
     attn_bias: torch.Tensor | None, window_left: int, window_right: int, dropout_p: float, seed: int,
     scale: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    call = call_of(q, **_features(q, k, key_padding_mask, attn_bias, window_left, window_right, dropout_p))
+    call = _call(q, k, key_padding_mask, attn_bias, window_left, window_right, dropout_p)
     o, lse = run(OP, "forward", call, backend, q, k, v, key_padding_mask, attn_bias, window_left,
                  window_right, dropout_p, seed, scale)
     return o, lse
@@ -263,9 +272,9 @@ def _attention_bwd(
     key_padding_mask: torch.Tensor | None, attn_bias: torch.Tensor | None, window_left: int,
     window_right: int, dropout_p: float, seed: int, scale: float, need_dbias: bool, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    call = call_of(q, **_features(q, k, key_padding_mask, attn_bias, window_left, window_right, dropout_p))
-    dq, dk, dv, dbias = run(OP, "backward", call, backend, do, q, k, v, o, lse, key_padding_mask, attn_bias,
-                            window_left, window_right, dropout_p, seed, scale, need_dbias)
+    call = _call(q, k, key_padding_mask, attn_bias, window_left, window_right, dropout_p, need_dbias)
+    dq, dk, dv, dbias = run_backward(OP, call, backend, do, q, k, v, o, lse, key_padding_mask, attn_bias,
+                                     window_left, window_right, dropout_p, seed, scale, need_dbias)
     if dbias is None:
         dbias = q.new_empty((0,), dtype=torch.float32)
     return dq, dk, dv, dbias
@@ -280,11 +289,15 @@ def _(do, q, k, v, o, lse, key_padding_mask, attn_bias, window_left, window_righ
             q.new_empty(dbias_shape, dtype=torch.float32))
 
 
+_LSE_PAD = 8
+
+
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, kpm, bias, wl, wr, p, seed, scale, backend = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, kpm, bias)
     ctx.args = (wl, wr, p, seed, scale, backend)
+    ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero tensor
 
 
 def _reduce_to(g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -300,14 +313,15 @@ def _backward(ctx, do, dlse):
     if do is None:
         do = torch.zeros_like(o)
     D = q.shape[-1]
-    if dlse is not None and bool((dlse != 0).any()):
+    if dlse is not None:  # None unless the caller's loss used the lse (grads are not materialised)
         # The lse gradient adds P * dlse to dS, i.e. it lowers Di = rowsum(dO * O) by dlse. Every backend
-        # computes Di from (dO, O), so append one head-dim column: O' = [O, 1], dO' = [dO, -dlse], with zero
-        # columns on q, k, v (scores and dP unchanged); the extra output columns are dropped.
-        pad = (0, 1)
-        q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
-        o = torch.cat([o, torch.ones_like(o[..., :1])], -1)
-        do = torch.cat([do, (-dlse).unsqueeze(-1).to(do.dtype)], -1)
+        # computes Di from (dO, O), so append head-dim columns: O' = [O, 1, 0..], dO' = [dO, -dlse, 0..], with
+        # zero columns on q, k, v (scores and dP unchanged); the extra output columns are dropped. Eight
+        # columns keep the head dim's alignment for the native kernels.
+        pad = (0, _LSE_PAD)
+        q, k, v = (F.pad(t, pad) for t in (q, k, v))
+        o = F.pad(torch.cat([o, torch.ones_like(o[..., :1])], -1), (0, _LSE_PAD - 1))
+        do = F.pad(torch.cat([do, (-dlse).unsqueeze(-1).to(do.dtype)], -1), (0, _LSE_PAD - 1))
     dq, dk, dv, dbias = _attention_bwd(do.contiguous(), q, k, v, o, lse, kpm, bias, wl, wr, p, seed, scale,
                                        need_dbias, backend)
     dq, dk, dv = dq[..., :D], dk[..., :D], dv[..., :D]
@@ -335,14 +349,31 @@ def attention(
     dropout_seed: int | None = None,
     backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Fused attention. q ``(B, H, Lq, D)``, k/v ``(B, Hk, Lk, D)`` -> o ``(B, H, Lq, D)``
-    [, lse ``(B, H, Lq)`` fp32].
+    """Fused scaled-dot-product attention with windows, padding, bias, GQA and dropout.
 
-    ``window=(left, right)`` inclusive, -1 unlimited, bottom-right aligned when Lq != Lk; ``causal`` sets
-    right = 0. ``key_padding_mask`` ``(B, Lk)`` bool (True = real token). ``attn_bias`` additive,
-    broadcastable to ``(B, H, Lq, Lk)``. ``dropout_p`` drops probabilities with the shared hash mask of
-    ``dropout_seed`` (drawn from torch's generator when None). ``scale`` defaults to ``D ** -0.5``.
-    ``backend`` forces 'torch', 'cpp' or 'triton'.
+    Args:
+        q: queries.
+        k: keys; ``Hk`` divides ``H`` (grouped-query attention: query head ``h`` reads key head
+            ``h // (H // Hk)``).
+        v: values, shaped as ``k``.
+        causal: query ``i`` sees no key after it (sets ``window``'s right side to 0).
+        window: ``(left, right)`` inclusive, -1 unlimited, or one int for both; bottom-right aligned when
+            ``Lq != Lk``.
+        key_padding_mask: True marks a real key; False keys are never attended.
+        attn_bias: additive bias on the scores, broadcastable to ``(B, H, Lq, Lk)``; differentiable.
+        dropout_p: probability of dropping an attention weight (the shared hash mask of ``dropout_seed``).
+        scale: score scale, ``D ** -0.5`` by default.
+        return_lse: also return the log-sum-exp of each query row's scores.
+        dropout_seed: seed of the dropout mask; drawn from torch's generator when None.
+        backend: force 'aten', 'cpp', 'triton' or 'torch' (default: the selector's choice).
+
+    Returns:
+        ``o`` in q's dtype, or ``(o, lse)`` with ``lse`` fp32 when ``return_lse``. A query row that sees no
+        key gives 0 and ``lse = -inf``. Differentiable in q, k, v and attn_bias.
+
+    Shapes:
+        q: ``(B, H, Lq, D)``; k, v: ``(B, Hk, Lk, D)``; key_padding_mask: ``(B, Lk)``;
+        attn_bias: broadcastable to ``(B, H, Lq, Lk)``; o: ``(B, H, Lq, D)``; lse: ``(B, H, Lq)``.
     """
     wl, wr = normalize_window(window, causal)
     _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale)
@@ -362,7 +393,9 @@ def attention(
         o = q.new_zeros(q.shape) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()
         lse = q.new_full((B, H, Lq), float("-inf"), dtype=torch.float32)
         return (o, lse) if return_lse else o
-    o, lse = _attention_fwd(q, k, v, key_padding_mask, bias4, wl, wr, dropout_p, seed, sc, backend or AUTO)
+    bias_grad = bias4 is not None and bias4.requires_grad and torch.is_grad_enabled()
+    name = resolve(OP, lambda: _call(q, k, key_padding_mask, bias4, wl, wr, dropout_p, bias_grad), backend)
+    o, lse = _attention_fwd(q, k, v, key_padding_mask, bias4, wl, wr, dropout_p, seed, sc, name)
     return (o, lse) if return_lse else o
 
 
@@ -372,9 +405,11 @@ def _query_chunk(B: int, H: int, Lk: int, budget: int = 1 << 26) -> int:
     return max(1, budget // max(1, B * H * Lk))
 
 
-class TorchAttention(Implementation):
-    op, backend = OP, "torch"
-    description = "dense masked attention in fp32 (the reference), chunked over query rows"
+class TorchAttention(TorchImplementation):
+    op = OP
+    supports_dropout = supports_bias_grad = True
+    supports_varlen = False
+    description = "dense masked attention in fp32, chunked over query rows"
 
     def forward(self, q, k, v, kpm, bias, wl, wr, p, seed, scale):
         B, H, Lq, _ = q.shape
@@ -421,9 +456,7 @@ class TorchAttention(Implementation):
             dkx += torch.matmul(ds.transpose(-2, -1), qc) * scale
             if need_dbias:
                 dbias_parts.append(ds)
-        g = H // Hk
-        dk = dkx.view(B, Hk, g, Lk, D).sum(2)
-        dv = dvx.view(B, Hk, g, Lk, D).sum(2)
+        dk, dv = _sum_groups(dkx, Hk), _sum_groups(dvx, Hk)
         dbias = torch.cat(dbias_parts, 2) if need_dbias else None
         return torch.cat(dq_parts, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
 
@@ -432,49 +465,73 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.float().contiguous()
 
 
-def _plain_causal_flag(q, k, kpm, bias, wl, wr, p) -> bool | None:
-    """For a call SDPA's flash CPU kernel computes exactly (no mask, bias, dropout, GQA or window other than
-    causal with Lq == Lk), whether it is causal; otherwise None."""
-    if kpm is not None or bias is not None or p > 0 or q.shape[1] != k.shape[1] or k.shape[2] == 0:
-        return None
-    if (wl, wr) == (-1, -1):
-        return False
-    if wl == -1 and wr == 0 and q.shape[2] == k.shape[2]:
-        return True
-    return None
+class AtenAttention(AtenImplementation):
+    op = OP
+    supports_dropout = supports_bias_grad = supports_varlen = False
+    description = ("PyTorch's fused SDPA kernels (flash on CPU, memory-efficient on CUDA) for full and causal "
+                   "attention, GQA included")
 
-
-class CppAttention(Implementation):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
-    description = ("banded tiled online-softmax C++ kernel (AVX2/FMA micro-GEMMs), fp32 accumulation; plain full "
-                   "and causal calls go to ATen's flash CPU kernel, measured faster there")
-    # Measured on the 2-core AVX2 machine (fwd+bwd, B=1, H=8, D=64): ATen's flash CPU kernel is 1.1-2.5x faster
-    # for full and causal attention at L <= 4096, so those calls use it; windows, padding, bias, dropout and
-    # GQA stay on the banded kernel. FASTARCH_ATTENTION_NO_ATEN=1 forces the banded kernel everywhere.
-    delegate_plain = os.environ.get("FASTARCH_ATTENTION_NO_ATEN", "0") in ("", "0")
-
-    def load(self):
-        return load_extension("attention", "cpu")
+    def check(self, call):
+        reasons = []
+        wl, wr = call.get("window", (-1, -1))
+        if wl != -1 or wr not in (-1, 0):
+            reasons.append("sliding window (the native kernels would need a dense (Lq, Lk) mask)")
+        elif wr == 0 and call.get("Lq") != call.get("Lk"):
+            reasons.append("causal with Lq != Lk (the native kernels align causal masks top-left)")
+        if call.get("has_mask"):
+            reasons.append("key padding mask (the native kernels would need a dense (Lq, Lk) mask)")
+        if call.get("has_bias"):
+            reasons.append("additive bias")
+        align = 4 if call.dtype == torch.float32 else 8  # 16 bytes
+        if call.device.type == "cuda" and call.get("head_dim", 0) % align:
+            reasons.append(f"head dim {call['head_dim']} not a multiple of {align} (the memory-efficient "
+                           "kernel's alignment)")
+        return reasons
 
     def forward(self, q, k, v, kpm, bias, wl, wr, p, seed, scale):
-        causal = _plain_causal_flag(q, k, kpm, bias, wl, wr, p) if self.delegate_plain else None
-        if causal is not None:
-            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)[:2]
-            return o, lse
+        causal = wr == 0
+        if q.device.type == "cpu":
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+            # the kernel's outputs are (B, L, H, .) in memory; the op returns dense (B, H, L, .) tensors
+            return o.contiguous(), lse.float().contiguous()
+        o, lse = self._efficient(q, k, v, causal, scale)[:2]
+        return o, lse[..., :q.shape[2]].float().contiguous()
+
+    def backward(self, do, q, k, v, o, lse, kpm, bias, wl, wr, p, seed, scale, need_dbias):
+        causal = wr == 0
+        if q.device.type == "cpu":
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                do, q, k, v, o, lse, 0.0, causal, scale=scale)
+            return dq, dk, dv, None
+        # The memory-efficient kernel wants its own (padded) lse and RNG state: recompute them.
+        Hk = k.shape[1]
+        ke, ve = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
+        _, lse_n, rng_seed, rng_offset = self._efficient(q, ke, ve, causal, scale)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            do, q, ke, ve, None, o, lse_n, rng_seed, rng_offset, 0.0, [True, True, True, False], causal,
+            scale=scale)
+        return dq, _sum_groups(dk, Hk), _sum_groups(dv, Hk), None
+
+    @staticmethod
+    def _efficient(q, k, v, causal, scale):
+        H = q.shape[1]
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, _expand_kv(k, H), _expand_kv(v, H), None, True, 0.0, causal, scale=scale)
+
+
+class CppAttention(CppImplementation):
+    op, extension = OP, "attention"
+    supports_dropout = supports_bias_grad = True
+    supports_varlen = False
+    description = "banded tiled online-softmax C++ kernel (AVX2/FMA micro-GEMMs), fp32 accumulation"
+
+    def forward(self, q, k, v, kpm, bias, wl, wr, p, seed, scale):
         kpm = kpm.contiguous() if kpm is not None else None
         bias = bias.float() if bias is not None else None
         o, lse = self.lib.attention_fwd(_f32(q), _f32(k), _f32(v), kpm, bias, wl, wr, p, seed, scale)
         return o.to(q.dtype), lse
 
     def backward(self, do, q, k, v, o, lse, kpm, bias, wl, wr, p, seed, scale, need_dbias):
-        causal = _plain_causal_flag(q, k, kpm, bias, wl, wr, p) if self.delegate_plain else None
-        if causal is not None:
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), o.contiguous(), lse.contiguous(),
-                0.0, causal, scale=scale)
-            return dq, dk, dv, None
         kpm = kpm.contiguous() if kpm is not None else None
         bias = bias.float() if bias is not None else None
         res = self.lib.attention_bwd(_f32(do), _f32(q), _f32(k), _f32(v), _f32(o), lse.contiguous(), kpm, bias,
@@ -490,19 +547,11 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 class TritonAttention(TritonImplementation):
-    op = OP
+    op, kernel_module = OP, "attention"
+    max_head_dim = MAX_TRITON_HEAD_DIM
+    supports_dropout = supports_bias_grad = True
+    supports_varlen = False
     description = "Triton FlashAttention-2 style kernels (kernels/attention.py), fp32 accumulation"
-
-    def check(self, call):
-        d = call.get("head_dim", 0)
-        if d > MAX_TRITON_HEAD_DIM:
-            return [f"head dim {d} > {MAX_TRITON_HEAD_DIM}"]
-        return []
-
-    def load(self):
-        from ..kernels import attention as K
-
-        return K
 
     @staticmethod
     def _bias_full(bias, q, k):
@@ -528,5 +577,5 @@ class TritonAttention(TritonImplementation):
         return dq, dk, dv, dbias
 
 
-for _impl in (TorchAttention, CppAttention, TritonAttention):
+for _impl in (TorchAttention, AtenAttention, CppAttention, TritonAttention):
     register(_impl)

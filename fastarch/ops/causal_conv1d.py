@@ -8,7 +8,8 @@ the start), then SiLU when ``activation`` is ``"silu"`` or ``"swish"``. Output i
 ``x`` is ``(B, D)`` or ``(B, D, T)``; ``conv_state`` ``(B, D, S)`` with ``S >= W - 1`` holds the last S
 inputs and is shifted in place; returns the output in ``x``'s shape. Everything is validated first.
 
-Backends (both ops): ``torch`` (``F.conv1d``; the backward is analytic, in composed PyTorch), ``cpp`` (C++
+Backends (both ops, but ``aten`` only for the convolution): ``aten`` (PyTorch's native grouped convolution
+and its backward), ``torch`` (``F.conv1d``; the backward is analytic, in composed PyTorch), ``cpp`` (C++
 loops parallel over batch x channel, in the selective_scan extension) and ``triton`` (tiled kernels in
 ``kernels/causal_conv1d.py``; the backward sums per-tile partials of dw/dbias, no atomics). The update's
 compiled backends shift an fp32 contiguous ``conv_state`` directly and any other one through an fp32 copy
@@ -20,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import AUTO, Implementation, TritonImplementation, register
-from ..extensions import load_extension
+from ..backend import register
+from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["causal_conv1d", "causal_conv1d_fn", "causal_conv1d_ref", "causal_conv1d_update",
            "causal_conv1d_update_ref"]
@@ -64,7 +65,8 @@ def _validate(x, weight, bias) -> None:
 @torch.library.custom_op("fastarch::causal_conv1d_fwd", mutates_args=())
 def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool, backend: str
               ) -> torch.Tensor:
-    return run(OP, "forward", call_of(x, width=weight.shape[1]), backend, x, weight, bias, silu)
+    # contiguous: the fake output is, and the F.conv1d backends return a slice of a longer output
+    return run(OP, "forward", call_of(x, width=weight.shape[1]), backend, x, weight, bias, silu).contiguous()
 
 
 @_conv_fwd.register_fake
@@ -75,7 +77,7 @@ def _(x, weight, bias, silu, backend):
 @torch.library.custom_op("fastarch::causal_conv1d_bwd", mutates_args=())
 def _conv_bwd(dout: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool,
               backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return run(OP, "backward", call_of(x, width=weight.shape[1]), backend, dout, x, weight, bias, silu)
+    return run_backward(OP, call_of(x, width=weight.shape[1]), backend, dout, x, weight, bias, silu)
 
 
 @_conv_bwd.register_fake
@@ -101,16 +103,31 @@ _conv_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   activation: str | None = None, *, backend: str | None = None) -> torch.Tensor:
-    """Depthwise causal conv1d (see the module docstring); differentiable in ``x``, ``weight`` and ``bias``."""
+    """Depthwise causal conv1d: ``out[b, d, t] = bias[d] + sum_k weight[d, k] x[b, d, t - W + 1 + k]``.
+
+    Args:
+        x: the input; steps before the start count as zeros.
+        weight: one filter of width ``W`` (1 to 64) per channel.
+        bias: optional per-channel bias.
+        activation: None, ``"silu"`` or ``"swish"``.
+        backend: force 'aten', 'cpp', 'triton' or 'torch' (default: the selector's choice).
+
+    Returns:
+        The output in ``x.dtype``; differentiable in ``x``, ``weight`` and ``bias``.
+
+    Shapes:
+        x, out: ``(B, D, L)``; weight: ``(D, W)``; bias: ``(D,)``.
+    """
     silu = _check_activation(OP, activation)
     _validate(x, weight, bias)
     if x.numel() == 0:
         return causal_conv1d_ref(x, weight, bias, activation)
-    return _conv_fwd(x, weight, bias, silu, backend or AUTO)
+    return _conv_fwd(x, weight, bias, silu, resolve(OP, lambda: call_of(x, width=weight.shape[1]), backend))
 
 
 def causal_conv1d_fn(x, weight, bias=None, activation=None):
-    """The ``causal_conv1d`` package's name for :func:`causal_conv1d`."""
+    """The ``causal_conv1d`` package's name and signature for :func:`causal_conv1d` (same Args, Returns and
+    Shapes)."""
     return causal_conv1d(x, weight, bias, activation)
 
 
@@ -143,8 +160,22 @@ def _(x, conv_state, weight, bias, silu, backend):
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                          bias: torch.Tensor | None = None, activation: str | None = None, *,
                          backend: str | None = None) -> torch.Tensor:
-    """One (or T) decode step(s): ``x`` ``(B, D)`` or ``(B, D, T)``, ``conv_state`` ``(B, D, S)``,
-    ``S >= width - 1``, updated in place. Returns ``(B, D)`` or ``(B, D, T)`` in ``x.dtype``."""
+    """One (or T) decode steps of :func:`causal_conv1d`, shifting ``conv_state`` in place.
+
+    Args:
+        x: the new inputs.
+        conv_state: the last ``S >= W - 1`` inputs of each channel; updated in place.
+        weight: one filter of width ``W`` per channel.
+        bias: optional per-channel bias.
+        activation: None, ``"silu"`` or ``"swish"``.
+        backend: force 'cpp', 'triton' or 'torch' (default: the selector's choice).
+
+    Returns:
+        The outputs of the new steps in ``x.dtype`` and ``x``'s shape (not differentiable).
+
+    Shapes:
+        x, out: ``(B, D)`` or ``(B, D, T)``; conv_state: ``(B, D, S)``; weight: ``(D, W)``; bias: ``(D,)``.
+    """
     op = OP_UPDATE
     silu = _check_activation(op, activation)
     check_tensor(op, "x", x, ndim=(2, 3))
@@ -162,13 +193,14 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
     with torch.no_grad():
         if x.numel() == 0:
             return causal_conv1d_update_ref(x, conv_state, weight, bias, activation)
-        return _conv_update(x, conv_state, weight, bias, silu, backend or AUTO)
+        name = resolve(OP_UPDATE, lambda: call_of(x, width=weight.shape[1]), backend)
+        return _conv_update(x, conv_state, weight, bias, silu, name)
 
 
 # -- backends ---------------------------------------------------------------------------------------------
-class TorchCausalConv1d(Implementation):
-    op, backend = OP, "torch"
-    description = "F.conv1d (grouped, left-padded); backward by autograd"
+class TorchCausalConv1d(TorchImplementation):
+    op = OP
+    description = "grouped F.conv1d forward; analytic backward in composed PyTorch"
 
     def forward(self, x, weight, bias, silu):
         return causal_conv1d_ref(x, weight, bias, "silu" if silu else None)
@@ -192,13 +224,33 @@ class TorchCausalConv1d(Implementation):
         return causal_conv1d_update_ref(x, conv_state, weight, bias, "silu" if silu else None)
 
 
-class CppCausalConv1d(Implementation):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
-    description = "C++ loop over (batch, channel), width-unrolled, fp32; part of the selective_scan extension"
+class AtenCausalConv1d(AtenImplementation):
+    op = OP
+    description = "PyTorch's native grouped convolution (F.conv1d) and convolution_backward, in fp32"
 
-    def load(self):
-        return load_extension("selective_scan", "cpu")
+    def forward(self, x, weight, bias, silu):
+        return causal_conv1d_ref(x, weight.float(), None if bias is None else bias.float(),
+                                 "silu" if silu else None)
+
+    def backward(self, dout, x, weight, bias, silu):
+        xf, w = x.float(), weight.float().unsqueeze(1)
+        dim, width = weight.shape
+        g = dout.float()
+        if silu:
+            pre = F.conv1d(xf, w, None if bias is None else bias.float(), padding=width - 1,
+                           groups=dim)[..., : x.shape[-1]]
+            sg = torch.sigmoid(pre)
+            g = g * sg * (1 + pre * (1 - sg))
+        # The convolution's output has L + W - 1 steps, of which the first L are kept.
+        g = F.pad(g, (0, width - 1))
+        dx, dw, db = torch.ops.aten.convolution_backward(g, xf, w, [dim], [1], [width - 1], [1], False, [0], dim,
+                                                          [True, True, True])
+        return dx, dw.squeeze(1), db
+
+
+class CppCausalConv1d(CppImplementation):
+    op, extension = OP, "selective_scan"
+    description = "C++ loop over (batch, channel), width-unrolled, fp32; part of the selective_scan extension"
 
     def forward(self, x, weight, bias, silu):
         b = None if bias is None else bias.float().contiguous()
@@ -227,13 +279,8 @@ def _compiled_update(kernel, x, conv_state, weight, bias, silu):
 
 
 class TritonCausalConv1d(TritonImplementation):
-    op = OP
+    op, kernel_module = OP, "causal_conv1d"
     description = "Triton: tiled (channel block x time block) forward; backward with per-tile dw/dbias partials"
-
-    def load(self):
-        from ..kernels import causal_conv1d as k
-
-        return k
 
     def forward(self, x, weight, bias, silu):
         b = None if bias is None else bias.contiguous()
@@ -249,7 +296,7 @@ class TritonCausalConv1d(TritonImplementation):
 
 class TorchCausalConv1dUpdate(TorchCausalConv1d):
     op = OP_UPDATE
-    description = "composed PyTorch (the reference), in place on conv_state"
+    description = "composed PyTorch, in place on conv_state"
 
 
 class CppCausalConv1dUpdate(CppCausalConv1d):
@@ -262,6 +309,6 @@ class TritonCausalConv1dUpdate(TritonCausalConv1d):
     description = "Triton: a program per (batch, channel block); state shifted in place"
 
 
-for _impl in (TorchCausalConv1d, CppCausalConv1d, TritonCausalConv1d, TorchCausalConv1dUpdate,
+for _impl in (TorchCausalConv1d, AtenCausalConv1d, CppCausalConv1d, TritonCausalConv1d, TorchCausalConv1dUpdate,
               CppCausalConv1dUpdate, TritonCausalConv1dUpdate):
     register(_impl)

@@ -6,18 +6,19 @@
 - ``unbiased=True, eps_inside_sqrt=False`` (the guide-003 ``LayerNorm``):
   ``y = (x - mean) / (std_unbiased + eps) * weight + bias``.
 
-Backends: ``torch`` (the reference, fp32), ``cpp`` (fused OpenMP kernel), ``triton``. Each returns the
-output plus per-row ``mean`` and ``rstd`` (fp32, ``(rows,)``) that any backend's backward can use.
+Backends: ``aten`` (``native_layer_norm``, the standard mode only), ``cpp`` (fused OpenMP kernel),
+``triton`` and ``torch`` (composed PyTorch in fp32). Each returns the output plus per-row ``mean`` and
+``rstd`` (fp32, ``(rows,)``) that any backend's backward can use.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..backend import AUTO, Implementation, TritonImplementation, register
-from ..extensions import load_extension
+from ..backend import Call, register
+from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["layer_norm", "layer_norm_ref"]
 
@@ -67,13 +68,17 @@ def _mode(unbiased: bool, eps_inside_sqrt: bool) -> int:
     return int(unbiased) | (0 if eps_inside_sqrt else 2)
 
 
+def _call(x: torch.Tensor, mode: int) -> Call:
+    return call_of(x, n=x.shape[-1], mode=mode)
+
+
 # -- the custom ops ---------------------------------------------------------------------------------------
 @torch.library.custom_op("fastarch::layer_norm_fwd", mutates_args=())
 def _layer_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, mode: int, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y, mean, rstd = run(OP, "forward", call_of(x, n=x.shape[-1]), backend, x2, weight, bias, eps, mode)
+    y, mean, rstd = run(OP, "forward", _call(x, mode), backend, x2, weight, bias, eps, mode)
     return y.view(x.shape), mean, rstd
 
 
@@ -97,7 +102,7 @@ def _layer_norm_bwd(
     n = x.shape[-1]
     dy2 = dy.reshape(-1, n).contiguous()
     x2 = x.reshape(-1, n).contiguous()
-    dx, dw, db = run(OP, "backward", call_of(x, n=n), backend, dy2, x2, weight, mean, rstd, eps, mode)
+    dx, dw, db = run_backward(OP, _call(x, mode), backend, dy2, x2, weight, mean, rstd, eps, mode)
     return dx.view(x.shape), dw, db
 
 
@@ -136,15 +141,29 @@ def layer_norm(
     eps_inside_sqrt: bool = True,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """Layer norm over the last dimension of ``x`` (``(..., N)``); ``weight``/``bias`` are ``(N,)``.
+    """Layer normalisation over the last dimension.
 
-    ``unbiased`` uses the N-1 variance; ``eps_inside_sqrt=False`` adds ``eps`` to the std instead of the
-    variance. ``backend`` forces 'torch', 'cpp' or 'triton'.
+    Args:
+        x: the input; normalised over its last dimension.
+        weight: optional scale.
+        bias: optional shift.
+        eps: added to the variance (or to the standard deviation when ``eps_inside_sqrt=False``).
+        unbiased: use the N-1 variance instead of the biased one.
+        eps_inside_sqrt: ``sqrt(var + eps)`` when True (``torch.nn.LayerNorm``), ``std + eps`` when False.
+        backend: force 'aten', 'cpp', 'triton' or 'torch' (default: the selector's choice).
+
+    Returns:
+        The normalised tensor, in ``x``'s shape and dtype; differentiable in ``x``, ``weight`` and ``bias``.
+
+    Shapes:
+        x: ``(..., N)``; weight, bias: ``(N,)``; output: ``(..., N)``.
     """
     _validate(x, weight, bias, eps)
     if x.numel() == 0:
         return layer_norm_ref(x, weight, bias, eps, unbiased=unbiased, eps_inside_sqrt=eps_inside_sqrt)
-    y, _, _ = _layer_norm_fwd(x, weight, bias, float(eps), _mode(unbiased, eps_inside_sqrt), backend or AUTO)
+    mode = _mode(unbiased, eps_inside_sqrt)
+    name = resolve(OP, lambda: _call(x, mode), backend)
+    y, _, _ = _layer_norm_fwd(x, weight, bias, float(eps), mode, name)
     return y
 
 
@@ -167,9 +186,9 @@ def _row_stats(xf: torch.Tensor, eps: float, mode: int) -> tuple[torch.Tensor, t
     return mean, rstd, drstd
 
 
-class TorchLayerNorm(Implementation):
-    op, backend = OP, "torch"
-    description = "composed PyTorch in fp32 (the reference)"
+class TorchLayerNorm(TorchImplementation):
+    op = OP
+    description = "composed PyTorch in fp32"
 
     def forward(self, x, weight, bias, eps, mode):
         xf = x.float()
@@ -198,13 +217,32 @@ class TorchLayerNorm(Implementation):
         return dx.to(x.dtype), dw, db
 
 
-class CppLayerNorm(Implementation):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
-    description = "fused C++ kernel, OpenMP over rows, fp32 accumulation"
+class AtenLayerNorm(AtenImplementation):
+    op = OP
+    description = "PyTorch's native_layer_norm and its backward (the torch.nn.LayerNorm mode only)"
 
-    def load(self):
-        return load_extension("norms", "cpu")
+    def check(self, call):
+        return [] if call.get("mode", 0) == 0 else ["only the torch.nn.LayerNorm mode (biased variance, "
+                                                    "eps inside the root)"]
+
+    def forward(self, x, weight, bias, eps, mode):
+        y, mean, rstd = torch.ops.aten.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)
+        return y, mean.float().view(-1), rstd.float().view(-1)
+
+    def backward(self, dy, x, weight, mean, rstd, eps, mode):
+        # The native kernel on CPU keeps its statistics in x's dtype, on CUDA in fp32.
+        stat = x.dtype if x.device.type == "cpu" else torch.float32
+        mean, rstd = (t.to(stat).view(-1, 1) for t in (mean, rstd))
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            dy, x, [x.shape[-1]], mean, rstd, weight, weight, [True, weight is not None, weight is not None])
+        if weight is None:  # the gradients of absent parameters are discarded
+            dw, db = (torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device) for _ in range(2))
+        return dx, dw.float(), db.float()
+
+
+class CppLayerNorm(CppImplementation):
+    op, extension = OP, "norms"
+    description = "fused C++ kernel, OpenMP over rows, fp32 accumulation"
 
     def forward(self, x, weight, bias, eps, mode):
         return tuple(self.lib.layer_norm_fwd(x, weight, bias, eps, mode))
@@ -214,18 +252,9 @@ class CppLayerNorm(Implementation):
 
 
 class TritonLayerNorm(TritonImplementation):
-    op = OP
+    op, kernel_module = OP, "norms"
+    limits = {"n": 65536}
     description = "Triton row kernels, one row per program"
-
-    def check(self, call):
-        if call.get("n", 0) > 65536:
-            return [f"row width {call['n']} > 65536"]
-        return []
-
-    def load(self):
-        from ..kernels import norms
-
-        return norms
 
     def forward(self, x, weight, bias, eps, mode):
         return self.lib.layer_norm_fwd(x, weight, bias, eps, mode)
@@ -234,5 +263,5 @@ class TritonLayerNorm(TritonImplementation):
         return self.lib.layer_norm_bwd(dy, x, weight, mean, eps, mode)
 
 
-for _impl in (TorchLayerNorm, CppLayerNorm, TritonLayerNorm):
+for _impl in (TorchLayerNorm, AtenLayerNorm, CppLayerNorm, TritonLayerNorm):
     register(_impl)

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import AUTO, Implementation, TritonImplementation, register
-from ..extensions import load_extension
+from ..backend import Call, register
+from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["linear_attention", "linear_attention_ref"]
 
@@ -73,6 +73,10 @@ def _augment(v: torch.Tensor) -> torch.Tensor:
     return torch.cat([v.float(), ones], dim=-1).contiguous()
 
 
+def _call(q: torch.Tensor, v: torch.Tensor) -> Call:
+    return call_of(q, m=q.shape[-1], d=v.shape[-1], L=q.shape[2])
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-2], t.shape[-1]).float().contiguous()
 
@@ -83,7 +87,7 @@ def _la_causal_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, L, m = q.shape
     d = v.shape[-1]
-    y = run(OP, "forward", call_of(q, m=m, d=d, L=L), backend, _flat(q), _flat(k), _augment(_flat(v)))
+    y = run(OP, "forward", _call(q, v), backend, _flat(q), _flat(k), _augment(_flat(v)))
     den = y[..., d] + eps
     out = y[..., :d] / den[..., None]
     return out.view(b, h, L, d).to(v.dtype), den.view(b, h, L)
@@ -111,8 +115,8 @@ def _la_causal_bwd(
     # Upstream gradient of the unnormalised product y = [num, den - eps]: d/dnum = g/den,
     # d/dden = -(g . out)/den.
     ga = torch.cat([g / den3, -(g * _flat(out)).sum(-1, keepdim=True) / den3], dim=-1).contiguous()
-    dq, dk, dva = run(OP, "backward", call_of(q, m=m, d=d, L=L), backend, _flat(q), _flat(k),
-                      _augment(_flat(v)), ga)
+    dq, dk, dva = run_backward(OP, _call(q, v), backend, _flat(q), _flat(k),
+                               _augment(_flat(v)), ga)
     return (dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype),
             dva[..., :d].reshape(v.shape).to(v.dtype))
 
@@ -154,11 +158,15 @@ def linear_attention(
         v: ``(B, H, Lk, D)`` values.
         causal: position i sees keys j <= i (needs Lq == Lk).
         eps: added to the normaliser ``phi_q . z``.
-        backend: force 'torch', 'cpp' or 'triton' for the causal kernels (the non-causal case is two
+        backend: force 'cpp', 'triton' or 'torch' for the causal kernels (the non-causal case is two
             matmuls on whatever device the tensors are).
 
     Returns:
-        ``(B, H, Lq, D)`` in ``v``'s dtype. Differentiable in all three inputs.
+        The output in ``v``'s dtype. Differentiable in all three inputs.
+
+    Shapes:
+        q_features: ``(B, H, Lq, m)``; k_features: ``(B, H, Lk, m)``; v: ``(B, H, Lk, D)``;
+        output: ``(B, H, Lq, D)``.
     """
     _validate(q_features, k_features, v, causal, eps)
     if not causal:
@@ -170,7 +178,8 @@ def linear_attention(
         return ((qf @ kv) / den).to(v.dtype)
     if q_features.numel() == 0 or v.numel() == 0:
         return linear_attention_ref(q_features, k_features, v, causal, eps)
-    out, _ = _la_causal_fwd(q_features, k_features, v, float(eps), backend or AUTO)
+    name = resolve(OP, lambda: _call(q_features, v), backend)
+    out, _ = _la_causal_fwd(q_features, k_features, v, float(eps), name)
     return out
 
 
@@ -213,24 +222,17 @@ def _chunked_bwd_torch(q, k, va, ga, chunk: int = 64):
     return dq, dk, dva
 
 
-class TorchLinearAttention(Implementation):
-    op, backend = OP, "torch"
+class TorchLinearAttention(TorchImplementation):
+    op = OP
     description = "chunked PyTorch (masked chunk matmuls + running (m, D) state), fp32"
 
-    def forward(self, q, k, va):
-        return _chunked_fwd_torch(q, k, va)
-
-    def backward(self, q, k, va, ga):
-        return _chunked_bwd_torch(q, k, va, ga)
+    forward = staticmethod(_chunked_fwd_torch)
+    backward = staticmethod(_chunked_bwd_torch)
 
 
-class CppLinearAttention(Implementation):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
+class CppLinearAttention(CppImplementation):
+    op, extension = OP, "linear_attention"
     description = "C++ chunked kernel, OpenMP over (batch, head), BLAS chunk matmuls, fp32"
-
-    def load(self):
-        return load_extension("linear_attention", "cpu")
 
     def forward(self, q, k, va):
         return self.lib.causal_fwd(q, k, va, 64)
@@ -240,13 +242,8 @@ class CppLinearAttention(Implementation):
 
 
 class TritonLinearAttention(TritonImplementation):
-    op = OP
+    op, kernel_module = OP, "linear_attention"
     description = "Triton chunked kernels; programs over (batch*head, m-block, D-block), fp32 accumulation"
-
-    def load(self):
-        from ..kernels import linear_attention
-
-        return linear_attention
 
     def forward(self, q, k, va):
         return self.lib.causal_fwd(q, k, va)

@@ -16,7 +16,7 @@ the rule that trax, Hugging Face's Reformer and reformer-pytorch implement:
    with no valid key but the query itself weighs nothing; if every round is like that the output is the
    query's own ``v`` (the limit of the large negative self score the reference implementations use).
 
-Backends: ``torch`` (the reference: gathers and dense chunk matmuls), ``cpp`` (OpenMP, one task per
+Backends: ``torch`` (gathers and dense chunk matmuls, as the reference), ``cpp`` (OpenMP, one task per
 (batch, head, chunk), reading through the permutation), ``triton`` (one program per (chunk, batch*head)).
 All of them return the output and the combined log-sum-exp ``LSE`` (``(B, H, L)`` fp32, ``-inf`` where the
 output fell back to the query's own value). The backward only needs ``LSE``: with ``P_ij = exp(s_ij - LSE_i)``
@@ -29,10 +29,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import AUTO, Implementation, TritonImplementation, register, select
-from ..extensions import load_extension
+from ..backend import choose, register
+from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["lsh_attention", "lsh_attention_ref", "lsh_n_buckets", "lsh_hash", "lsh_rotations"]
 
@@ -291,7 +291,7 @@ def _lsh_prepare(
     qk: torch.Tensor, rotations: torch.Tensor, bucket_size: int, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     L = qk.shape[-2]
-    impl = select(OP, _call(qk, bucket_size, False), None if backend == AUTO else backend)
+    impl = choose(OP, _call(qk, bucket_size, False), backend)
     buckets = impl.hash(qk, rotations)
     perm, inv = impl.sort(buckets, L, bucket_size, lsh_n_buckets(L, bucket_size))
     return buckets, perm, inv
@@ -317,30 +317,11 @@ def _call(qk: torch.Tensor, bucket_size: int, causal: bool):
 
 @torch.library.custom_op("fastarch::lsh_attention_fwd", mutates_args=())
 def _lsh_fwd(
-    qk: torch.Tensor,
-    v: torch.Tensor,
-    perm: torch.Tensor,
-    inv: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    causal: bool,
-    bucket_size: int,
-    n_hashes: int,
-    backend: str,
+    qk: torch.Tensor, v: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor,
+    key_padding_mask: torch.Tensor | None, causal: bool, bucket_size: int, n_hashes: int, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out, lse = run(
-        OP,
-        "forward",
-        _call(qk, bucket_size, causal),
-        backend,
-        qk.contiguous(),
-        v.contiguous(),
-        perm,
-        inv,
-        key_padding_mask,
-        causal,
-        bucket_size,
-        n_hashes,
-    )
+    out, lse = run(OP, "forward", _call(qk, bucket_size, causal), backend, qk.contiguous(), v.contiguous(), perm,
+                   inv, key_padding_mask, causal, bucket_size, n_hashes)
     return out.to(qk.dtype), lse
 
 
@@ -351,36 +332,13 @@ def _(qk, v, perm, inv, key_padding_mask, causal, bucket_size, n_hashes, backend
 
 @torch.library.custom_op("fastarch::lsh_attention_bwd", mutates_args=())
 def _lsh_bwd(
-    dout: torch.Tensor,
-    qk: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    perm: torch.Tensor,
-    inv: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    causal: bool,
-    bucket_size: int,
-    n_hashes: int,
-    backend: str,
+    dout: torch.Tensor, qk: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    perm: torch.Tensor, inv: torch.Tensor, key_padding_mask: torch.Tensor | None, causal: bool,
+    bucket_size: int, n_hashes: int, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    dqk, dv = run(
-        OP,
-        "backward",
-        _call(qk, bucket_size, causal),
-        backend,
-        dout.contiguous(),
-        qk.contiguous(),
-        v.contiguous(),
-        out.contiguous(),
-        lse,
-        perm,
-        inv,
-        key_padding_mask,
-        causal,
-        bucket_size,
-        n_hashes,
-    )
+    dqk, dv = run_backward(OP, _call(qk, bucket_size, causal), backend, dout.contiguous(), qk.contiguous(),
+                           v.contiguous(), out.contiguous(), lse, perm, inv, key_padding_mask, causal,
+                           bucket_size, n_hashes)
     return dqk.to(qk.dtype), dv.to(v.dtype)
 
 
@@ -427,26 +385,32 @@ def lsh_attention(
         causal: mask keys at later positions. key_padding_mask: ``(B, L)`` bool, True = real key.
         seed: draws the rotations ``(D, n_hashes, n_buckets/2)``; ``rotations`` passes them instead.
         return_buckets: also return the buckets ``(B, H, n_hashes, L)`` int64 of the real positions.
-        backend: force 'torch', 'cpp' or 'triton'.
+        backend: force 'cpp', 'triton' or 'torch' (default: the selector's choice).
+
     Returns:
-        ``(B, H, L, D)`` in qk's dtype [, buckets]. Differentiable w.r.t. ``qk`` and ``v``.
+        The output in qk's dtype, or ``(output, buckets)``. Differentiable w.r.t. ``qk`` and ``v``.
+
+    Shapes:
+        qk, v, output: ``(B, H, L, D)``; key_padding_mask: ``(B, L)``;
+        rotations: ``(D, n_hashes, n_buckets // 2)``; buckets: ``(B, H, n_hashes, L)``.
     """
     _validate(qk, v, n_hashes, bucket_size, key_padding_mask, rotations)
-    _, buckets, perm, inv = _prepare(qk, n_hashes, bucket_size, seed, rotations, backend or AUTO)
+    name = resolve(OP, lambda: _call(qk, bucket_size, bool(causal)), backend)
+    _, buckets, perm, inv = _prepare(qk, n_hashes, bucket_size, seed, rotations, name)
     if qk.numel() == 0:
         out = torch.zeros_like(qk) + 0 * v
     else:
         kpm = key_padding_mask.contiguous() if key_padding_mask is not None else None
         out, _ = _lsh_fwd(
-            qk, v, perm, inv, kpm, bool(causal), int(bucket_size), int(n_hashes), backend or AUTO
+            qk, v, perm, inv, kpm, bool(causal), int(bucket_size), int(n_hashes), name
         )
     return (out, buckets) if return_buckets else out
 
 
 # -- backends ---------------------------------------------------------------------------------------------
-class TorchLSHAttention(Implementation):
-    op, backend = OP, "torch"
-    description = "gathers and dense chunk matmuls in fp32 (the reference); backward by recomputation"
+class TorchLSHAttention(TorchImplementation):
+    op = OP
+    description = "gathers and dense chunk matmuls in fp32; analytic backward on the recomputed chunks"
 
     def hash(self, qk, rotations):
         return lsh_hash(qk, rotations)
@@ -519,13 +483,9 @@ def _normalize_bwd(qk: torch.Tensor, dkn: torch.Tensor) -> torch.Tensor:
     return (dkn - kh * proj) / ns
 
 
-class CppLSHAttention(Implementation):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
+class CppLSHAttention(CppImplementation):
+    op, extension = OP, "lsh_attention"
     description = "C++ OpenMP kernel per (batch, head, chunk), reading through the permutation, fp32"
-
-    def load(self):
-        return load_extension("lsh_attention", "cpu")
 
     def hash(self, qk, rotations):
         return self.lib.lsh_hash(qk.detach().float().contiguous(), rotations.float().contiguous())
@@ -565,23 +525,12 @@ class CppLSHAttention(Implementation):
 
 
 class TritonLSHAttention(TritonImplementation):
-    op = OP
-    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    op, kernel_module = OP, "lsh_attention"
+    max_head_dim = 256  # a tile row holds the whole head dim; any bucket size fits
     description = (
         "Triton flash-style chunk kernels through the permutation (online softmax over key blocks; "
         "dQ and dK/dV kernels), fp32 accumulation"
     )
-
-    def check(self, call):
-        # the kernels tile queries and keys, so any bucket size fits; a tile row holds the whole head dim
-        if call.get("head_dim", 0) > 256:
-            return [f"head_dim {call['head_dim']} > 256"]
-        return []
-
-    def load(self):
-        from ..kernels import lsh_attention
-
-        return lsh_attention
 
     def hash(self, qk, rotations):
         return lsh_hash(qk, rotations)

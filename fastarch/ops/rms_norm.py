@@ -1,17 +1,18 @@
 """Fused RMS normalisation over the last dimension: ``y = x / sqrt(mean(x^2) + eps) * weight``.
 
-Backends: ``torch`` (reference, fp32), ``cpp``, ``triton``. The forward also yields the per-row ``rstd``
-(fp32) that every backend's backward accepts.
+Backends: ``aten`` (``_fused_rms_norm``, what ``F.rms_norm`` runs), ``cpp``, ``triton`` and ``torch``
+(composed PyTorch in fp32). The forward also yields the per-row ``rstd`` (fp32) that every backend's
+backward accepts.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..backend import AUTO, Implementation, TritonImplementation, register
-from ..extensions import load_extension
+from ..backend import register
+from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["rms_norm", "rms_norm_ref"]
 
@@ -60,8 +61,8 @@ def _(x, weight, eps, backend):
 def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
                   backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.shape[-1]
-    dx, dw = run(OP, "backward", call_of(x, n=n), backend, dy.reshape(-1, n).contiguous(),
-                 x.reshape(-1, n).contiguous(), weight, rstd)
+    dx, dw = run_backward(OP, call_of(x, n=n), backend, dy.reshape(-1, n).contiguous(),
+                          x.reshape(-1, n).contiguous(), weight, rstd)
     return dx.view(x.shape), dw
 
 
@@ -87,16 +88,41 @@ _rms_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
              backend: str | None = None) -> torch.Tensor:
-    """RMS norm over the last dimension of ``x`` (``(..., N)``) with optional ``weight`` ``(N,)``."""
+    """RMS normalisation over the last dimension: ``x / sqrt(mean(x^2) + eps) * weight``.
+
+    Args:
+        x: the input; normalised over its last dimension.
+        weight: optional scale.
+        eps: added to the mean square.
+        backend: force 'aten', 'cpp', 'triton' or 'torch' (default: the selector's choice).
+
+    Returns:
+        The normalised tensor, in ``x``'s shape and dtype; differentiable in ``x`` and ``weight``.
+
+    Shapes:
+        x: ``(..., N)``; weight: ``(N,)``; output: ``(..., N)``.
+    """
     _validate(x, weight, eps)
     if x.numel() == 0:
         return rms_norm_ref(x, weight, eps)
-    return _rms_norm_fwd(x, weight, float(eps), backend or AUTO)[0]
+    name = resolve(OP, lambda: call_of(x, n=x.shape[-1]), backend)
+    return _rms_norm_fwd(x, weight, float(eps), name)[0]
 
 
-class TorchRMSNorm(Implementation):
-    op, backend = OP, "torch"
-    description = "composed PyTorch in fp32 (the reference)"
+def _composed_backward(dy, x, weight, rstd):
+    """(dx, dw fp32) from the forward's ``rstd``, in composed PyTorch."""
+    xf, g = x.float(), dy.float()
+    dw = (g * xf * rstd[:, None]).sum(0)
+    if weight is not None:
+        g = g * weight.float()
+    k = rstd**3 * (g * xf).mean(-1)
+    dx = rstd[:, None] * g - xf * k[:, None]
+    return dx.to(x.dtype), dw
+
+
+class TorchRMSNorm(TorchImplementation):
+    op = OP
+    description = "composed PyTorch in fp32"
 
     def forward(self, x, weight, eps):
         xf = x.float()
@@ -106,23 +132,24 @@ class TorchRMSNorm(Implementation):
             y = y * weight.float()
         return y.to(x.dtype), rstd
 
-    def backward(self, dy, x, weight, rstd):
-        xf, g = x.float(), dy.float()
-        dw = (g * xf * rstd[:, None]).sum(0)
-        if weight is not None:
-            g = g * weight.float()
-        k = rstd**3 * (g * xf).mean(-1)
-        dx = rstd[:, None] * g - xf * k[:, None]
-        return dx.to(x.dtype), dw
+    backward = staticmethod(_composed_backward)
 
 
-class CppRMSNorm(Implementation):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
+class AtenRMSNorm(AtenImplementation):
+    op = OP
+    description = ("PyTorch's _fused_rms_norm (what F.rms_norm runs); the backward is composed, as PyTorch "
+                   "has no native CPU kernel for it")
+
+    def forward(self, x, weight, eps):
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        return y, rstd.float().view(-1)
+
+    backward = staticmethod(_composed_backward)
+
+
+class CppRMSNorm(CppImplementation):
+    op, extension = OP, "norms"
     description = "fused C++ kernel, OpenMP over rows"
-
-    def load(self):
-        return load_extension("norms", "cpu")
 
     def forward(self, x, weight, eps):
         return tuple(self.lib.rms_norm_fwd(x, weight, eps))
@@ -132,16 +159,9 @@ class CppRMSNorm(Implementation):
 
 
 class TritonRMSNorm(TritonImplementation):
-    op = OP
+    op, kernel_module = OP, "norms"
+    limits = {"n": 65536}
     description = "Triton row kernels"
-
-    def check(self, call):
-        return [f"row width {call['n']} > 65536"] if call.get("n", 0) > 65536 else []
-
-    def load(self):
-        from ..kernels import norms
-
-        return norms
 
     def forward(self, x, weight, eps):
         return self.lib.rms_norm_fwd(x, weight, eps)
@@ -150,5 +170,5 @@ class TritonRMSNorm(TritonImplementation):
         return self.lib.rms_norm_bwd(dy, x, weight, rstd)
 
 
-for _impl in (TorchRMSNorm, CppRMSNorm, TritonRMSNorm):
+for _impl in (TorchRMSNorm, AtenRMSNorm, CppRMSNorm, TritonRMSNorm):
     register(_impl)

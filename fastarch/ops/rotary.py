@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import AUTO, Implementation, TritonImplementation, register
-from ..extensions import load_extension
+from ..backend import register
+from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import call_of, resolve, run
 
 __all__ = ["rotary_embedding", "rotary_embedding_ref", "rotary_cos_sin"]
 
@@ -95,41 +95,49 @@ _rotary.register_autograd(_backward, setup_context=_setup_context)
 
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False, *,
                      seqlen_offset: int = 0, backend: str | None = None) -> torch.Tensor:
-    """Apply RoPE to ``x`` ``(B, L, H, D)`` with tables ``cos``/``sin`` ``(L_max, R)``; see the module doc."""
+    """Rotary position embedding: rotate the first ``2R`` features of each head by its position's angle.
+
+    Args:
+        x: queries or keys.
+        cos: cosines of the angles, one row per position (e.g. from :func:`rotary_cos_sin`); no gradient.
+        sin: sines of the same angles; no gradient.
+        interleaved: rotate pairs ``(2r, 2r+1)`` (GPT-J) instead of halves ``(r, r+R)`` (GPT-NeoX).
+        seqlen_offset: the position of ``x``'s first token in the tables.
+        backend: force 'cpp', 'triton' or 'torch' (default: the selector's choice).
+
+    Returns:
+        The rotated tensor, in ``x``'s shape and dtype; differentiable in ``x``.
+
+    Shapes:
+        x, output: ``(B, L, H, D)``; cos, sin: ``(L_max, R)`` with ``2R <= D`` and
+        ``L_max >= seqlen_offset + L``.
+    """
     _validate(x, cos, sin, seqlen_offset)
     if x.numel() == 0:
         return x.clone()
-    return _rotary(x, cos, sin, bool(interleaved), False, int(seqlen_offset), backend or AUTO)
+    name = resolve(OP, lambda: call_of(x), backend)
+    return _rotary(x, cos, sin, bool(interleaved), False, int(seqlen_offset), name)
 
 
-class TorchRotary(Implementation):
-    op, backend = OP, "torch"
-    description = "composed PyTorch in fp32 (the reference)"
+class TorchRotary(TorchImplementation):
+    op = OP
+    description = "composed PyTorch in fp32"
 
     def forward(self, x, cos, sin, interleaved, conj, offset):
         return rotary_embedding_ref(x, cos, -sin if conj else sin, interleaved, offset)
 
 
-class CppRotary(Implementation):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
+class CppRotary(CppImplementation):
+    op, extension = OP, "norms"
     description = "fused C++ kernel"
-
-    def load(self):
-        return load_extension("norms", "cpu")
 
     def forward(self, x, cos, sin, interleaved, conj, offset):
         return self.lib.rotary(x, cos, sin, interleaved, conj, offset)
 
 
 class TritonRotary(TritonImplementation):
-    op = OP
+    op, kernel_module = OP, "norms"
     description = "Triton kernel, one program per (token, head)"
-
-    def load(self):
-        from ..kernels import norms
-
-        return norms
 
     def forward(self, x, cos, sin, interleaved, conj, offset):
         return self.lib.rotary(x, cos, sin, interleaved, conj, offset)

@@ -20,12 +20,14 @@ Backward (same fusions): ``dcoef`` and ``d dtA`` are weighted sums over l of ``z
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ..backend import AUTO, Implementation, TritonImplementation, register
-from ..extensions import load_extension
+from ..backend import register
+from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["s4_kernel", "s4_kernel_ref"]
 
@@ -73,8 +75,8 @@ def _s4_kernel_bwd(dk: torch.Tensor, ar: torch.Tensor, ai: torch.Tensor, wr: tor
                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     h, n = ar.shape
     args = [t.float().contiguous() for t in (ar, ai, wr, wi)]
-    return tuple(run(OP, "backward", call_of(args[0], n=n, L=dk.shape[-1]), backend,
-                     dk.float().contiguous(), *args))
+    return tuple(run_backward(OP, call_of(args[0], n=n, L=dk.shape[-1]), backend,
+                              dk.float().contiguous(), *args))
 
 
 @_s4_kernel_bwd.register_fake
@@ -104,21 +106,25 @@ def s4_kernel(dtA: torch.Tensor, coef: torch.Tensor, L: int, backend: str | None
         dtA: ``(H, N)`` complex, ``dt * A`` (real part < 0 for a stable system).
         coef: ``(H, N)`` complex, ``C * B_bar`` (ZOH: ``B_bar = (exp(dtA) - 1) / A * B``).
         L: kernel length.
-        backend: force 'torch', 'cpp' or 'triton'.
+        backend: force 'cpp', 'triton' or 'torch' (default: the selector's choice).
 
     Returns:
-        ``(H, L)`` float32, differentiable in ``dtA`` and ``coef``.
+        The kernel in float32, differentiable in ``dtA`` and ``coef``.
+
+    Shapes:
+        dtA, coef: ``(H, N)``; output: ``(H, L)``.
     """
     _validate(dtA, coef, L)
-    return _s4_kernel_fwd(dtA.real, dtA.imag, coef.real, coef.imag, int(L), backend or AUTO)
+    name = resolve(OP, lambda: call_of(dtA.real, n=dtA.shape[1], L=L), backend)
+    return _s4_kernel_fwd(dtA.real, dtA.imag, coef.real, coef.imag, int(L), name)
 
 
 # -- backends ---------------------------------------------------------------------------------------------
 _TORCH_CHUNK = 256
 
 
-class TorchS4Kernel(Implementation):
-    op, backend = OP, "torch"
+class TorchS4Kernel(TorchImplementation):
+    op = OP
     description = "PyTorch, (H, N, 256) Vandermonde tiles at a time, fp32"
 
     def forward(self, ar, ai, wr, wi, L):
@@ -153,37 +159,27 @@ def _grads_from_sums(s0r, s0i, s1r, s1i, wr, wi):
     return (2 * (wr * s1r - wi * s1i), -2 * (wr * s1i + wi * s1r), 2 * s0r, -2 * s0i)
 
 
-class CppS4Kernel(Implementation):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
+class _CompiledS4Kernel:
+    """Shared glue: the C++ extension and the Triton module expose ``kernel_fwd``/``kernel_bwd_sums`` alike."""
+
+    lib: Any
+
+    def forward(self, ar, ai, wr, wi, L):
+        return self.lib.kernel_fwd(ar, ai, wr, wi, L)
+
+    def backward(self, dk, ar, ai, wr, wi):
+        s0r, s0i, s1r, s1i = self.lib.kernel_bwd_sums(dk, ar, ai)
+        return _grads_from_sums(s0r, s0i, s1r, s1i, wr, wi)
+
+
+class CppS4Kernel(CppImplementation, _CompiledS4Kernel):
+    op, extension = OP, "s4"
     description = "C++ blocked Vandermonde: double-precision power tables + one batched GEMM (H, L/64, 2N) x (2N, 64)"
 
-    def load(self):
-        return load_extension("s4", "cpu")
 
-    def forward(self, ar, ai, wr, wi, L):
-        return self.lib.kernel_fwd(ar, ai, wr, wi, L)
-
-    def backward(self, dk, ar, ai, wr, wi):
-        s0r, s0i, s1r, s1i = self.lib.kernel_bwd_sums(dk, ar, ai)
-        return _grads_from_sums(s0r, s0i, s1r, s1i, wr, wi)
-
-
-class TritonS4Kernel(TritonImplementation):
-    op = OP
+class TritonS4Kernel(TritonImplementation, _CompiledS4Kernel):
+    op, kernel_module = OP, "s4"
     description = "Triton fused Vandermonde tiles (exp/sin/cos in registers)"
-
-    def load(self):
-        from ..kernels import s4
-
-        return s4
-
-    def forward(self, ar, ai, wr, wi, L):
-        return self.lib.kernel_fwd(ar, ai, wr, wi, L)
-
-    def backward(self, dk, ar, ai, wr, wi):
-        s0r, s0i, s1r, s1i = self.lib.kernel_bwd_sums(dk, ar, ai)
-        return _grads_from_sums(s0r, s0i, s1r, s1i, wr, wi)
 
 
 for _impl in (TorchS4Kernel, CppS4Kernel, TritonS4Kernel):

@@ -12,7 +12,7 @@ Shapes (as in mamba-ssm): ``u``, ``delta``, ``z`` are ``(B, D, L)``; ``A`` is ``
 ``d`` reads group ``d // (D // G)``); ``D`` and ``delta_bias`` are ``(D,)``. ``return_last_state`` adds the
 final state ``(B, D, N)`` (fp32) to the result.
 
-Backends: ``torch`` (a step loop in fp32; backward through autograd of the reference), ``cpp`` (vectorised
+Backends: ``torch`` (a step loop in fp32; the backward a reverse step loop), ``cpp`` (vectorised
 C++ over blocks of channels, backward recomputing states chunk by chunk from checkpoints), ``triton`` and
 ``cuda`` (chunked scans with states stored only at chunk boundaries).
 
@@ -23,13 +23,15 @@ keeps besides the inputs: memory linear in B*D*L, never B*D*L*N.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from ..backend import AUTO, Implementation, TritonImplementation, register
-from ..extensions import load_extension
+from ..backend import Call, register
+from ._backends import CppImplementation, CudaImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import call_of, resolve, run, run_backward
 
 __all__ = ["selective_scan", "selective_scan_fn", "selective_scan_ref"]
 
@@ -136,8 +138,8 @@ def _validate(u, delta, A, B, C, D, z, delta_bias) -> None:
     check_same_device(OP, "u", u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias)
 
 
-def _features(u: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> dict:
-    return {"dstate": A.shape[1], "seqlen": u.shape[2], "b_dim": B.dim(), "c_dim": C.dim()}
+def _call(u: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor) -> Call:
+    return call_of(u, dstate=A.shape[1], seqlen=u.shape[2], b_dim=B.dim(), c_dim=C.dim())
 
 
 def _empty(t: torch.Tensor) -> torch.Tensor:
@@ -159,7 +161,7 @@ def _selective_scan_fwd(
     need_ckpt: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    call = call_of(u, **_features(u, A, B, C))
+    call = _call(u, A, B, C)
     out, last, ckpt = run(OP, "forward", call, backend, u, delta, A, B, C, D, z, delta_bias, delta_softplus,
                           need_ckpt)
     return out, last, ckpt
@@ -192,9 +194,9 @@ def _selective_scan_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:
     """Returns fp32 (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias); absent optional inputs get empty grads."""
-    call = call_of(u, **_features(u, A, B, C))
-    grads = run(OP, "backward", call, backend, dout, dlast, u, delta, A, B, C, D, z, delta_bias, ckpt,
-                delta_softplus)
+    call = _call(u, A, B, C)
+    grads = run_backward(OP, call, backend, dout, dlast, u, delta, A, B, C, D, z, delta_bias, ckpt,
+                         delta_softplus)
     return tuple(g if g is not None else _empty(u) for g in grads)
 
 
@@ -244,26 +246,43 @@ def selective_scan(
     *,
     backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """mamba-ssm's ``selective_scan_fn``: see the module docstring for the recurrence and the shapes.
+    """mamba-ssm's ``selective_scan_fn``: the recurrence of the module docstring over every channel.
 
-    Returns ``out`` ``(B, D, L)`` in ``u.dtype``, or ``(out, last_state)`` with ``last_state`` ``(B, D, N)``
-    fp32 when ``return_last_state``. Differentiable in every tensor argument (``A``, ``D``, ``delta_bias``
-    and constant ``B``/``C`` get fp32-accumulated gradients). ``backend`` forces 'torch', 'cpp', 'triton'
-    or 'cuda'.
+    Args:
+        u: the input sequence.
+        delta: the time steps (before ``delta_bias`` and softplus).
+        A: the real state matrix, one diagonal per channel.
+        B: input weights: constant, variable (one row per step) or grouped.
+        C: output weights, in any of the forms of ``B``.
+        D: optional skip weight.
+        z: optional gate: the output is multiplied by ``silu(z)``.
+        delta_bias: optional bias added to ``delta``.
+        delta_softplus: apply softplus to ``delta + delta_bias``.
+        return_last_state: also return the state after the last step.
+        backend: force 'cpp', 'cuda', 'triton' or 'torch' (default: the selector's choice).
+
+    Returns:
+        ``out`` in ``u.dtype``, or ``(out, last_state)`` with ``last_state`` fp32. Differentiable in every
+        tensor argument (``A``, ``D``, ``delta_bias`` and constant ``B``/``C`` get fp32-accumulated gradients).
+
+    Shapes:
+        u, delta, z, out: ``(B, D, L)``; A: ``(D, N)``; B, C: ``(D, N)``, ``(B, N, L)`` or ``(B, G, N, L)``
+        with ``G`` dividing ``D``; D, delta_bias: ``(D,)``; last_state: ``(B, D, N)``.
     """
     _validate(u, delta, A, B, C, D, z, delta_bias)
     if u.shape[2] == 0 or u.shape[0] == 0 or u.shape[1] == 0:
         return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
     tensors = (u, delta, A, B, C, D, z, delta_bias)
     need_ckpt = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    out, last, _ = _selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), need_ckpt,
-                                       backend or AUTO)
+    name = resolve(OP, lambda: _call(u, A, B, C), backend)
+    out, last, _ = _selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), need_ckpt, name)
     return (out, last) if return_last_state else out
 
 
 def selective_scan_fn(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                       return_last_state=False):
-    """Alias with mamba-ssm's name, so ``from fastarch.ops import selective_scan_fn`` is a drop-in."""
+    """mamba-ssm's name and positional signature for :func:`selective_scan` (same Args, Returns and Shapes),
+    so ``from fastarch.ops import selective_scan_fn`` is a drop-in."""
     return selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
 
 
@@ -305,9 +324,9 @@ def _scan_loop(u, delta, A, B, C, D, z, delta_bias, softplus, need_ckpt):
     return y.to(u.dtype), h, ckpt
 
 
-class TorchSelectiveScan(Implementation):
-    op, backend = OP, "torch"
-    description = "PyTorch step loop in fp32 (reference semantics); backward by autograd of the reference"
+class TorchSelectiveScan(TorchImplementation):
+    op = OP
+    description = "PyTorch step loop in fp32; analytic backward as a reverse step loop"
 
     def forward(self, u, delta, A, B, C, D, z, delta_bias, softplus, need_ckpt):
         return _scan_loop(u, delta, A, B, C, D, z, delta_bias, softplus, need_ckpt)
@@ -409,8 +428,10 @@ def _opt32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float().contiguous()
 
 
-class _CompiledScan(Implementation):
+class _CompiledScan:
     """Shared glue for the C++ and CUDA extensions: both expose ``fwd``/``bwd`` with the same arguments."""
+
+    lib: Any
 
     def forward(self, u, delta, A, B, C, D, z, delta_bias, softplus, need_ckpt):
         dim = u.shape[1]
@@ -434,32 +455,17 @@ class _CompiledScan(Implementation):
                 dbias if delta_bias is not None else None)
 
 
-class CppSelectiveScan(_CompiledScan):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
+class CppSelectiveScan(CppImplementation, _CompiledScan):
+    op, extension = OP, "selective_scan"
+    limits = {"dstate": MAX_STATE}
     description = "C++: AVX2-vectorised over 16-channel blocks, polynomial exp, chunked recompute backward"
-
-    def check(self, call):
-        n = call.get("dstate", 0)
-        return [f"d_state {n} > {MAX_STATE}"] if n > MAX_STATE else []
-
-    def load(self):
-        return load_extension("selective_scan", "cpu")
 
 
 class TritonSelectiveScan(TritonImplementation):
-    op = OP
+    op, kernel_module = OP, "selective_scan"
+    limits = {"dstate": MAX_STATE}
+    deterministic = False  # variable B/C gradients are summed with atomics
     description = "Triton: one program per (batch, channel block), chunked, states stored at chunk boundaries"
-    dtypes = (torch.float32, torch.float16, torch.bfloat16)
-
-    def check(self, call):
-        n = call.get("dstate", 0)
-        return [f"d_state {n} > {MAX_STATE}"] if n > MAX_STATE else []
-
-    def load(self):
-        from ..kernels import selective_scan as k
-
-        return k
 
     def forward(self, u, delta, A, B, C, D, z, delta_bias, softplus, need_ckpt):
         return self.lib.selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, softplus, need_ckpt, CHUNK)
@@ -471,17 +477,11 @@ class TritonSelectiveScan(TritonImplementation):
                                            CHUNK)
 
 
-class CudaSelectiveScan(_CompiledScan):
-    op, backend = OP, "cuda"
-    devices = ("cuda",)
+class CudaSelectiveScan(CudaImplementation, _CompiledScan):
+    op, extension = OP, "selective_scan"
+    limits = {"dstate": 64}  # the state lives in registers
+    deterministic = False  # variable B/C gradients are summed with atomics
     description = "hand-written CUDA scan: one thread per (batch, channel), state in registers"
-
-    def check(self, call):
-        n = call.get("dstate", 0)
-        return [f"d_state {n} > 64 (the CUDA kernel keeps the state in registers)"] if n > 64 else []
-
-    def load(self):
-        return load_extension("selective_scan", "cuda")
 
 
 for _impl in (TorchSelectiveScan, CppSelectiveScan, TritonSelectiveScan, CudaSelectiveScan):

@@ -11,7 +11,7 @@
 ``out`` in ``x.dtype`` with ``x``'s shape. Every argument is validated before ``state`` is written.
 Inference only (not differentiable), like mamba-ssm's.
 
-Backends: ``torch`` (the reference, composed PyTorch in fp32), ``cpp`` (parallel over batch x heads x
+Backends: ``torch`` (composed PyTorch in fp32, as the reference), ``cpp`` (parallel over batch x heads x
 channels, each row's N-long update one vectorised loop with a polynomial exp; in the selective_scan
 extension) and ``triton`` (a program per (batch, head, channel block), the state tile in registers). The
 compiled backends update an fp32 contiguous ``state`` directly; any other state is updated through an fp32
@@ -20,13 +20,15 @@ copy that is written back (after validation, so a rejected call never touches it
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from ..backend import AUTO, Implementation, TritonImplementation, register
-from ..extensions import load_extension
+from ..backend import register
+from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, run
+from ._dispatch import call_of, resolve, run
 
 __all__ = ["selective_state_update", "selective_state_update_ref"]
 
@@ -112,15 +114,38 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
                            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None,
                            z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                            dt_softplus: bool = False, *, backend: str | None = None) -> torch.Tensor:
-    """mamba-ssm's ``selective_state_update`` (see the module docstring); updates ``state`` in place."""
+    """One decode step of the selective scan (mamba-ssm's ``selective_state_update``).
+
+    Args:
+        state: the SSM state; updated in place (fp32 recommended).
+        x: the step's input.
+        dt: the step's time steps (before ``dt_bias`` and softplus).
+        A: the real state matrix.
+        B: input weights, shared by the heads of a group.
+        C: output weights, shared by the heads of a group.
+        D: optional skip weight.
+        z: optional gate: the output is multiplied by ``silu(z)``.
+        dt_bias: optional bias added to ``dt``.
+        dt_softplus: apply softplus to ``dt + dt_bias``.
+        backend: force 'cpp', 'triton' or 'torch' (default: the selector's choice).
+
+    Returns:
+        The step's output in ``x.dtype`` and ``x``'s shape (not differentiable).
+
+    Shapes:
+        without heads: state ``(B, dim, N)``; x, dt, z, out ``(B, dim)``; A ``(dim, N)``; B, C ``(B, N)``;
+        D, dt_bias ``(dim,)``. With heads: state ``(B, H, dim, N)``; x, dt, z, out ``(B, H, dim)``;
+        A ``(H, dim, N)``; B, C ``(B, G, N)`` with ``G`` dividing ``H``; D, dt_bias ``(H, dim)``.
+    """
     _validate(state, x, dt, A, B, C, D, z, dt_bias)
     with torch.no_grad():
-        return _ssu(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), backend or AUTO)
+        name = resolve(OP, lambda: call_of(x, dstate=state.shape[-1]), backend)
+        return _ssu(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), name)
 
 
-class TorchSelectiveStateUpdate(Implementation):
-    op, backend = OP, "torch"
-    description = "composed PyTorch, fp32 arithmetic (the reference)"
+class TorchSelectiveStateUpdate(TorchImplementation):
+    op = OP
+    description = "composed PyTorch, fp32 arithmetic"
 
     def forward(self, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
         return selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
@@ -138,9 +163,11 @@ def _heads_args(state, x, dt, A, B, C, D, z, dt_bias):
     return st, work, (c(x4), c(dt4), c(A4), c(B4), c(C4), c(D4), c(z4), c(db4))
 
 
-class _CompiledStateUpdate(Implementation):
+class _CompiledStateUpdate:
     """Shared glue: heads form, fp32 working state written back when the caller's state is not fp32
     contiguous; ``_kernel(work, *fp32 args, softplus)`` returns out (batch, nheads, dim) fp32."""
+
+    lib: Any
 
     def forward(self, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus):
         st, work, args = _heads_args(state, x, dt, A, B, C, D, z, dt_bias)
@@ -151,26 +178,17 @@ class _CompiledStateUpdate(Implementation):
         return out if state.dim() == 4 else out.squeeze(1)
 
 
-class CppSelectiveStateUpdate(_CompiledStateUpdate):
-    op, backend = OP, "cpp"
-    devices = ("cpu",)
+class CppSelectiveStateUpdate(CppImplementation, _CompiledStateUpdate):
+    op, extension = OP, "selective_scan"
     description = "C++: parallel over batch x heads x channels, vectorised over N (polynomial exp), in place"
-
-    def load(self):
-        return load_extension("selective_scan", "cpu")
 
     def _kernel(self, work, x, dt, A, B, C, D, z, dt_bias, softplus):
         return self.lib.state_update(work, x, dt, A, B, C, D, z, dt_bias, softplus)
 
 
 class TritonSelectiveStateUpdate(TritonImplementation, _CompiledStateUpdate):
-    op = OP
+    op, kernel_module = OP, "selective_scan"
     description = "Triton: a program per (batch, head, channel block), state tile in registers, in place"
-
-    def load(self):
-        from ..kernels import selective_scan as k
-
-        return k
 
     def _kernel(self, work, x, dt, A, B, C, D, z, dt_bias, softplus):
         return self.lib.selective_state_update_fwd(work, x, dt, A, B, C, D, z, dt_bias, softplus)

@@ -659,7 +659,7 @@ def test_matches_reference(op, backend_name, device_name):
     accepted = []
 
     @settings(max_examples=n, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
     @given(case=spec.cases(tiny), dtype=st.sampled_from(dtypes), seed=st.integers(0, 2**16))
     def run(case, dtype, seed):
         check_case(op, backend_name, device_name, case, dtype, seed)

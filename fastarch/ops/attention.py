@@ -873,10 +873,8 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 def _in_layout_of(ref: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``t`` (ref's shape) in ref's memory layout (so a (B, L, H, D) input gives a (B, L, H, D) output)."""
-    if t.stride() == ref.stride() or not ref.is_non_overlapping_and_dense():
-        return t
     out = torch.empty_like(ref, dtype=t.dtype)
-    return out.copy_(t)
+    return t if out.stride() == t.stride() else out.copy_(t)
 
 
 class AtenAttention(AtenImplementation):

@@ -18,7 +18,7 @@ a window of width w costs O(L*w). Blocks wholly inside the band skip the per-ele
 Numerics: online softmax in the log2 domain (``exp2`` with ``scale * log2(e)`` folded into the scores),
 fp32 accumulation, fp32 matmuls in IEEE precision unless ``torch.backends.cuda.matmul.allow_tf32``.
 
-Dropout: the keep-mask is the hash of ``(seed, b, h, i, j)`` defined in SHARED_APIS.md, computed in-kernel
+Dropout: the keep-mask is the hash of ``(seed, b, h, i, j)`` defined by ``fastarch.ops.attention.dropout_keep_mask``, computed in-kernel
 with wrapping uint32 arithmetic; the backward regenerates it instead of storing it.
 """
 

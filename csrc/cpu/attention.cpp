@@ -2,7 +2,8 @@
 //
 // Semantics (see fastarch/ops/attention.py): q (B,H,Lq,D), k/v (B,Hk,Lk,D), fp32 contiguous here (the
 // Python side converts); query i sees key j when lo(i) <= j <= hi(i) with the window bottom-right aligned
-// (offset Lk - Lq), the key is not padded, and the additive bias is applied; fully masked rows give 0 and
+// (offset Lk - Lq), the key is not padded; scores are soft-capped (softcap * tanh(s / softcap)), then the
+// additive bias and ALiBi (-slope * |i + Lk - Lq - j|) are added; fully masked rows give 0 and
 // lse = -inf; dropout uses the shared counter-based hash of (seed, b, h, i, j).
 //
 // Layout of the work:
@@ -248,7 +249,7 @@ at::Tensor key_panels(const at::Tensor& k) {
 
 using fastarch::run_tasks;
 
-// ---- dropout hash (SHARED_APIS.md) -------------------------------------------------------------------
+// ---- dropout hash (see dropout_keep_mask in fastarch/ops/attention.py) ----------------------------------------------------------
 inline uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
@@ -279,7 +280,11 @@ struct Problem {
   const bool* kpm = nullptr;  // (B, Lk)
   const float* bias = nullptr;
   int64_t sb0 = 0, sb1 = 0, sb2 = 0, sb3 = 0;  // bias strides of the (B,H,Lq,Lk) view (0 = broadcast)
+  const float* alibi = nullptr;               // (B, H) slopes: score -= slope * |i + off - j|
+  float softcap = 0.f;                        // > 0: score = softcap * tanh(score / softcap)
   Dropout drop;
+
+  float slope2(int64_t b, int64_t h) const { return alibi ? alibi[b * H + h] * kLog2e : 0.f; }
 
   int64_t lo(int64_t i) const { return wl < 0 ? 0 : std::max<int64_t>(0, i + off - wl); }
   int64_t hi(int64_t i) const { return wr < 0 ? Lk - 1 : std::min<int64_t>(Lk - 1, i + off + wr); }
@@ -289,8 +294,9 @@ struct Problem {
 };
 
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& bias, int64_t wl,
-                     int64_t wr, double p, int64_t seed, double scale) {
+                     const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& bias,
+                     const c10::optional<at::Tensor>& alibi, int64_t wl, int64_t wr, double p, int64_t seed,
+                     double scale, double softcap) {
   TORCH_CHECK(q.dtype() == at::kFloat && k.dtype() == at::kFloat && v.dtype() == at::kFloat,
               "attention cpp: q, k, v must be float32 (the Python side converts)");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "attention cpp: need contiguous");
@@ -311,6 +317,12 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     P.bias = e.data_ptr<float>();
     P.sb0 = e.stride(0); P.sb1 = e.stride(1); P.sb2 = e.stride(2); P.sb3 = e.stride(3);
   }
+  if (alibi.has_value() && alibi->defined()) {
+    TORCH_CHECK(alibi->dtype() == at::kFloat && alibi->is_contiguous() && alibi->numel() == P.B * P.H,
+                "attention cpp: alibi slopes must be contiguous float32 (B, H)");
+    P.alibi = alibi->data_ptr<float>();
+  }
+  P.softcap = static_cast<float>(softcap);
   if (p > 0) {
     P.drop.on = true;
     P.drop.seed = static_cast<uint32_t>(seed & 0xFFFFFFFFll);
@@ -320,16 +332,38 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return P;
 }
 
-// Scores of rows [i0, i0+m) against keys [c0, c0+n) (S, m x ldS) -> masked (-inf), bias added (log2 units).
+// Soft-capping in log2 units: s2 = s * log2(e) -> softcap * tanh(s / softcap) * log2(e); returns the
+// derivative factor 1 - tanh^2.
+inline float cap_log2(float& s2, float softcap) {
+  const float t = std::tanh(s2 * (kLn2 / softcap));
+  s2 = softcap * kLog2e * t;
+  return 1.f - t * t;
+}
+
+// Scores of rows [i0, i0+m) against keys [c0, c0+n) (S, m x ldS) -> soft-capped, bias and ALiBi added,
+// masked (-inf) (log2 units). dcap (m x ldS, optional) receives the soft-capping derivative (0 if masked).
 void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, int64_t c0, int64_t n, float* S,
-                 int64_t ldS) {
+                 int64_t ldS, float* dcap = nullptr) {
   const bool* kp = P.kpm ? P.kpm + b * P.Lk : nullptr;
+  const float sl2 = P.slope2(b, h);
   for (int64_t r = 0; r < m; ++r) {
     const int64_t i = i0 + r;
     float* s = S + r * ldS;
     const int64_t a = std::max<int64_t>(P.lo(i) - c0, 0), e = std::min<int64_t>(P.hi(i) - c0 + 1, n);
     for (int64_t j = 0; j < std::min(a, n); ++j) s[j] = kNegInf;
     for (int64_t j = std::max<int64_t>(e, 0); j < ldS; ++j) s[j] = kNegInf;
+    if (P.softcap > 0.f) {
+      float* dc = dcap ? dcap + r * ldS : nullptr;
+      if (dc) std::fill(dc, dc + ldS, 0.f);
+      for (int64_t j = a; j < e; ++j) {
+        const float d = cap_log2(s[j], P.softcap);
+        if (dc) dc[j] = d;
+      }
+    }
+    if (P.alibi) {
+      const int64_t ip = i + P.off - c0;
+      for (int64_t j = a; j < e; ++j) s[j] -= sl2 * static_cast<float>(std::llabs(ip - j));
+    }
     if (P.bias) {
       const float* bb = P.bias + b * P.sb0 + h * P.sb1 + i * P.sb2 + c0 * P.sb3;
       for (int64_t j = a; j < e; ++j) s[j] += bb[j * P.sb3] * kLog2e;
@@ -344,8 +378,9 @@ void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, 
 // ---- forward ------------------------------------------------------------------------------------------
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& bias,
-                            int64_t wl, int64_t wr, double dropout_p, int64_t seed, double scale) {
-  const Problem P = make_problem(q, k, v, kpm, bias, wl, wr, dropout_p, seed, scale);
+                            const c10::optional<at::Tensor>& alibi, int64_t wl, int64_t wr, double dropout_p,
+                            int64_t seed, double scale, double softcap) {
+  const Problem P = make_problem(q, k, v, kpm, bias, alibi, wl, wr, dropout_p, seed, scale, softcap);
   at::Tensor o = at::empty_like(q);
   at::Tensor lse = at::empty({P.B, P.H, P.Lq}, q.options());
   float* O = o.data_ptr<float>();
@@ -430,9 +465,10 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
 // ---- backward -----------------------------------------------------------------------------------------
 std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& kpm,
-                            const c10::optional<at::Tensor>& bias, int64_t wl, int64_t wr, double dropout_p,
-                            int64_t seed, double scale, bool need_dbias) {
-  const Problem P = make_problem(q, k, v, kpm, bias, wl, wr, dropout_p, seed, scale);
+                            const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& alibi,
+                            int64_t wl, int64_t wr, double dropout_p, int64_t seed, double scale, double softcap,
+                            bool need_dbias) {
+  const Problem P = make_problem(q, k, v, kpm, bias, alibi, wl, wr, dropout_p, seed, scale, softcap);
   TORCH_CHECK(dout.is_contiguous() && out.is_contiguous() && lse.is_contiguous(), "attention cpp: contiguous");
   TORCH_CHECK(dout.dtype() == at::kFloat && out.dtype() == at::kFloat, "attention cpp: do/o float32");
   const int64_t D = P.D, Dp = P.Dp, G = P.H / P.Hk;
@@ -464,15 +500,18 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     float* DK = dk.data_ptr<float>();
     float* DV = dv.data_ptr<float>();
     run_tasks(P.B * P.Hk * nkb, [&](int64_t begin, int64_t end) {
-      std::vector<float> Ks(BK * D), dKa(BK * Dp), dVa(BK * Dp), St, dPt;
+      // Each query head's dK/dV contribution is summed in fp32 (as one GEMM over its rows), and the heads of
+      // a group are added in fp64: a running fp32 sum over G * Lq rows would grow G times the rounding error.
+      std::vector<float> Ks(BK * D), dKa(BK * Dp), dVa(BK * Dp), St, dPt, Dc;
+      std::vector<double> dKd(BK * Dp), dVd(BK * Dp);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t kb = task % nkb, bhk = task / nkb, hk = bhk % P.Hk, b = bhk / P.Hk;
         const int64_t j0 = kb * BK, nk = std::min(BK, P.Lk - j0);
         const float* kp = P.k + ((b * P.Hk + hk) * P.Lk + j0) * D;
         const float* vp = P.v + ((b * P.Hk + hk) * P.Lk + j0) * D;
         for (int64_t r = 0; r < nk * D; ++r) Ks[r] = kp[r] * qscale;
-        std::fill(dKa.begin(), dKa.end(), 0.f);
-        std::fill(dVa.begin(), dVa.end(), 0.f);
+        std::fill(dKd.begin(), dKd.end(), 0.0);
+        std::fill(dVd.begin(), dVd.end(), 0.0);
         // query i sees key j iff j - off - wr <= i <= j - off + wl (each side only when limited)
         int64_t a_lo = 0, a_hi = P.Lq - 1;
         if (P.wr >= 0) a_lo = std::max<int64_t>(a_lo, j0 - P.off - P.wr);
@@ -484,12 +523,16 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
           const float* l2 = lse2 + bh * P.Lq;
           const float* dih = Di + bh * P.Lq;
           const uint32_t hkey = P.drop.on ? P.drop.head_key(b, P.H, h) : 0;
+          const float sl2 = P.slope2(b, h);
+          std::fill(dKa.begin(), dKa.end(), 0.f);
+          std::fill(dVa.begin(), dVa.end(), 0.f);
           const int64_t total = a_hi - a_lo + 1;
           const int64_t csz = total <= ONE_CHUNK ? total : CHUNK;
           for (int64_t a0 = a_lo; a0 <= a_hi; a0 += csz) {
             const int64_t nq = std::min(csz, a_hi + 1 - a0), nqp = round16(nq);
             St.resize(nk * nqp);
             dPt.resize(nk * nqp);
+            if (P.softcap > 0.f) Dc.resize(nk * nqp);
             gemm(nk, nqp, D, Ks.data(), D, QTp + bh * D * LqT + a0, LqT, St.data(), nqp, false);   // S^T
             gemm(nk, nqp, D, vp, D, dOTp + bh * D * LqT + a0, LqT, dPt.data(), nqp, false);       // dPd^T
             for (int64_t jr = 0; jr < nk; ++jr) {
@@ -502,6 +545,11 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
               if (kpb && !kpb[j]) cB = cA;
               cB = std::max(cB, cA);
               for (int64_t c = 0; c < cA; ++c) s[c] = kNegInf;
+              float* dc = P.softcap > 0.f ? Dc.data() + jr * nqp : nullptr;
+              if (dc)
+                for (int64_t c = cA; c < cB; ++c) dc[c] = cap_log2(s[c], P.softcap);
+              if (P.alibi)
+                for (int64_t c = cA; c < cB; ++c) s[c] -= sl2 * static_cast<float>(std::llabs(a0 + c + P.off - j));
               if (P.bias) {
                 const float* bb = P.bias + b * P.sb0 + h * P.sb1 + a0 * P.sb2 + j * P.sb3;
                 for (int64_t c = cA; c < cB; ++c) s[c] += bb[c * P.sb2] * kLog2e;
@@ -525,6 +573,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
                 float* db = DB + (bh * P.Lq + a0) * P.Lk + j;
                 for (int64_t c = cA; c < cB; ++c) db[c * P.Lk] = dp[c];
               }
+              if (dc)
+                for (int64_t c = cA; c < cB; ++c) dp[c] *= dc[c];
               if (P.drop.on) {  // dV uses the dropped probabilities
                 for (int64_t c = cA; c < cB; ++c)
                   if (s[c] != 0.f) s[c] = P.drop.keep(hkey, a0 + c, j) ? s[c] * P.drop.inv_keep : 0.f;
@@ -533,13 +583,17 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
             gemm(nk, Dp, nqp, St.data(), nqp, dOPp + (bh * LqT + a0) * Dp, Dp, dVa.data(), Dp, true);
             gemm(nk, Dp, nqp, dPt.data(), nqp, QPp + (bh * LqT + a0) * Dp, Dp, dKa.data(), Dp, true);
           }
+          for (int64_t r = 0; r < nk * Dp; ++r) {
+            dKd[r] += dKa[r];
+            dVd[r] += dVa[r];
+          }
         }
         float* dkp = DK + ((b * P.Hk + hk) * P.Lk + j0) * D;
         float* dvp = DV + ((b * P.Hk + hk) * P.Lk + j0) * D;
         for (int64_t r = 0; r < nk; ++r)
           for (int64_t d = 0; d < D; ++d) {
-            dkp[r * D + d] = dKa[r * Dp + d] * P.scale;
-            dvp[r * D + d] = dVa[r * Dp + d];
+            dkp[r * D + d] = static_cast<float>(dKd[r * Dp + d] * P.scale);
+            dvp[r * D + d] = static_cast<float>(dVd[r * Dp + d]);
           }
       }
     });
@@ -554,7 +608,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     const int64_t nqb = (P.Lq + BQ - 1) / BQ;
     float* DQ = dq.data_ptr<float>();
     run_tasks(P.B * P.H * nqb, [&](int64_t begin, int64_t end) {
-      std::vector<float> Qs(BQ * D), S, dP, dQa(BQ * Dp);
+      std::vector<float> Qs(BQ * D), S, dP, dQa(BQ * Dp), Dc;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
         const int64_t hk = b * P.Hk + h / G;
@@ -574,9 +628,10 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
             const int64_t n = std::min(csz, span_hi + 1 - c0), np = round16(n);
             S.resize(m * np);
             dP.resize(m * np);
+            if (P.softcap > 0.f) Dc.resize(m * np);
             gemm(m, np, D, Qs.data(), D, KTp + hk * D * LkT + c0, LkT, S.data(), np, false);
             gemm(m, np, D, dop, D, VTp + hk * D * LkT + c0, LkT, dP.data(), np, false);
-            mask_scores(P, b, h, i0, m, c0, n, S.data(), np);
+            mask_scores(P, b, h, i0, m, c0, n, S.data(), np, P.softcap > 0.f ? Dc.data() : nullptr);
             for (int64_t r = 0; r < m; ++r) {
               float* s = S.data() + r * np;
               float* dp = dP.data() + r * np;
@@ -588,6 +643,11 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
               const float di = dih[r];
 #pragma omp simd
               for (int64_t j = 0; j < np; ++j) dp[j] = s[j] * (dp[j] - di);
+              if (P.softcap > 0.f) {
+                const float* dc = Dc.data() + r * np;
+#pragma omp simd
+                for (int64_t j = 0; j < np; ++j) dp[j] *= dc[j];
+              }
             }
             gemm(m, Dp, n, dP.data(), np, KPp + (hk * LkT + c0) * Dp, Dp, dQa.data(), Dp, true);
           }

@@ -40,7 +40,7 @@ from ._dispatch import (
     run,
 )
 
-__all__ = ["attention", "attention_ref", "dropout_keep_mask", "normalize_window"]
+__all__ = ["attention", "attention_probs", "attention_ref", "dropout_keep_mask", "normalize_window"]
 
 OP = "attention"
 _M = 0xFFFFFFFF
@@ -334,6 +334,29 @@ def attention_ref(
                         0, 0)
     o = _as_bhld(o.to(q.dtype), layout)
     return (o, lse) if return_lse else o
+
+
+def attention_probs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+    window: int | Sequence[int] = (-1, -1), dropout_p: float = 0.0, scale: float | None = None,
+    dropout_seed: int = 0, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The attention probabilities ``(B, H, Lq, Lk)`` fp32 of a dense problem (q ``(B, H, Lq, D)``, k/v
+    ``(B, Hk, Lk, D)``), with the entries that dropout drops negated (FlashAttention's sign encoding of its
+    ``S_dmask``); masked entries are 0. Materialises the whole matrix: for inspection and tests."""
+    wl, wr = normalize_window(window, causal)
+    sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    B, H, Lq, _ = q.shape
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = alibi_slopes.float().expand(B, H) if alibi_slopes.dim() == 1 else alibi_slopes.float()
+    s, _ = _dense_scores_mask(q.detach().float(), _expand_kv(k.detach().float(), H), None, None, wl, wr, sc, 0,
+                              Lq, float(softcap), alibi)
+    p, _ = _softmax_lse(s)
+    if dropout_p > 0:
+        keep = dropout_keep_mask(dropout_seed, B, H, Lq, k.shape[2], dropout_p, q.device)
+        p = torch.where(keep, p, -p)
+    return p
 
 
 def _ref_dense(q, k, v, kpm, bias, wl, wr, p, seed, scale, softcap, alibi, drop_row0, drop_col0):
@@ -936,26 +959,21 @@ class CppAttention(CppImplementation):
     op, extension = OP, "attention"
     description = "banded tiled online-softmax C++ kernel (AVX2/FMA micro-GEMMs), fp32 accumulation"
 
-    def check(self, call):
-        reasons = []
-        if call.get("softcap"):
-            reasons.append("softcap (not in the C++ kernel)")
-        if call.get("alibi"):
-            reasons.append("ALiBi (not in the C++ kernel)")
-        return reasons
-
     def forward(self, q, k, v, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap):
         kpm = kpm.contiguous() if kpm is not None else None
         bias = bias.float() if bias is not None else None
-        o, lse = self.lib.attention_fwd(_f32(q), _f32(k), _f32(v), kpm, bias, wl, wr, p, seed, scale)
+        alibi = _f32(alibi) if alibi is not None else None
+        o, lse = self.lib.attention_fwd(_f32(q), _f32(k), _f32(v), kpm, bias, alibi, wl, wr, p, seed, scale,
+                                        softcap)
         return _in_layout_of(q, o.to(q.dtype)), lse
 
     def backward(self, do, q, k, v, o, lse, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap,
                  need_dbias):
         kpm = kpm.contiguous() if kpm is not None else None
         bias = bias.float() if bias is not None else None
+        alibi = _f32(alibi) if alibi is not None else None
         res = self.lib.attention_bwd(_f32(do), _f32(q), _f32(k), _f32(v), _f32(o), lse.contiguous(), kpm, bias,
-                                     wl, wr, p, seed, scale, need_dbias)
+                                     alibi, wl, wr, p, seed, scale, softcap, need_dbias)
         dq, dk, dv = res[0], res[1], res[2]
         dbias = res[3] if need_dbias else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias

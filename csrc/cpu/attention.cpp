@@ -1,7 +1,8 @@
 // Banded, tiled attention for CPUs: forward and backward (FlashAttention-2 style recomputation).
 //
-// Semantics (see fastarch/ops/attention.py): q (B,H,Lq,D), k/v (B,Hk,Lk,D), fp32 contiguous here (the
-// Python side converts); query i sees key j when lo(i) <= j <= hi(i) with the window bottom-right aligned
+// Semantics (see fastarch/ops/attention.py): q (B,H,Lq,D), k/v (B,Hk,Lk,D), fp32 (the Python side
+// converts), read through their strides (so (B,L,H,D) tensors need no transposed copy), outputs in the
+// inputs' layouts; a packed variable-length batch (B = 1) gives per-row key bounds instead of the window; query i sees key j when lo(i) <= j <= hi(i) with the window bottom-right aligned
 // (offset Lk - Lq), the key is not padded; scores are soft-capped (softcap * tanh(s / softcap)), then the
 // additive bias and ALiBi (-slope * |i + Lk - Lq - j|) are added; fully masked rows give 0 and
 // lse = -inf; dropout uses the shared counter-based hash of (seed, b, h, i, j).
@@ -224,8 +225,10 @@ at::Tensor rows_padded(const at::Tensor& x, int64_t Dp) {
 
 // (B,Hk,Lk,D) -> (B,Hk,Lk/16+2,D,16): keys in zero-padded panels of 16, each panel D x 16 contiguous.
 at::Tensor key_panels(const at::Tensor& k) {
-  // One parallel pass (pad + transpose + contiguous would copy twice: ~7% of a windowed forward).
-  const int64_t L = k.size(2), D = k.size(3), np = L / 16 + 2, nbh = k.size(0) * k.size(1);
+  // One parallel pass (pad + transpose + contiguous would copy twice: ~7% of a windowed forward). k is read
+  // through its strides (any layout with unit-stride rows).
+  const int64_t L = k.size(2), D = k.size(3), np = L / 16 + 2, nbh = k.size(0) * k.size(1), Hk = k.size(1);
+  const int64_t s0 = k.stride(0), s1 = k.stride(1), s2 = k.stride(2);
   at::Tensor out = at::empty({k.size(0), k.size(1), np, D, 16}, k.options());
   const float* src = k.data_ptr<float>();
   float* dst = out.data_ptr<float>();
@@ -233,10 +236,10 @@ at::Tensor key_panels(const at::Tensor& k) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / np, row0 = (t % np) * 16;
       float* o = dst + t * D * 16;
-      const float* s = src + (bh * L + row0) * D;
+      const float* s = src + (bh / Hk) * s0 + (bh % Hk) * s1 + row0 * s2;
       for (int64_t c = 0; c < 16; ++c) {
         if (row0 + c < L) {
-          const float* r = s + c * D;
+          const float* r = s + c * s2;
           for (int64_t d = 0; d < D; ++d) o[d * 16 + c] = r[d];
         } else {
           for (int64_t d = 0; d < D; ++d) o[d * 16 + c] = 0.f;
@@ -277,6 +280,10 @@ struct Problem {
   int64_t B, H, Hk, Lq, Lk, D, Dp, wl, wr, off;
   float scale;
   const float *q, *k, *v;
+  int64_t sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2;  // (b, h, row) strides; rows are unit-stride
+  // Variable-length batches (B = 1, packed): per query row the visible keys rlo..rhi (inclusive), its
+  // bottom-right aligned key position and its sequence (for the ALiBi slopes); both bounds nondecreasing.
+  const int64_t *rlo = nullptr, *rhi = nullptr, *rpos = nullptr, *rseg = nullptr;
   const bool* kpm = nullptr;  // (B, Lk)
   const float* bias = nullptr;
   int64_t sb0 = 0, sb1 = 0, sb2 = 0, sb3 = 0;  // bias strides of the (B,H,Lq,Lk) view (0 = broadcast)
@@ -284,22 +291,43 @@ struct Problem {
   float softcap = 0.f;                        // > 0: score = softcap * tanh(score / softcap)
   Dropout drop;
 
-  float slope2(int64_t b, int64_t h) const { return alibi ? alibi[b * H + h] * kLog2e : 0.f; }
+  float slope2(int64_t b, int64_t h, int64_t i) const {
+    return alibi ? alibi[(rseg ? rseg[i] : b) * H + h] * kLog2e : 0.f;
+  }
+  int64_t pos(int64_t i) const { return rpos ? rpos[i] : i + off; }
+  // The rows that see key j are row_first(j) .. row_last(j) (unclamped).
+  int64_t row_first(int64_t j) const {
+    if (rhi) return std::lower_bound(rhi, rhi + Lq, j) - rhi;
+    return wr >= 0 ? j - off - wr : 0;
+  }
+  int64_t row_last(int64_t j) const {
+    if (rlo) return (std::upper_bound(rlo, rlo + Lq, j) - rlo) - 1;
+    return wl >= 0 ? j - off + wl : Lq - 1;
+  }
 
-  int64_t lo(int64_t i) const { return wl < 0 ? 0 : std::max<int64_t>(0, i + off - wl); }
-  int64_t hi(int64_t i) const { return wr < 0 ? Lk - 1 : std::min<int64_t>(Lk - 1, i + off + wr); }
-  const float* qh(int64_t b, int64_t h) const { return q + ((b * H + h) * Lq) * D; }
-  const float* kh(int64_t b, int64_t h) const { return k + ((b * Hk + h / (H / Hk)) * Lk) * D; }
-  const float* vh(int64_t b, int64_t h) const { return v + ((b * Hk + h / (H / Hk)) * Lk) * D; }
+  int64_t lo(int64_t i) const {
+    if (rlo) return rlo[i];
+    return wl < 0 ? 0 : std::max<int64_t>(0, i + off - wl);
+  }
+  int64_t hi(int64_t i) const {
+    if (rhi) return rhi[i];
+    return wr < 0 ? Lk - 1 : std::min<int64_t>(Lk - 1, i + off + wr);
+  }
+  const float* qh(int64_t b, int64_t h) const { return q + b * sq0 + h * sq1; }
+  const float* kh(int64_t b, int64_t hk) const { return k + b * sk0 + hk * sk1; }
+  const float* vh(int64_t b, int64_t hk) const { return v + b * sv0 + hk * sv1; }
 };
+
+using RowBounds = c10::optional<at::Tensor>;  // (4, Lq) int64 rows: lo, hi, pos, seq
 
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& bias,
-                     const c10::optional<at::Tensor>& alibi, int64_t wl, int64_t wr, double p, int64_t seed,
-                     double scale, double softcap) {
+                     const c10::optional<at::Tensor>& alibi, const RowBounds& rows, int64_t wl, int64_t wr,
+                     double p, int64_t seed, double scale, double softcap) {
   TORCH_CHECK(q.dtype() == at::kFloat && k.dtype() == at::kFloat && v.dtype() == at::kFloat,
               "attention cpp: q, k, v must be float32 (the Python side converts)");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "attention cpp: need contiguous");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "attention cpp: q, k, v need unit-stride rows (any other layout is read through strides)");
   Problem P;
   P.B = q.size(0); P.H = q.size(1); P.Lq = q.size(2); P.D = q.size(3);
   P.Hk = k.size(1); P.Lk = k.size(2);
@@ -307,6 +335,17 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   P.wl = wl; P.wr = wr; P.off = P.Lk - P.Lq;
   P.scale = static_cast<float>(scale);
   P.q = q.data_ptr<float>(); P.k = k.data_ptr<float>(); P.v = v.data_ptr<float>();
+  P.sq0 = q.stride(0); P.sq1 = q.stride(1); P.sq2 = q.stride(2);
+  P.sk0 = k.stride(0); P.sk1 = k.stride(1); P.sk2 = k.stride(2);
+  P.sv0 = v.stride(0); P.sv1 = v.stride(1); P.sv2 = v.stride(2);
+  if (rows.has_value() && rows->defined()) {
+    TORCH_CHECK(P.B == 1, "attention cpp: row bounds need the packed (B = 1) problem");
+    TORCH_CHECK(rows->dtype() == at::kLong && rows->is_contiguous() && rows->dim() == 2 && rows->size(0) == 4 &&
+                    rows->size(1) == P.Lq,
+                "attention cpp: row bounds must be a contiguous int64 (4, Lq) tensor");
+    const int64_t* ptr = rows->data_ptr<int64_t>();
+    P.rlo = ptr; P.rhi = ptr + P.Lq; P.rpos = ptr + 2 * P.Lq; P.rseg = ptr + 3 * P.Lq;
+  }
   if (kpm.has_value() && kpm->defined()) {
     TORCH_CHECK(kpm->dtype() == at::kBool && kpm->is_contiguous(), "attention cpp: key_padding_mask bool");
     P.kpm = kpm->data_ptr<bool>();
@@ -318,8 +357,9 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     P.sb0 = e.stride(0); P.sb1 = e.stride(1); P.sb2 = e.stride(2); P.sb3 = e.stride(3);
   }
   if (alibi.has_value() && alibi->defined()) {
-    TORCH_CHECK(alibi->dtype() == at::kFloat && alibi->is_contiguous() && alibi->numel() == P.B * P.H,
-                "attention cpp: alibi slopes must be contiguous float32 (B, H)");
+    TORCH_CHECK(alibi->dtype() == at::kFloat && alibi->is_contiguous() && alibi->dim() == 2 &&
+                    alibi->size(1) == P.H,
+                "attention cpp: alibi slopes must be contiguous float32 (B or sequences, H)");
     P.alibi = alibi->data_ptr<float>();
   }
   P.softcap = static_cast<float>(softcap);
@@ -345,7 +385,6 @@ inline float cap_log2(float& s2, float softcap) {
 void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, int64_t c0, int64_t n, float* S,
                  int64_t ldS, float* dcap = nullptr) {
   const bool* kp = P.kpm ? P.kpm + b * P.Lk : nullptr;
-  const float sl2 = P.slope2(b, h);
   for (int64_t r = 0; r < m; ++r) {
     const int64_t i = i0 + r;
     float* s = S + r * ldS;
@@ -361,7 +400,8 @@ void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, 
       }
     }
     if (P.alibi) {
-      const int64_t ip = i + P.off - c0;
+      const float sl2 = P.slope2(b, h, i);
+      const int64_t ip = P.pos(i) - c0;
       for (int64_t j = a; j < e; ++j) s[j] -= sl2 * static_cast<float>(std::llabs(ip - j));
     }
     if (P.bias) {
@@ -378,10 +418,11 @@ void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, 
 // ---- forward ------------------------------------------------------------------------------------------
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& bias,
-                            const c10::optional<at::Tensor>& alibi, int64_t wl, int64_t wr, double dropout_p,
-                            int64_t seed, double scale, double softcap) {
-  const Problem P = make_problem(q, k, v, kpm, bias, alibi, wl, wr, dropout_p, seed, scale, softcap);
-  at::Tensor o = at::empty_like(q);
+                            const c10::optional<at::Tensor>& alibi, const RowBounds& rows, int64_t wl,
+                            int64_t wr, double dropout_p, int64_t seed, double scale, double softcap) {
+  const Problem P = make_problem(q, k, v, kpm, bias, alibi, rows, wl, wr, dropout_p, seed, scale, softcap);
+  at::Tensor o = at::empty_like(q);  // q's layout (strides)
+  const int64_t so0 = o.stride(0), so1 = o.stride(1), so2 = o.stride(2);
   at::Tensor lse = at::empty({P.B, P.H, P.Lq}, q.options());
   float* O = o.data_ptr<float>();
   float* LSE = lse.data_ptr<float>();
@@ -389,10 +430,12 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t D = P.D, Dp = P.Dp;
   const float qscale = P.scale * kLog2e;
   const at::Tensor KP = key_panels(k);                         // (B, Hk, Lk/16+2, D, 16)
-  const at::Tensor VP = D == Dp ? v : rows_padded(v, Dp);      // (B, Hk, Lk[+16], Dp)
+  // Values are read in place when D is a multiple of 16, else from a zero-padded (B, Hk, Lk+16, Dp) copy.
+  const at::Tensor VP = D == Dp ? v : rows_padded(v, Dp);
   const float* KPp = KP.data_ptr<float>();
   const float* VPp = VP.data_ptr<float>();
-  const int64_t kpanels = KP.size(2) * D * 16, Lv = VP.size(2), G = P.H / P.Hk;
+  const int64_t kpanels = KP.size(2) * D * 16, G = P.H / P.Hk;
+  const int64_t sv0 = VP.stride(0), sv1 = VP.stride(1), ldv = VP.stride(2);
 
   run_tasks(P.B * P.H * nqb, [&](int64_t begin, int64_t end) {
     std::vector<float> Qs(BQ * D), S, acc(BQ * Dp), mrow(BQ), lrow(BQ);
@@ -400,10 +443,10 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
       const int64_t i0 = qb * BQ, m = std::min(BQ, P.Lq - i0);
-      const float* qp = P.qh(b, h) + i0 * D;
+      const float* qp = P.qh(b, h) + i0 * P.sq2;
       const float* kp = KPp + (b * P.Hk + h / G) * kpanels;
-      const float* vp = VPp + (b * P.Hk + h / G) * Lv * Dp;
-      float* op = O + ((b * P.H + h) * P.Lq + i0) * D;
+      const float* vp = VPp + b * sv0 + (h / G) * sv1;
+      float* op = O + b * so0 + h * so1 + i0 * so2;
       float* lp = LSE + (b * P.H + h) * P.Lq + i0;
       // Chunks start on a panel boundary; the extra leading columns are masked like any other.
       const int64_t span_lo = P.lo(i0) / 16 * 16, span_hi = P.hi(i0 + m - 1);
@@ -411,7 +454,8 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
       std::fill(mrow.begin(), mrow.end(), kNegInf);
       std::fill(lrow.begin(), lrow.end(), 0.f);
       if (span_lo <= span_hi) {
-        for (int64_t r = 0; r < m * D; ++r) Qs[r] = qp[r] * qscale;
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t d = 0; d < D; ++d) Qs[r * D + d] = qp[r * P.sq2 + d] * qscale;
         const int64_t span = span_hi - span_lo + 1;
         const int64_t csz = span <= ONE_CHUNK ? span : CHUNK;
         const uint32_t hkey = P.drop.on ? P.drop.head_key(b, P.H, h) : 0;
@@ -448,13 +492,13 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
                 s[j] = (s[j] != 0.f && P.drop.keep(hkey, i, c0 + j)) ? s[j] * P.drop.inv_keep : 0.f;
             }
           }
-          gemm_band_k(m, Dp, S.data(), np, vp + c0 * Dp, Dp, acc.data(), Dp, ra.data(), re.data());
+          gemm_band_k(m, Dp, S.data(), np, vp + c0 * ldv, ldv, acc.data(), Dp, ra.data(), re.data());
         }
       }
       for (int64_t r = 0; r < m; ++r) {
         const float l = lrow[r];
         const float inv = l > 0.f ? 1.f / l : 0.f;
-        for (int64_t d = 0; d < D; ++d) op[r * D + d] = acc[r * Dp + d] * inv;
+        for (int64_t d = 0; d < D; ++d) op[r * so2 + d] = acc[r * Dp + d] * inv;
         lp[r] = l > 0.f ? (mrow[r] + std::log2(l)) * kLn2 : kNegInf;
       }
     }
@@ -466,20 +510,20 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
 std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& kpm,
                             const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& alibi,
-                            int64_t wl, int64_t wr, double dropout_p, int64_t seed, double scale, double softcap,
-                            bool need_dbias) {
-  const Problem P = make_problem(q, k, v, kpm, bias, alibi, wl, wr, dropout_p, seed, scale, softcap);
-  TORCH_CHECK(dout.is_contiguous() && out.is_contiguous() && lse.is_contiguous(), "attention cpp: contiguous");
+                            const RowBounds& rows, int64_t wl, int64_t wr, double dropout_p, int64_t seed,
+                            double scale, double softcap, bool need_dbias) {
+  const Problem P = make_problem(q, k, v, kpm, bias, alibi, rows, wl, wr, dropout_p, seed, scale, softcap);
+  TORCH_CHECK(dout.is_contiguous() && lse.is_contiguous(), "attention cpp: dout and lse must be contiguous");
   TORCH_CHECK(dout.dtype() == at::kFloat && out.dtype() == at::kFloat, "attention cpp: do/o float32");
   const int64_t D = P.D, Dp = P.Dp, G = P.H / P.Hk;
   // lse2 = lse * log2(e) (natural -> log2 units), with -inf rows mapped to +inf so that exp2(s - lse2) = 0;
   // Di = rowsum(dO * O).
   at::Tensor lse2t = at::where(at::isinf(lse), at::full({}, std::numeric_limits<float>::infinity(), lse.options()),
                                lse * kLog2e);
-  at::Tensor Dit = (dout * out).sum(-1);
+  at::Tensor Dit = (dout * out).sum(-1).contiguous();
   const float* lse2 = lse2t.data_ptr<float>();
   const float* Di = Dit.data_ptr<float>();
-  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);  // inputs' layouts
   at::Tensor dbias;
   float* DB = nullptr;
   if (need_dbias) {
@@ -507,15 +551,15 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
       for (int64_t task = begin; task < end; ++task) {
         const int64_t kb = task % nkb, bhk = task / nkb, hk = bhk % P.Hk, b = bhk / P.Hk;
         const int64_t j0 = kb * BK, nk = std::min(BK, P.Lk - j0);
-        const float* kp = P.k + ((b * P.Hk + hk) * P.Lk + j0) * D;
-        const float* vp = P.v + ((b * P.Hk + hk) * P.Lk + j0) * D;
-        for (int64_t r = 0; r < nk * D; ++r) Ks[r] = kp[r] * qscale;
+        const float* kp = P.kh(b, hk) + j0 * P.sk2;
+        const float* vp = P.vh(b, hk) + j0 * P.sv2;
+        for (int64_t r = 0; r < nk; ++r)
+          for (int64_t d = 0; d < D; ++d) Ks[r * D + d] = kp[r * P.sk2 + d] * qscale;
         std::fill(dKd.begin(), dKd.end(), 0.0);
         std::fill(dVd.begin(), dVd.end(), 0.0);
         // query i sees key j iff j - off - wr <= i <= j - off + wl (each side only when limited)
-        int64_t a_lo = 0, a_hi = P.Lq - 1;
-        if (P.wr >= 0) a_lo = std::max<int64_t>(a_lo, j0 - P.off - P.wr);
-        if (P.wl >= 0) a_hi = std::min<int64_t>(a_hi, j0 + nk - 1 - P.off + P.wl);
+        const int64_t a_lo = std::max<int64_t>(0, P.row_first(j0));
+        const int64_t a_hi = std::min<int64_t>(P.Lq - 1, P.row_last(j0 + nk - 1));
         const bool* kpb = P.kpm ? P.kpm + b * P.Lk : nullptr;
         for (int64_t g = 0; g < G && a_lo <= a_hi; ++g) {
           const int64_t h = hk * G + g;
@@ -523,7 +567,6 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
           const float* l2 = lse2 + bh * P.Lq;
           const float* dih = Di + bh * P.Lq;
           const uint32_t hkey = P.drop.on ? P.drop.head_key(b, P.H, h) : 0;
-          const float sl2 = P.slope2(b, h);
           std::fill(dKa.begin(), dKa.end(), 0.f);
           std::fill(dVa.begin(), dVa.end(), 0.f);
           const int64_t total = a_hi - a_lo + 1;
@@ -534,14 +577,14 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
             dPt.resize(nk * nqp);
             if (P.softcap > 0.f) Dc.resize(nk * nqp);
             gemm(nk, nqp, D, Ks.data(), D, QTp + bh * D * LqT + a0, LqT, St.data(), nqp, false);   // S^T
-            gemm(nk, nqp, D, vp, D, dOTp + bh * D * LqT + a0, LqT, dPt.data(), nqp, false);       // dPd^T
+            gemm(nk, nqp, D, vp, P.sv2, dOTp + bh * D * LqT + a0, LqT, dPt.data(), nqp, false);   // dPd^T
             for (int64_t jr = 0; jr < nk; ++jr) {
               const int64_t j = j0 + jr;
               float* s = St.data() + jr * nqp;
               float* dp = dPt.data() + jr * nqp;
-              int64_t cA = 0, cB = nq;  // the columns (query rows) that see key j
-              if (P.wr >= 0) cA = std::max<int64_t>(cA, j - P.off - P.wr - a0);
-              if (P.wl >= 0) cB = std::min<int64_t>(cB, j - P.off + P.wl + 1 - a0);
+              // the columns (query rows) that see key j
+              int64_t cA = std::max<int64_t>(0, P.row_first(j) - a0);
+              int64_t cB = std::min<int64_t>(nq, P.row_last(j) + 1 - a0);
               if (kpb && !kpb[j]) cB = cA;
               cB = std::max(cB, cA);
               for (int64_t c = 0; c < cA; ++c) s[c] = kNegInf;
@@ -549,7 +592,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
               if (dc)
                 for (int64_t c = cA; c < cB; ++c) dc[c] = cap_log2(s[c], P.softcap);
               if (P.alibi)
-                for (int64_t c = cA; c < cB; ++c) s[c] -= sl2 * static_cast<float>(std::llabs(a0 + c + P.off - j));
+                for (int64_t c = cA; c < cB; ++c)
+                  s[c] -= P.slope2(b, h, a0 + c) * static_cast<float>(std::llabs(P.pos(a0 + c) - j));
               if (P.bias) {
                 const float* bb = P.bias + b * P.sb0 + h * P.sb1 + a0 * P.sb2 + j * P.sb3;
                 for (int64_t c = cA; c < cB; ++c) s[c] += bb[c * P.sb2] * kLog2e;
@@ -588,12 +632,12 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
             dVd[r] += dVa[r];
           }
         }
-        float* dkp = DK + ((b * P.Hk + hk) * P.Lk + j0) * D;
-        float* dvp = DV + ((b * P.Hk + hk) * P.Lk + j0) * D;
+        float* dkp = DK + b * dk.stride(0) + hk * dk.stride(1) + j0 * dk.stride(2);
+        float* dvp = DV + b * dv.stride(0) + hk * dv.stride(1) + j0 * dv.stride(2);
         for (int64_t r = 0; r < nk; ++r)
           for (int64_t d = 0; d < D; ++d) {
-            dkp[r * D + d] = static_cast<float>(dKd[r * Dp + d] * P.scale);
-            dvp[r * D + d] = static_cast<float>(dVd[r * Dp + d]);
+            dkp[r * dk.stride(2) + d] = static_cast<float>(dKd[r * Dp + d] * P.scale);
+            dvp[r * dv.stride(2) + d] = static_cast<float>(dVd[r * Dp + d]);
           }
       }
     });
@@ -613,7 +657,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
         const int64_t hk = b * P.Hk + h / G;
         const int64_t i0 = qb * BQ, m = std::min(BQ, P.Lq - i0);
-        const float* qp = P.qh(b, h) + i0 * D;
+        const float* qp = P.qh(b, h) + i0 * P.sq2;
         const float* dop = dO + (bh * P.Lq + i0) * D;
         const float* l2 = lse2 + bh * P.Lq + i0;
         const float* dih = Di + bh * P.Lq + i0;
@@ -621,7 +665,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         std::fill(dQa.begin(), dQa.end(), 0.f);
         const int64_t span_lo = P.lo(i0), span_hi = P.hi(i0 + m - 1);
         if (span_lo <= span_hi) {
-          for (int64_t r = 0; r < m * D; ++r) Qs[r] = qp[r] * qscale;
+          for (int64_t r = 0; r < m; ++r)
+            for (int64_t d = 0; d < D; ++d) Qs[r * D + d] = qp[r * P.sq2 + d] * qscale;
           const int64_t span = span_hi - span_lo + 1;
           const int64_t csz = span <= ONE_CHUNK ? span : CHUNK;
           for (int64_t c0 = span_lo; c0 <= span_hi; c0 += csz) {
@@ -652,9 +697,9 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
             gemm(m, Dp, n, dP.data(), np, KPp + (hk * LkT + c0) * Dp, Dp, dQa.data(), Dp, true);
           }
         }
-        float* dqp = DQ + (bh * P.Lq + i0) * D;
+        float* dqp = DQ + b * dq.stride(0) + h * dq.stride(1) + i0 * dq.stride(2);
         for (int64_t r = 0; r < m; ++r)
-          for (int64_t d = 0; d < D; ++d) dqp[r * D + d] = dQa[r * Dp + d] * P.scale;
+          for (int64_t d = 0; d < D; ++d) dqp[r * dq.stride(2) + d] = dQa[r * Dp + d] * P.scale;
       }
     });
   }

@@ -311,6 +311,8 @@ def attention_ref(
         lse = torch.full((H, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
         os, lses = [], []
         for s_i, (qs, qe, ks, ke) in enumerate(segs.tolist()):
+            if qe == qs or ke == ks:  # no rows, or rows that see no key (0, lse = -inf)
+                continue
             al = None
             if alibi_slopes is not None:
                 al = alibi_slopes.view(-1, H)[s_i if alibi_slopes.dim() == 2 else 0].view(1, H)
@@ -955,16 +957,35 @@ class AtenAttention(AtenImplementation):
             q, _expand_kv(k, H), _expand_kv(v, H), None, True, 0.0, causal, scale=scale)
 
 
+def _rows32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 with unit-stride rows: the C++ kernel reads any (B, H, L, D) strides, so a (B, L, H, D) tensor
+    is passed as it is."""
+    t = t.float()
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _packed_rows(segs: torch.Tensor | None, Lq: int, Lk: int, wl: int, wr: int) -> torch.Tensor | None:
+    """(4, Lq) int64 (lo, hi, pos, seq) per query row of a packed batch, for the C++ kernel (None if plain).
+    An empty row's hi is lo - 1, which keeps both bounds nondecreasing across sequences."""
+    if segs is None:
+        return None
+    lo, hi, pos, seg = _row_bounds(Lq, Lk, wl, wr, segs)
+    return torch.stack([lo, torch.maximum(hi, lo - 1), pos, seg]).contiguous()
+
+
 class CppAttention(CppImplementation):
     op, extension = OP, "attention"
-    description = "banded tiled online-softmax C++ kernel (AVX2/FMA micro-GEMMs), fp32 accumulation"
+    supports_varlen = True
+    description = ("banded tiled online-softmax C++ kernel (AVX2/FMA micro-GEMMs), fp32 accumulation; reads "
+                   "any layout through strides and packed variable-length batches natively")
 
     def forward(self, q, k, v, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap):
         kpm = kpm.contiguous() if kpm is not None else None
         bias = bias.float() if bias is not None else None
         alibi = _f32(alibi) if alibi is not None else None
-        o, lse = self.lib.attention_fwd(_f32(q), _f32(k), _f32(v), kpm, bias, alibi, wl, wr, p, seed, scale,
-                                        softcap)
+        rows = _packed_rows(segs, q.shape[2], k.shape[2], wl, wr)
+        o, lse = self.lib.attention_fwd(_rows32(q), _rows32(k), _rows32(v), kpm, bias, alibi, rows, wl, wr, p,
+                                        seed, scale, softcap)
         return _in_layout_of(q, o.to(q.dtype)), lse
 
     def backward(self, do, q, k, v, o, lse, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap,
@@ -972,8 +993,9 @@ class CppAttention(CppImplementation):
         kpm = kpm.contiguous() if kpm is not None else None
         bias = bias.float() if bias is not None else None
         alibi = _f32(alibi) if alibi is not None else None
-        res = self.lib.attention_bwd(_f32(do), _f32(q), _f32(k), _f32(v), _f32(o), lse.contiguous(), kpm, bias,
-                                     alibi, wl, wr, p, seed, scale, softcap, need_dbias)
+        rows = _packed_rows(segs, q.shape[2], k.shape[2], wl, wr)
+        res = self.lib.attention_bwd(_f32(do), _rows32(q), _rows32(k), _rows32(v), o.float(), lse.contiguous(),
+                                     kpm, bias, alibi, rows, wl, wr, p, seed, scale, softcap, need_dbias)
         dq, dk, dv = res[0], res[1], res[2]
         dbias = res[3] if need_dbias else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias

@@ -146,6 +146,29 @@ void gemm_skip_cols_panels(int64_t m, int64_t n, int64_t k, const float* A, int6
 #endif
 }
 
+// S[r, j] = Q[r] . K[j] for few query rows (decode): K rows read in place (row stride ldk), no packing.
+void scores_rows(int64_t m, int64_t n, int64_t D, const float* Q, const float* K, int64_t ldk, float* S,
+                 int64_t ldS) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kr = K + j * ldk;
+    for (int64_t r = 0; r < m; ++r) {
+      const float* qr = Q + r * D;
+      float acc = 0.f;
+      int64_t d = 0;
+#ifdef FA_AVX2
+      __m256 va = _mm256_setzero_ps();
+      for (; d + 8 <= D; d += 8) va = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), va);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(va), _mm256_extractf128_ps(va, 1));
+      h = _mm_hadd_ps(h, h);
+      h = _mm_hadd_ps(h, h);
+      acc = _mm_cvtss_f32(h);
+#endif
+      for (; d < D; ++d) acc += qr[d] * kr[d];
+      S[r * ldS + j] = acc;
+    }
+  }
+}
+
 void gemm_band_k(int64_t m, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                  int64_t ldc, const int64_t* ra, const int64_t* re) {
   for (int64_t i = 0; i < m; i += 6) {
@@ -372,13 +395,39 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return P;
 }
 
-// Soft-capping in log2 units: s2 = s * log2(e) -> softcap * tanh(s / softcap) * log2(e); returns the
-// derivative factor 1 - tanh^2.
-inline float cap_log2(float& s2, float softcap) {
-  const float t = std::tanh(s2 * (kLn2 / softcap));
-  s2 = softcap * kLog2e * t;
-  return 1.f - t * t;
+// Soft-capping in log2 units: s2 = s * log2(e) -> softcap * tanh(s / softcap) * log2(e), over n scores;
+// dc (optional) receives the derivative factor 1 - tanh^2. tanh(x) = 1 - 2 / (exp(2x) + 1) with the
+// vectorised exp2 (absolute error ~1e-7).
+void cap_log2(float* s2, float* dc, int64_t n, float softcap) {
+  const float in = 2.f * kLn2 / softcap * kLog2e, out = softcap * kLog2e;  // exp(2x) = exp2(s2 * in)
+  int64_t j = 0;
+#ifdef FA_AVX2
+  const __m256 vin = _mm256_set1_ps(in), vout = _mm256_set1_ps(out), one = _mm256_set1_ps(1.f),
+               two = _mm256_set1_ps(2.f);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp2_ps(_mm256_mul_ps(_mm256_loadu_ps(s2 + j), vin));
+    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+    _mm256_storeu_ps(s2 + j, _mm256_mul_ps(t, vout));
+    if (dc) _mm256_storeu_ps(dc + j, _mm256_fnmadd_ps(t, t, one));
+  }
+#endif
+  for (; j < n; ++j) {
+    const float t = std::tanh(s2[j] * (kLn2 / softcap));
+    s2[j] = out * t;
+    if (dc) dc[j] = 1.f - t * t;
+  }
 }
+
+// ALiBi in log2 units over scores of keys c0 + j (j < n) for a row at key position pos: s -= slope2 * |pos - key|.
+inline void alibi_row(float* s, int64_t n, float slope2, int64_t pos_minus_c0) {
+  const int32_t base = static_cast<int32_t>(pos_minus_c0);
+#pragma omp simd
+  for (int32_t j = 0; j < static_cast<int32_t>(n); ++j) s[j] -= slope2 * std::fabs(static_cast<float>(base - j));
+}
+
+// Query blocks [starts[t], starts[t+1]) of at most BQ rows; a packed batch starts a block at every sequence
+// (a block spanning sequences would walk the union of their key ranges).
+std::vector<int64_t> query_blocks(const Problem& P);
 
 // Scores of rows [i0, i0+m) against keys [c0, c0+n) (S, m x ldS) -> soft-capped, bias and ALiBi added,
 // masked (-inf) (log2 units). dcap (m x ldS, optional) receives the soft-capping derivative (0 if masked).
@@ -394,16 +443,9 @@ void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, 
     if (P.softcap > 0.f) {
       float* dc = dcap ? dcap + r * ldS : nullptr;
       if (dc) std::fill(dc, dc + ldS, 0.f);
-      for (int64_t j = a; j < e; ++j) {
-        const float d = cap_log2(s[j], P.softcap);
-        if (dc) dc[j] = d;
-      }
+      if (e > a) cap_log2(s + a, dc ? dc + a : nullptr, e - a, P.softcap);
     }
-    if (P.alibi) {
-      const float sl2 = P.slope2(b, h, i);
-      const int64_t ip = P.pos(i) - c0;
-      for (int64_t j = a; j < e; ++j) s[j] -= sl2 * static_cast<float>(std::llabs(ip - j));
-    }
+    if (P.alibi && e > a) alibi_row(s + a, e - a, P.slope2(b, h, i), P.pos(i) - c0 - a);
     if (P.bias) {
       const float* bb = P.bias + b * P.sb0 + h * P.sb1 + i * P.sb2 + c0 * P.sb3;
       for (int64_t j = a; j < e; ++j) s[j] += bb[j * P.sb3] * kLog2e;
@@ -413,6 +455,23 @@ void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, 
         if (!kp[c0 + j]) s[j] = kNegInf;
     }
   }
+}
+
+std::vector<int64_t> query_blocks(const Problem& P) {
+  std::vector<int64_t> starts;
+  for (int64_t i = 0; i < P.Lq;) {
+    starts.push_back(i);
+    int64_t e = std::min(i + BQ, P.Lq);
+    if (P.rseg)
+      for (int64_t r = i + 1; r < e; ++r)
+        if (P.rseg[r] != P.rseg[i]) {
+          e = r;
+          break;
+        }
+    i = e;
+  }
+  starts.push_back(P.Lq);
+  return starts;
 }
 
 // ---- forward ------------------------------------------------------------------------------------------
@@ -426,15 +485,23 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   at::Tensor lse = at::empty({P.B, P.H, P.Lq}, q.options());
   float* O = o.data_ptr<float>();
   float* LSE = lse.data_ptr<float>();
-  const int64_t nqb = (P.Lq + BQ - 1) / BQ;
+  const std::vector<int64_t> qblocks = query_blocks(P);
+  const int64_t nqb = static_cast<int64_t>(qblocks.size()) - 1;
   const int64_t D = P.D, Dp = P.Dp;
   const float qscale = P.scale * kLog2e;
-  const at::Tensor KP = key_panels(k);                         // (B, Hk, Lk/16+2, D, 16)
-  // Values are read in place when D is a multiple of 16, else from a zero-padded (B, Hk, Lk+16, Dp) copy.
-  const at::Tensor VP = D == Dp ? v : rows_padded(v, Dp);
+  // Few rows per block (decode): keys and values are read in place, since packing the whole cache
+  // would cost more than the attention itself. Otherwise keys are packed in panels
+  // (B, Hk, Lk/16+2, D, 16), and values read in place when D is a multiple of 16, else from a zero-padded
+  // (B, Hk, Lk+16, Dp) copy.
+  int64_t max_rows = 0;
+  for (size_t t = 0; t + 1 < qblocks.size(); ++t) max_rows = std::max(max_rows, qblocks[t + 1] - qblocks[t]);
+  const bool rows_mode = max_rows <= 8;
+  const at::Tensor KP = rows_mode ? k : key_panels(k);
+  const at::Tensor VP = (D == Dp || rows_mode) ? v : rows_padded(v, Dp);
+  const int64_t nV = rows_mode ? D : Dp;
   const float* KPp = KP.data_ptr<float>();
   const float* VPp = VP.data_ptr<float>();
-  const int64_t kpanels = KP.size(2) * D * 16, G = P.H / P.Hk;
+  const int64_t kpanels = rows_mode ? 0 : KP.size(2) * D * 16, G = P.H / P.Hk;
   const int64_t sv0 = VP.stride(0), sv1 = VP.stride(1), ldv = VP.stride(2);
 
   run_tasks(P.B * P.H * nqb, [&](int64_t begin, int64_t end) {
@@ -442,7 +509,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
     std::vector<int64_t> ra(BQ), re(BQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
-      const int64_t i0 = qb * BQ, m = std::min(BQ, P.Lq - i0);
+      const int64_t i0 = qblocks[qb], m = qblocks[qb + 1] - i0;
       const float* qp = P.qh(b, h) + i0 * P.sq2;
       const float* kp = KPp + (b * P.Hk + h / G) * kpanels;
       const float* vp = VPp + b * sv0 + (h / G) * sv1;
@@ -466,7 +533,10 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
             ra[r] = std::min<int64_t>(std::max<int64_t>(P.lo(i0 + r) - c0, 0), n);
             re[r] = std::max<int64_t>(std::min<int64_t>(P.hi(i0 + r) - c0 + 1, n), ra[r]);
           }
-          gemm_skip_cols_panels(m, np, D, Qs.data(), D, kp + c0 * D, S.data(), np, ra.data(), re.data());
+          if (rows_mode)
+            scores_rows(m, n, D, Qs.data(), P.kh(b, h / G) + c0 * P.sk2, P.sk2, S.data(), np);
+          else
+            gemm_skip_cols_panels(m, np, D, Qs.data(), D, kp + c0 * D, S.data(), np, ra.data(), re.data());
           mask_scores(P, b, h, i0, m, c0, n, S.data(), np);
           for (int64_t r = 0; r < m; ++r) {
             float* s = S.data() + r * np;
@@ -492,7 +562,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
                 s[j] = (s[j] != 0.f && P.drop.keep(hkey, i, c0 + j)) ? s[j] * P.drop.inv_keep : 0.f;
             }
           }
-          gemm_band_k(m, Dp, S.data(), np, vp + c0 * ldv, ldv, acc.data(), Dp, ra.data(), re.data());
+          gemm_band_k(m, nV, S.data(), np, vp + c0 * ldv, ldv, acc.data(), Dp, ra.data(), re.data());
         }
       }
       for (int64_t r = 0; r < m; ++r) {
@@ -589,8 +659,7 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
               cB = std::max(cB, cA);
               for (int64_t c = 0; c < cA; ++c) s[c] = kNegInf;
               float* dc = P.softcap > 0.f ? Dc.data() + jr * nqp : nullptr;
-              if (dc)
-                for (int64_t c = cA; c < cB; ++c) dc[c] = cap_log2(s[c], P.softcap);
+              if (dc && cB > cA) cap_log2(s + cA, dc + cA, cB - cA, P.softcap);
               if (P.alibi)
                 for (int64_t c = cA; c < cB; ++c)
                   s[c] -= P.slope2(b, h, a0 + c) * static_cast<float>(std::llabs(P.pos(a0 + c) - j));
@@ -649,14 +718,15 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     const at::Tensor KP = rows_padded(k, Dp);                               // (B, Hk, Lk+16, Dp)
     const float *KTp = KT.data_ptr<float>(), *VTp = VT.data_ptr<float>(), *KPp = KP.data_ptr<float>();
     const int64_t LkT = P.Lk + 16;
-    const int64_t nqb = (P.Lq + BQ - 1) / BQ;
+    const std::vector<int64_t> qblocks = query_blocks(P);
+    const int64_t nqb = static_cast<int64_t>(qblocks.size()) - 1;
     float* DQ = dq.data_ptr<float>();
     run_tasks(P.B * P.H * nqb, [&](int64_t begin, int64_t end) {
       std::vector<float> Qs(BQ * D), S, dP, dQa(BQ * Dp), Dc;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
         const int64_t hk = b * P.Hk + h / G;
-        const int64_t i0 = qb * BQ, m = std::min(BQ, P.Lq - i0);
+        const int64_t i0 = qblocks[qb], m = qblocks[qb + 1] - i0;
         const float* qp = P.qh(b, h) + i0 * P.sq2;
         const float* dop = dO + (bh * P.Lq + i0) * D;
         const float* l2 = lse2 + bh * P.Lq + i0;

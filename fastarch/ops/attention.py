@@ -247,14 +247,30 @@ def _has_exclusions(wl: int, wr: int, kpm, bias, segments) -> bool:
     return wl >= 0 or wr >= 0 or kpm is not None or bias is not None or segments is not None
 
 
+def _nonfinite_key_rows(t: torch.Tensor) -> torch.Tensor:
+    """(B, Hk, L) bool: the rows of t (B, Hk, L, D) holding a NaN or Inf. A row sum in memory order finds the
+    candidates in one pass (NaN or Inf in a row makes its sum non-finite); candidates are checked exactly,
+    since a sum of large finite values can overflow."""
+    tt = t.transpose(1, 2)
+    s = tt.sum(-1).transpose(1, 2) if tt.is_contiguous() else t.sum(-1)
+    cand = ~torch.isfinite(s)
+    if bool(cand.any()):
+        idx = cand.nonzero(as_tuple=True)
+        cand[idx] = ~torch.isfinite(t[idx]).all(-1)
+    return cand
+
+
 def _nonfinite_rows(k: torch.Tensor, v: torch.Tensor, kpm: torch.Tensor | None, H: int, wl: int, wr: int,
                     segments: torch.Tensor | None, Lq: int) -> torch.Tensor | None:
     """(B, H, Lq) bool: the query rows that see a key whose k or v row holds a NaN or Inf; None when no key
     holds one. Keys the mask, window, causality or sequence bounds exclude do not count."""
-    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # (B, Hk, Lk)
-    # While compiling, no data-dependent branch: always clean and mark (no row is marked when all is finite).
-    if not torch.compiler.is_compiling() and not bool(bad.any()):
-        return None
+    if torch.compiler.is_compiling():
+        # No data-dependent branch: always clean and mark (no row is marked when all is finite).
+        bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
+    else:
+        bad = _nonfinite_key_rows(k) | _nonfinite_key_rows(v)
+        if not bool(bad.any()):
+            return None
     B, Hk, Lk = bad.shape
     if kpm is not None:
         bad = bad & kpm.view(B, 1, Lk)

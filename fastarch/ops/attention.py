@@ -252,8 +252,10 @@ def _nonfinite_key_rows(t: torch.Tensor) -> torch.Tensor:
     candidates in one pass (NaN or Inf in a row makes its sum non-finite); candidates are checked exactly,
     since a sum of large finite values can overflow."""
     tt = t.transpose(1, 2)
-    s = tt.sum(-1).transpose(1, 2) if tt.is_contiguous() else t.sum(-1)
-    cand = ~torch.isfinite(s)
+    if tt.is_contiguous():  # (B, L, Hk, D) memory
+        cand = (~torch.isfinite(tt.sum(-1))).transpose(1, 2)
+    else:
+        cand = ~torch.isfinite(t.sum(-1))
     if bool(cand.any()):
         idx = cand.nonzero(as_tuple=True)
         cand[idx] = ~torch.isfinite(t[idx]).all(-1)

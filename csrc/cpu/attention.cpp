@@ -1,8 +1,10 @@
 // Banded, tiled attention for CPUs: forward and backward (FlashAttention-2 style recomputation).
 //
-// Semantics (see fastarch/ops/attention.py): q (B,H,Lq,D), k/v (B,Hk,Lk,D), fp32 contiguous here (the
-// Python side converts); query i sees key j when lo(i) <= j <= hi(i) with the window bottom-right aligned
-// (offset Lk - Lq), the key is not padded, and the additive bias is applied; fully masked rows give 0 and
+// Semantics (see fastarch/ops/attention.py): q (B,H,Lq,D), k/v (B,Hk,Lk,D), fp32 (the Python side
+// converts), read through their strides (so (B,L,H,D) tensors need no transposed copy), outputs in the
+// inputs' layouts; a packed variable-length batch (B = 1) gives per-row key bounds instead of the window; query i sees key j when lo(i) <= j <= hi(i) with the window bottom-right aligned
+// (offset Lk - Lq), the key is not padded; scores are soft-capped (softcap * tanh(s / softcap)), then the
+// additive bias and ALiBi (-slope * |i + Lk - Lq - j|) are added; fully masked rows give 0 and
 // lse = -inf; dropout uses the shared counter-based hash of (seed, b, h, i, j).
 //
 // Layout of the work:
@@ -144,6 +146,29 @@ void gemm_skip_cols_panels(int64_t m, int64_t n, int64_t k, const float* A, int6
 #endif
 }
 
+// S[r, j] = Q[r] . K[j] for few query rows (decode): K rows read in place (row stride ldk), no packing.
+void scores_rows(int64_t m, int64_t n, int64_t D, const float* Q, const float* K, int64_t ldk, float* S,
+                 int64_t ldS) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kr = K + j * ldk;
+    for (int64_t r = 0; r < m; ++r) {
+      const float* qr = Q + r * D;
+      float acc = 0.f;
+      int64_t d = 0;
+#ifdef FA_AVX2
+      __m256 va = _mm256_setzero_ps();
+      for (; d + 8 <= D; d += 8) va = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), va);
+      __m128 h = _mm_add_ps(_mm256_castps256_ps128(va), _mm256_extractf128_ps(va, 1));
+      h = _mm_hadd_ps(h, h);
+      h = _mm_hadd_ps(h, h);
+      acc = _mm_cvtss_f32(h);
+#endif
+      for (; d < D; ++d) acc += qr[d] * kr[d];
+      S[r * ldS + j] = acc;
+    }
+  }
+}
+
 void gemm_band_k(int64_t m, int64_t n, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                  int64_t ldc, const int64_t* ra, const int64_t* re) {
   for (int64_t i = 0; i < m; i += 6) {
@@ -223,8 +248,10 @@ at::Tensor rows_padded(const at::Tensor& x, int64_t Dp) {
 
 // (B,Hk,Lk,D) -> (B,Hk,Lk/16+2,D,16): keys in zero-padded panels of 16, each panel D x 16 contiguous.
 at::Tensor key_panels(const at::Tensor& k) {
-  // One parallel pass (pad + transpose + contiguous would copy twice: ~7% of a windowed forward).
-  const int64_t L = k.size(2), D = k.size(3), np = L / 16 + 2, nbh = k.size(0) * k.size(1);
+  // One parallel pass (pad + transpose + contiguous would copy twice: ~7% of a windowed forward). k is read
+  // through its strides (any layout with unit-stride rows).
+  const int64_t L = k.size(2), D = k.size(3), np = L / 16 + 2, nbh = k.size(0) * k.size(1), Hk = k.size(1);
+  const int64_t s0 = k.stride(0), s1 = k.stride(1), s2 = k.stride(2);
   at::Tensor out = at::empty({k.size(0), k.size(1), np, D, 16}, k.options());
   const float* src = k.data_ptr<float>();
   float* dst = out.data_ptr<float>();
@@ -232,10 +259,10 @@ at::Tensor key_panels(const at::Tensor& k) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / np, row0 = (t % np) * 16;
       float* o = dst + t * D * 16;
-      const float* s = src + (bh * L + row0) * D;
+      const float* s = src + (bh / Hk) * s0 + (bh % Hk) * s1 + row0 * s2;
       for (int64_t c = 0; c < 16; ++c) {
         if (row0 + c < L) {
-          const float* r = s + c * D;
+          const float* r = s + c * s2;
           for (int64_t d = 0; d < D; ++d) o[d * 16 + c] = r[d];
         } else {
           for (int64_t d = 0; d < D; ++d) o[d * 16 + c] = 0.f;
@@ -248,7 +275,7 @@ at::Tensor key_panels(const at::Tensor& k) {
 
 using fastarch::run_tasks;
 
-// ---- dropout hash (SHARED_APIS.md) -------------------------------------------------------------------
+// ---- dropout hash (see dropout_keep_mask in fastarch/ops/attention.py) ----------------------------------------------------------
 inline uint32_t mix32(uint32_t x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
@@ -276,24 +303,54 @@ struct Problem {
   int64_t B, H, Hk, Lq, Lk, D, Dp, wl, wr, off;
   float scale;
   const float *q, *k, *v;
+  int64_t sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2;  // (b, h, row) strides; rows are unit-stride
+  // Variable-length batches (B = 1, packed): per query row the visible keys rlo..rhi (inclusive), its
+  // bottom-right aligned key position and its sequence (for the ALiBi slopes); both bounds nondecreasing.
+  const int64_t *rlo = nullptr, *rhi = nullptr, *rpos = nullptr, *rseg = nullptr;
   const bool* kpm = nullptr;  // (B, Lk)
   const float* bias = nullptr;
   int64_t sb0 = 0, sb1 = 0, sb2 = 0, sb3 = 0;  // bias strides of the (B,H,Lq,Lk) view (0 = broadcast)
+  const float* alibi = nullptr;               // (B, H) slopes: score -= slope * |i + off - j|
+  float softcap = 0.f;                        // > 0: score = softcap * tanh(score / softcap)
   Dropout drop;
 
-  int64_t lo(int64_t i) const { return wl < 0 ? 0 : std::max<int64_t>(0, i + off - wl); }
-  int64_t hi(int64_t i) const { return wr < 0 ? Lk - 1 : std::min<int64_t>(Lk - 1, i + off + wr); }
-  const float* qh(int64_t b, int64_t h) const { return q + ((b * H + h) * Lq) * D; }
-  const float* kh(int64_t b, int64_t h) const { return k + ((b * Hk + h / (H / Hk)) * Lk) * D; }
-  const float* vh(int64_t b, int64_t h) const { return v + ((b * Hk + h / (H / Hk)) * Lk) * D; }
+  float slope2(int64_t b, int64_t h, int64_t i) const {
+    return alibi ? alibi[(rseg ? rseg[i] : b) * H + h] * kLog2e : 0.f;
+  }
+  int64_t pos(int64_t i) const { return rpos ? rpos[i] : i + off; }
+  // The rows that see key j are row_first(j) .. row_last(j) (unclamped).
+  int64_t row_first(int64_t j) const {
+    if (rhi) return std::lower_bound(rhi, rhi + Lq, j) - rhi;
+    return wr >= 0 ? j - off - wr : 0;
+  }
+  int64_t row_last(int64_t j) const {
+    if (rlo) return (std::upper_bound(rlo, rlo + Lq, j) - rlo) - 1;
+    return wl >= 0 ? j - off + wl : Lq - 1;
+  }
+
+  int64_t lo(int64_t i) const {
+    if (rlo) return rlo[i];
+    return wl < 0 ? 0 : std::max<int64_t>(0, i + off - wl);
+  }
+  int64_t hi(int64_t i) const {
+    if (rhi) return rhi[i];
+    return wr < 0 ? Lk - 1 : std::min<int64_t>(Lk - 1, i + off + wr);
+  }
+  const float* qh(int64_t b, int64_t h) const { return q + b * sq0 + h * sq1; }
+  const float* kh(int64_t b, int64_t hk) const { return k + b * sk0 + hk * sk1; }
+  const float* vh(int64_t b, int64_t hk) const { return v + b * sv0 + hk * sv1; }
 };
 
+using RowBounds = c10::optional<at::Tensor>;  // (4, Lq) int64 rows: lo, hi, pos, seq
+
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                     const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& bias, int64_t wl,
-                     int64_t wr, double p, int64_t seed, double scale) {
+                     const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& bias,
+                     const c10::optional<at::Tensor>& alibi, const RowBounds& rows, int64_t wl, int64_t wr,
+                     double p, int64_t seed, double scale, double softcap) {
   TORCH_CHECK(q.dtype() == at::kFloat && k.dtype() == at::kFloat && v.dtype() == at::kFloat,
               "attention cpp: q, k, v must be float32 (the Python side converts)");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous(), "attention cpp: need contiguous");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "attention cpp: q, k, v need unit-stride rows (any other layout is read through strides)");
   Problem P;
   P.B = q.size(0); P.H = q.size(1); P.Lq = q.size(2); P.D = q.size(3);
   P.Hk = k.size(1); P.Lk = k.size(2);
@@ -301,6 +358,17 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   P.wl = wl; P.wr = wr; P.off = P.Lk - P.Lq;
   P.scale = static_cast<float>(scale);
   P.q = q.data_ptr<float>(); P.k = k.data_ptr<float>(); P.v = v.data_ptr<float>();
+  P.sq0 = q.stride(0); P.sq1 = q.stride(1); P.sq2 = q.stride(2);
+  P.sk0 = k.stride(0); P.sk1 = k.stride(1); P.sk2 = k.stride(2);
+  P.sv0 = v.stride(0); P.sv1 = v.stride(1); P.sv2 = v.stride(2);
+  if (rows.has_value() && rows->defined()) {
+    TORCH_CHECK(P.B == 1, "attention cpp: row bounds need the packed (B = 1) problem");
+    TORCH_CHECK(rows->dtype() == at::kLong && rows->is_contiguous() && rows->dim() == 2 && rows->size(0) == 4 &&
+                    rows->size(1) == P.Lq,
+                "attention cpp: row bounds must be a contiguous int64 (4, Lq) tensor");
+    const int64_t* ptr = rows->data_ptr<int64_t>();
+    P.rlo = ptr; P.rhi = ptr + P.Lq; P.rpos = ptr + 2 * P.Lq; P.rseg = ptr + 3 * P.Lq;
+  }
   if (kpm.has_value() && kpm->defined()) {
     TORCH_CHECK(kpm->dtype() == at::kBool && kpm->is_contiguous(), "attention cpp: key_padding_mask bool");
     P.kpm = kpm->data_ptr<bool>();
@@ -311,6 +379,13 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     P.bias = e.data_ptr<float>();
     P.sb0 = e.stride(0); P.sb1 = e.stride(1); P.sb2 = e.stride(2); P.sb3 = e.stride(3);
   }
+  if (alibi.has_value() && alibi->defined()) {
+    TORCH_CHECK(alibi->dtype() == at::kFloat && alibi->is_contiguous() && alibi->dim() == 2 &&
+                    alibi->size(1) == P.H,
+                "attention cpp: alibi slopes must be contiguous float32 (B or sequences, H)");
+    P.alibi = alibi->data_ptr<float>();
+  }
+  P.softcap = static_cast<float>(softcap);
   if (p > 0) {
     P.drop.on = true;
     P.drop.seed = static_cast<uint32_t>(seed & 0xFFFFFFFFll);
@@ -320,9 +395,44 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return P;
 }
 
-// Scores of rows [i0, i0+m) against keys [c0, c0+n) (S, m x ldS) -> masked (-inf), bias added (log2 units).
+// Soft-capping in log2 units: s2 = s * log2(e) -> softcap * tanh(s / softcap) * log2(e), over n scores;
+// dc (optional) receives the derivative factor 1 - tanh^2. tanh(x) = 1 - 2 / (exp(2x) + 1) with the
+// vectorised exp2 (absolute error ~1e-7).
+void cap_log2(float* s2, float* dc, int64_t n, float softcap) {
+  const float in = 2.f * kLn2 / softcap * kLog2e, out = softcap * kLog2e;  // exp(2x) = exp2(s2 * in)
+  int64_t j = 0;
+#ifdef FA_AVX2
+  const __m256 vin = _mm256_set1_ps(in), vout = _mm256_set1_ps(out), one = _mm256_set1_ps(1.f),
+               two = _mm256_set1_ps(2.f);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp2_ps(_mm256_mul_ps(_mm256_loadu_ps(s2 + j), vin));
+    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+    _mm256_storeu_ps(s2 + j, _mm256_mul_ps(t, vout));
+    if (dc) _mm256_storeu_ps(dc + j, _mm256_fnmadd_ps(t, t, one));
+  }
+#endif
+  for (; j < n; ++j) {
+    const float t = std::tanh(s2[j] * (kLn2 / softcap));
+    s2[j] = out * t;
+    if (dc) dc[j] = 1.f - t * t;
+  }
+}
+
+// ALiBi in log2 units over scores of keys c0 + j (j < n) for a row at key position pos: s -= slope2 * |pos - key|.
+inline void alibi_row(float* s, int64_t n, float slope2, int64_t pos_minus_c0) {
+  const int32_t base = static_cast<int32_t>(pos_minus_c0);
+#pragma omp simd
+  for (int32_t j = 0; j < static_cast<int32_t>(n); ++j) s[j] -= slope2 * std::fabs(static_cast<float>(base - j));
+}
+
+// Query blocks [starts[t], starts[t+1]) of at most BQ rows; a packed batch starts a block at every sequence
+// (a block spanning sequences would walk the union of their key ranges).
+std::vector<int64_t> query_blocks(const Problem& P);
+
+// Scores of rows [i0, i0+m) against keys [c0, c0+n) (S, m x ldS) -> soft-capped, bias and ALiBi added,
+// masked (-inf) (log2 units). dcap (m x ldS, optional) receives the soft-capping derivative (0 if masked).
 void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, int64_t c0, int64_t n, float* S,
-                 int64_t ldS) {
+                 int64_t ldS, float* dcap = nullptr) {
   const bool* kp = P.kpm ? P.kpm + b * P.Lk : nullptr;
   for (int64_t r = 0; r < m; ++r) {
     const int64_t i = i0 + r;
@@ -330,6 +440,12 @@ void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, 
     const int64_t a = std::max<int64_t>(P.lo(i) - c0, 0), e = std::min<int64_t>(P.hi(i) - c0 + 1, n);
     for (int64_t j = 0; j < std::min(a, n); ++j) s[j] = kNegInf;
     for (int64_t j = std::max<int64_t>(e, 0); j < ldS; ++j) s[j] = kNegInf;
+    if (P.softcap > 0.f) {
+      float* dc = dcap ? dcap + r * ldS : nullptr;
+      if (dc) std::fill(dc, dc + ldS, 0.f);
+      if (e > a) cap_log2(s + a, dc ? dc + a : nullptr, e - a, P.softcap);
+    }
+    if (P.alibi && e > a) alibi_row(s + a, e - a, P.slope2(b, h, i), P.pos(i) - c0 - a);
     if (P.bias) {
       const float* bb = P.bias + b * P.sb0 + h * P.sb1 + i * P.sb2 + c0 * P.sb3;
       for (int64_t j = a; j < e; ++j) s[j] += bb[j * P.sb3] * kLog2e;
@@ -341,34 +457,63 @@ void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, 
   }
 }
 
+std::vector<int64_t> query_blocks(const Problem& P) {
+  std::vector<int64_t> starts;
+  for (int64_t i = 0; i < P.Lq;) {
+    starts.push_back(i);
+    int64_t e = std::min(i + BQ, P.Lq);
+    if (P.rseg)
+      for (int64_t r = i + 1; r < e; ++r)
+        if (P.rseg[r] != P.rseg[i]) {
+          e = r;
+          break;
+        }
+    i = e;
+  }
+  starts.push_back(P.Lq);
+  return starts;
+}
+
 // ---- forward ------------------------------------------------------------------------------------------
 std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const c10::optional<at::Tensor>& kpm, const c10::optional<at::Tensor>& bias,
-                            int64_t wl, int64_t wr, double dropout_p, int64_t seed, double scale) {
-  const Problem P = make_problem(q, k, v, kpm, bias, wl, wr, dropout_p, seed, scale);
-  at::Tensor o = at::empty_like(q);
+                            const c10::optional<at::Tensor>& alibi, const RowBounds& rows, int64_t wl,
+                            int64_t wr, double dropout_p, int64_t seed, double scale, double softcap) {
+  const Problem P = make_problem(q, k, v, kpm, bias, alibi, rows, wl, wr, dropout_p, seed, scale, softcap);
+  at::Tensor o = at::empty_like(q);  // q's layout (strides)
+  const int64_t so0 = o.stride(0), so1 = o.stride(1), so2 = o.stride(2);
   at::Tensor lse = at::empty({P.B, P.H, P.Lq}, q.options());
   float* O = o.data_ptr<float>();
   float* LSE = lse.data_ptr<float>();
-  const int64_t nqb = (P.Lq + BQ - 1) / BQ;
+  const std::vector<int64_t> qblocks = query_blocks(P);
+  const int64_t nqb = static_cast<int64_t>(qblocks.size()) - 1;
   const int64_t D = P.D, Dp = P.Dp;
   const float qscale = P.scale * kLog2e;
-  const at::Tensor KP = key_panels(k);                         // (B, Hk, Lk/16+2, D, 16)
-  const at::Tensor VP = D == Dp ? v : rows_padded(v, Dp);      // (B, Hk, Lk[+16], Dp)
+  // Few rows per block (decode): keys and values are read in place, since packing the whole cache
+  // would cost more than the attention itself. Otherwise keys are packed in panels
+  // (B, Hk, Lk/16+2, D, 16), and values read in place when D is a multiple of 16, else from a zero-padded
+  // (B, Hk, Lk+16, Dp) copy.
+  int64_t max_rows = 0;
+  for (size_t t = 0; t + 1 < qblocks.size(); ++t) max_rows = std::max(max_rows, qblocks[t + 1] - qblocks[t]);
+  const bool rows_mode = max_rows <= 8;
+  const at::Tensor KP = rows_mode ? k : key_panels(k);
+  const at::Tensor VP = (D == Dp || rows_mode) ? v : rows_padded(v, Dp);
+  const int64_t nV = rows_mode ? D : Dp;
   const float* KPp = KP.data_ptr<float>();
   const float* VPp = VP.data_ptr<float>();
-  const int64_t kpanels = KP.size(2) * D * 16, Lv = VP.size(2), G = P.H / P.Hk;
+  const int64_t kpanels = rows_mode ? 0 : KP.size(2) * D * 16, G = P.H / P.Hk;
+  const int64_t sv0 = VP.stride(0), sv1 = VP.stride(1), ldv = VP.stride(2);
 
   run_tasks(P.B * P.H * nqb, [&](int64_t begin, int64_t end) {
     std::vector<float> Qs(BQ * D), S, acc(BQ * Dp), mrow(BQ), lrow(BQ);
     std::vector<int64_t> ra(BQ), re(BQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
-      const int64_t i0 = qb * BQ, m = std::min(BQ, P.Lq - i0);
-      const float* qp = P.qh(b, h) + i0 * D;
+      const int64_t i0 = qblocks[qb], m = qblocks[qb + 1] - i0;
+      const float* qp = P.qh(b, h) + i0 * P.sq2;
       const float* kp = KPp + (b * P.Hk + h / G) * kpanels;
-      const float* vp = VPp + (b * P.Hk + h / G) * Lv * Dp;
-      float* op = O + ((b * P.H + h) * P.Lq + i0) * D;
+      const float* vp = VPp + b * sv0 + (h / G) * sv1;
+      float* op = O + b * so0 + h * so1 + i0 * so2;
       float* lp = LSE + (b * P.H + h) * P.Lq + i0;
       // Chunks start on a panel boundary; the extra leading columns are masked like any other.
       const int64_t span_lo = P.lo(i0) / 16 * 16, span_hi = P.hi(i0 + m - 1);
@@ -376,7 +521,8 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
       std::fill(mrow.begin(), mrow.end(), kNegInf);
       std::fill(lrow.begin(), lrow.end(), 0.f);
       if (span_lo <= span_hi) {
-        for (int64_t r = 0; r < m * D; ++r) Qs[r] = qp[r] * qscale;
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t d = 0; d < D; ++d) Qs[r * D + d] = qp[r * P.sq2 + d] * qscale;
         const int64_t span = span_hi - span_lo + 1;
         const int64_t csz = span <= ONE_CHUNK ? span : CHUNK;
         const uint32_t hkey = P.drop.on ? P.drop.head_key(b, P.H, h) : 0;
@@ -387,7 +533,10 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
             ra[r] = std::min<int64_t>(std::max<int64_t>(P.lo(i0 + r) - c0, 0), n);
             re[r] = std::max<int64_t>(std::min<int64_t>(P.hi(i0 + r) - c0 + 1, n), ra[r]);
           }
-          gemm_skip_cols_panels(m, np, D, Qs.data(), D, kp + c0 * D, S.data(), np, ra.data(), re.data());
+          if (rows_mode)
+            scores_rows(m, n, D, Qs.data(), P.kh(b, h / G) + c0 * P.sk2, P.sk2, S.data(), np);
+          else
+            gemm_skip_cols_panels(m, np, D, Qs.data(), D, kp + c0 * D, S.data(), np, ra.data(), re.data());
           mask_scores(P, b, h, i0, m, c0, n, S.data(), np);
           for (int64_t r = 0; r < m; ++r) {
             float* s = S.data() + r * np;
@@ -413,13 +562,13 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
                 s[j] = (s[j] != 0.f && P.drop.keep(hkey, i, c0 + j)) ? s[j] * P.drop.inv_keep : 0.f;
             }
           }
-          gemm_band_k(m, Dp, S.data(), np, vp + c0 * Dp, Dp, acc.data(), Dp, ra.data(), re.data());
+          gemm_band_k(m, nV, S.data(), np, vp + c0 * ldv, ldv, acc.data(), Dp, ra.data(), re.data());
         }
       }
       for (int64_t r = 0; r < m; ++r) {
         const float l = lrow[r];
         const float inv = l > 0.f ? 1.f / l : 0.f;
-        for (int64_t d = 0; d < D; ++d) op[r * D + d] = acc[r * Dp + d] * inv;
+        for (int64_t d = 0; d < D; ++d) op[r * so2 + d] = acc[r * Dp + d] * inv;
         lp[r] = l > 0.f ? (mrow[r] + std::log2(l)) * kLn2 : kNegInf;
       }
     }
@@ -430,20 +579,21 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
 // ---- backward -----------------------------------------------------------------------------------------
 std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& kpm,
-                            const c10::optional<at::Tensor>& bias, int64_t wl, int64_t wr, double dropout_p,
-                            int64_t seed, double scale, bool need_dbias) {
-  const Problem P = make_problem(q, k, v, kpm, bias, wl, wr, dropout_p, seed, scale);
-  TORCH_CHECK(dout.is_contiguous() && out.is_contiguous() && lse.is_contiguous(), "attention cpp: contiguous");
+                            const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& alibi,
+                            const RowBounds& rows, int64_t wl, int64_t wr, double dropout_p, int64_t seed,
+                            double scale, double softcap, bool need_dbias) {
+  const Problem P = make_problem(q, k, v, kpm, bias, alibi, rows, wl, wr, dropout_p, seed, scale, softcap);
+  TORCH_CHECK(dout.is_contiguous() && lse.is_contiguous(), "attention cpp: dout and lse must be contiguous");
   TORCH_CHECK(dout.dtype() == at::kFloat && out.dtype() == at::kFloat, "attention cpp: do/o float32");
   const int64_t D = P.D, Dp = P.Dp, G = P.H / P.Hk;
   // lse2 = lse * log2(e) (natural -> log2 units), with -inf rows mapped to +inf so that exp2(s - lse2) = 0;
   // Di = rowsum(dO * O).
   at::Tensor lse2t = at::where(at::isinf(lse), at::full({}, std::numeric_limits<float>::infinity(), lse.options()),
                                lse * kLog2e);
-  at::Tensor Dit = (dout * out).sum(-1);
+  at::Tensor Dit = (dout * out).sum(-1).contiguous();
   const float* lse2 = lse2t.data_ptr<float>();
   const float* Di = Dit.data_ptr<float>();
-  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);  // inputs' layouts
   at::Tensor dbias;
   float* DB = nullptr;
   if (need_dbias) {
@@ -464,19 +614,22 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     float* DK = dk.data_ptr<float>();
     float* DV = dv.data_ptr<float>();
     run_tasks(P.B * P.Hk * nkb, [&](int64_t begin, int64_t end) {
-      std::vector<float> Ks(BK * D), dKa(BK * Dp), dVa(BK * Dp), St, dPt;
+      // Each query head's dK/dV contribution is summed in fp32 (as one GEMM over its rows), and the heads of
+      // a group are added in fp64: a running fp32 sum over G * Lq rows would grow G times the rounding error.
+      std::vector<float> Ks(BK * D), dKa(BK * Dp), dVa(BK * Dp), St, dPt, Dc;
+      std::vector<double> dKd(BK * Dp), dVd(BK * Dp);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t kb = task % nkb, bhk = task / nkb, hk = bhk % P.Hk, b = bhk / P.Hk;
         const int64_t j0 = kb * BK, nk = std::min(BK, P.Lk - j0);
-        const float* kp = P.k + ((b * P.Hk + hk) * P.Lk + j0) * D;
-        const float* vp = P.v + ((b * P.Hk + hk) * P.Lk + j0) * D;
-        for (int64_t r = 0; r < nk * D; ++r) Ks[r] = kp[r] * qscale;
-        std::fill(dKa.begin(), dKa.end(), 0.f);
-        std::fill(dVa.begin(), dVa.end(), 0.f);
+        const float* kp = P.kh(b, hk) + j0 * P.sk2;
+        const float* vp = P.vh(b, hk) + j0 * P.sv2;
+        for (int64_t r = 0; r < nk; ++r)
+          for (int64_t d = 0; d < D; ++d) Ks[r * D + d] = kp[r * P.sk2 + d] * qscale;
+        std::fill(dKd.begin(), dKd.end(), 0.0);
+        std::fill(dVd.begin(), dVd.end(), 0.0);
         // query i sees key j iff j - off - wr <= i <= j - off + wl (each side only when limited)
-        int64_t a_lo = 0, a_hi = P.Lq - 1;
-        if (P.wr >= 0) a_lo = std::max<int64_t>(a_lo, j0 - P.off - P.wr);
-        if (P.wl >= 0) a_hi = std::min<int64_t>(a_hi, j0 + nk - 1 - P.off + P.wl);
+        const int64_t a_lo = std::max<int64_t>(0, P.row_first(j0));
+        const int64_t a_hi = std::min<int64_t>(P.Lq - 1, P.row_last(j0 + nk - 1));
         const bool* kpb = P.kpm ? P.kpm + b * P.Lk : nullptr;
         for (int64_t g = 0; g < G && a_lo <= a_hi; ++g) {
           const int64_t h = hk * G + g;
@@ -484,24 +637,32 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
           const float* l2 = lse2 + bh * P.Lq;
           const float* dih = Di + bh * P.Lq;
           const uint32_t hkey = P.drop.on ? P.drop.head_key(b, P.H, h) : 0;
+          std::fill(dKa.begin(), dKa.end(), 0.f);
+          std::fill(dVa.begin(), dVa.end(), 0.f);
           const int64_t total = a_hi - a_lo + 1;
           const int64_t csz = total <= ONE_CHUNK ? total : CHUNK;
           for (int64_t a0 = a_lo; a0 <= a_hi; a0 += csz) {
             const int64_t nq = std::min(csz, a_hi + 1 - a0), nqp = round16(nq);
             St.resize(nk * nqp);
             dPt.resize(nk * nqp);
+            if (P.softcap > 0.f) Dc.resize(nk * nqp);
             gemm(nk, nqp, D, Ks.data(), D, QTp + bh * D * LqT + a0, LqT, St.data(), nqp, false);   // S^T
-            gemm(nk, nqp, D, vp, D, dOTp + bh * D * LqT + a0, LqT, dPt.data(), nqp, false);       // dPd^T
+            gemm(nk, nqp, D, vp, P.sv2, dOTp + bh * D * LqT + a0, LqT, dPt.data(), nqp, false);   // dPd^T
             for (int64_t jr = 0; jr < nk; ++jr) {
               const int64_t j = j0 + jr;
               float* s = St.data() + jr * nqp;
               float* dp = dPt.data() + jr * nqp;
-              int64_t cA = 0, cB = nq;  // the columns (query rows) that see key j
-              if (P.wr >= 0) cA = std::max<int64_t>(cA, j - P.off - P.wr - a0);
-              if (P.wl >= 0) cB = std::min<int64_t>(cB, j - P.off + P.wl + 1 - a0);
+              // the columns (query rows) that see key j
+              int64_t cA = std::max<int64_t>(0, P.row_first(j) - a0);
+              int64_t cB = std::min<int64_t>(nq, P.row_last(j) + 1 - a0);
               if (kpb && !kpb[j]) cB = cA;
               cB = std::max(cB, cA);
               for (int64_t c = 0; c < cA; ++c) s[c] = kNegInf;
+              float* dc = P.softcap > 0.f ? Dc.data() + jr * nqp : nullptr;
+              if (dc && cB > cA) cap_log2(s + cA, dc + cA, cB - cA, P.softcap);
+              if (P.alibi)
+                for (int64_t c = cA; c < cB; ++c)
+                  s[c] -= P.slope2(b, h, a0 + c) * static_cast<float>(std::llabs(P.pos(a0 + c) - j));
               if (P.bias) {
                 const float* bb = P.bias + b * P.sb0 + h * P.sb1 + a0 * P.sb2 + j * P.sb3;
                 for (int64_t c = cA; c < cB; ++c) s[c] += bb[c * P.sb2] * kLog2e;
@@ -525,6 +686,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
                 float* db = DB + (bh * P.Lq + a0) * P.Lk + j;
                 for (int64_t c = cA; c < cB; ++c) db[c * P.Lk] = dp[c];
               }
+              if (dc)
+                for (int64_t c = cA; c < cB; ++c) dp[c] *= dc[c];
               if (P.drop.on) {  // dV uses the dropped probabilities
                 for (int64_t c = cA; c < cB; ++c)
                   if (s[c] != 0.f) s[c] = P.drop.keep(hkey, a0 + c, j) ? s[c] * P.drop.inv_keep : 0.f;
@@ -533,13 +696,17 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
             gemm(nk, Dp, nqp, St.data(), nqp, dOPp + (bh * LqT + a0) * Dp, Dp, dVa.data(), Dp, true);
             gemm(nk, Dp, nqp, dPt.data(), nqp, QPp + (bh * LqT + a0) * Dp, Dp, dKa.data(), Dp, true);
           }
+          for (int64_t r = 0; r < nk * Dp; ++r) {
+            dKd[r] += dKa[r];
+            dVd[r] += dVa[r];
+          }
         }
-        float* dkp = DK + ((b * P.Hk + hk) * P.Lk + j0) * D;
-        float* dvp = DV + ((b * P.Hk + hk) * P.Lk + j0) * D;
+        float* dkp = DK + b * dk.stride(0) + hk * dk.stride(1) + j0 * dk.stride(2);
+        float* dvp = DV + b * dv.stride(0) + hk * dv.stride(1) + j0 * dv.stride(2);
         for (int64_t r = 0; r < nk; ++r)
           for (int64_t d = 0; d < D; ++d) {
-            dkp[r * D + d] = dKa[r * Dp + d] * P.scale;
-            dvp[r * D + d] = dVa[r * Dp + d];
+            dkp[r * dk.stride(2) + d] = static_cast<float>(dKd[r * Dp + d] * P.scale);
+            dvp[r * dv.stride(2) + d] = static_cast<float>(dVd[r * Dp + d]);
           }
       }
     });
@@ -551,15 +718,16 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
     const at::Tensor KP = rows_padded(k, Dp);                               // (B, Hk, Lk+16, Dp)
     const float *KTp = KT.data_ptr<float>(), *VTp = VT.data_ptr<float>(), *KPp = KP.data_ptr<float>();
     const int64_t LkT = P.Lk + 16;
-    const int64_t nqb = (P.Lq + BQ - 1) / BQ;
+    const std::vector<int64_t> qblocks = query_blocks(P);
+    const int64_t nqb = static_cast<int64_t>(qblocks.size()) - 1;
     float* DQ = dq.data_ptr<float>();
     run_tasks(P.B * P.H * nqb, [&](int64_t begin, int64_t end) {
-      std::vector<float> Qs(BQ * D), S, dP, dQa(BQ * Dp);
+      std::vector<float> Qs(BQ * D), S, dP, dQa(BQ * Dp), Dc;
       for (int64_t task = begin; task < end; ++task) {
         const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
         const int64_t hk = b * P.Hk + h / G;
-        const int64_t i0 = qb * BQ, m = std::min(BQ, P.Lq - i0);
-        const float* qp = P.qh(b, h) + i0 * D;
+        const int64_t i0 = qblocks[qb], m = qblocks[qb + 1] - i0;
+        const float* qp = P.qh(b, h) + i0 * P.sq2;
         const float* dop = dO + (bh * P.Lq + i0) * D;
         const float* l2 = lse2 + bh * P.Lq + i0;
         const float* dih = Di + bh * P.Lq + i0;
@@ -567,16 +735,18 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
         std::fill(dQa.begin(), dQa.end(), 0.f);
         const int64_t span_lo = P.lo(i0), span_hi = P.hi(i0 + m - 1);
         if (span_lo <= span_hi) {
-          for (int64_t r = 0; r < m * D; ++r) Qs[r] = qp[r] * qscale;
+          for (int64_t r = 0; r < m; ++r)
+            for (int64_t d = 0; d < D; ++d) Qs[r * D + d] = qp[r * P.sq2 + d] * qscale;
           const int64_t span = span_hi - span_lo + 1;
           const int64_t csz = span <= ONE_CHUNK ? span : CHUNK;
           for (int64_t c0 = span_lo; c0 <= span_hi; c0 += csz) {
             const int64_t n = std::min(csz, span_hi + 1 - c0), np = round16(n);
             S.resize(m * np);
             dP.resize(m * np);
+            if (P.softcap > 0.f) Dc.resize(m * np);
             gemm(m, np, D, Qs.data(), D, KTp + hk * D * LkT + c0, LkT, S.data(), np, false);
             gemm(m, np, D, dop, D, VTp + hk * D * LkT + c0, LkT, dP.data(), np, false);
-            mask_scores(P, b, h, i0, m, c0, n, S.data(), np);
+            mask_scores(P, b, h, i0, m, c0, n, S.data(), np, P.softcap > 0.f ? Dc.data() : nullptr);
             for (int64_t r = 0; r < m; ++r) {
               float* s = S.data() + r * np;
               float* dp = dP.data() + r * np;
@@ -588,13 +758,18 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
               const float di = dih[r];
 #pragma omp simd
               for (int64_t j = 0; j < np; ++j) dp[j] = s[j] * (dp[j] - di);
+              if (P.softcap > 0.f) {
+                const float* dc = Dc.data() + r * np;
+#pragma omp simd
+                for (int64_t j = 0; j < np; ++j) dp[j] *= dc[j];
+              }
             }
             gemm(m, Dp, n, dP.data(), np, KPp + (hk * LkT + c0) * Dp, Dp, dQa.data(), Dp, true);
           }
         }
-        float* dqp = DQ + (bh * P.Lq + i0) * D;
+        float* dqp = DQ + b * dq.stride(0) + h * dq.stride(1) + i0 * dq.stride(2);
         for (int64_t r = 0; r < m; ++r)
-          for (int64_t d = 0; d < D; ++d) dqp[r * D + d] = dQa[r * Dp + d] * P.scale;
+          for (int64_t d = 0; d < D; ++d) dqp[r * dq.stride(2) + d] = dQa[r * Dp + d] * P.scale;
       }
     });
   }

@@ -33,7 +33,7 @@ from ._backends import AtenImplementation, CppImplementation, TorchImplementatio
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_tensor, fail
 from ._dispatch import call_of, resolve, run, run_backward
 
-__all__ = ["attention", "attention_ref", "dropout_keep_mask", "normalize_window"]
+__all__ = ["attention", "attention_probs", "attention_ref", "dropout_keep_mask", "normalize_window"]
 
 OP = "attention"
 _M = 0xFFFFFFFF
@@ -55,15 +55,16 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 def dropout_keep_mask(
     seed: int, B: int, H: int, Lq: int, Lk: int, dropout_p: float, device: torch.device | str = "cpu",
-    row0: int = 0,
+    row0: int = 0, col0: int = 0,
 ) -> torch.Tensor:
     """The keep mask ``(B, H, Lq, Lk)`` bool of the attention dropout, a pure function of
-    ``(seed, b, h, i, j)`` (rows ``row0 .. row0 + Lq - 1``)."""
+    ``(seed, b, h, i, j)`` (rows ``row0 .. row0 + Lq - 1``, columns ``col0 .. col0 + Lk - 1``; a
+    variable-length batch hashes its packed row and key indices with ``b = 0``)."""
     dev = torch.device(device)
     bh = torch.arange(B * H, device=dev, dtype=torch.int64)
     key = _mix32((int(seed) & _M) ^ _mix32(bh)).view(B, H, 1, 1)
     i = torch.arange(row0, row0 + Lq, device=dev, dtype=torch.int64).view(Lq, 1)
-    j = torch.arange(Lk, device=dev, dtype=torch.int64).view(1, Lk)
+    j = torch.arange(col0, col0 + Lk, device=dev, dtype=torch.int64).view(1, Lk)
     ij = _mix32((i * 0x9E3779B1 + j) & _M)  # (Lq, Lk)
     r = _mix32(key ^ ij)
     return (r >> 8).to(torch.float64) * (2.0**-24) >= dropout_p
@@ -91,30 +92,41 @@ def normalize_window(window: int | Sequence[int] | None, causal: bool = False) -
 
 def _dense_scores_mask(
     q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None, attn_bias: torch.Tensor | None,
-    wl: int, wr: int, scale: float, row0: int, Lq_total: int,
-) -> torch.Tensor:
-    """fp32 scores (B, H, lq, Lk) with -inf where masked; q is a row chunk starting at ``row0``."""
+    wl: int, wr: int, scale: float, row0: int, Lq_total: int, softcap: float = 0.0,
+    alibi: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 scores (B, H, lq, Lk) with -inf where masked (q is a row chunk starting at ``row0``), and the
+    soft-capping derivative ``1 - tanh^2`` (None without softcap).
+
+    Order, as FlashAttention: scale, soft-cap, then the additive bias and ALiBi, then the masks."""
     B, H, lq, _ = q.shape
     Lk = k.shape[2]
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
+    dcap = None
+    if softcap > 0:
+        t = torch.tanh(s / softcap)
+        s = t * softcap
+        dcap = 1.0 - t.detach() * t.detach()
     if attn_bias is not None:
         s = s + attn_bias.float()
+    pos = torch.arange(row0, row0 + lq, device=q.device).view(-1, 1) + (Lk - Lq_total)
+    j = torch.arange(Lk, device=q.device).view(1, -1)
+    if alibi is not None:
+        s = s - alibi.float().view(B, H, 1, 1) * (pos - j).abs().float().view(1, 1, lq, Lk)
     ok: torch.Tensor | None = None
     if wl >= 0 or wr >= 0:
-        i = torch.arange(row0, row0 + lq, device=q.device).view(-1, 1) + (Lk - Lq_total)
-        j = torch.arange(Lk, device=q.device).view(1, -1)
         ok = torch.ones(lq, Lk, dtype=torch.bool, device=q.device)
         if wl >= 0:
-            ok = ok & (j >= i - wl)
+            ok = ok & (j >= pos - wl)
         if wr >= 0:
-            ok = ok & (j <= i + wr)
+            ok = ok & (j <= pos + wr)
         ok = ok.view(1, 1, lq, Lk)
     if key_padding_mask is not None:
         kp = key_padding_mask.view(B, 1, 1, Lk)
         ok = kp if ok is None else ok & kp
     if ok is not None:
         s = s.masked_fill(~ok, float("-inf"))
-    return s
+    return s, dcap
 
 
 def _softmax_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,10 +164,12 @@ def _bias4(attn_bias: torch.Tensor | None) -> torch.Tensor | None:
 def _dense_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
     attn_bias: torch.Tensor | None, wl: int, wr: int, dropout_p: float, seed: int, scale: float,
-    row0: int = 0, Lq_total: int | None = None, bias_row0: int | None = None,
+    row0: int = 0, Lq_total: int | None = None, bias_row0: int | None = None, softcap: float = 0.0,
+    alibi: torch.Tensor | None = None, drop_row0: int | None = None, drop_col0: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (o, lse) for the query rows ``row0 .. row0 + lq - 1`` (q holds just those rows) of a problem
-    with ``Lq_total`` rows; the bias rows are taken from ``bias_row0`` (default ``row0``). Differentiable."""
+    with ``Lq_total`` rows; the bias rows are taken from ``bias_row0`` (default ``row0``), the dropout
+    mask's rows and columns from ``drop_row0`` (default ``row0``) and ``drop_col0``. Differentiable."""
     B, H, lq, _ = q.shape
     Lq_total = lq if Lq_total is None else Lq_total
     kf, vf = _expand_kv(k.float(), H), _expand_kv(v.float(), H)
@@ -164,12 +178,110 @@ def _dense_forward(
         b4 = _bias4(attn_bias)
         br = row0 if bias_row0 is None else bias_row0
         bias = b4[:, :, br:br + lq] if b4.shape[2] != 1 else b4
-    s = _dense_scores_mask(q.float(), kf, key_padding_mask, bias, wl, wr, scale, row0, Lq_total)
+    s, _ = _dense_scores_mask(q.float(), kf, key_padding_mask, bias, wl, wr, scale, row0, Lq_total, softcap,
+                              alibi)
     p, lse = _softmax_lse(s)
     if dropout_p > 0:
-        keep = dropout_keep_mask(seed, B, H, lq, k.shape[2], dropout_p, q.device, row0=row0)
+        keep = dropout_keep_mask(seed, B, H, lq, k.shape[2], dropout_p, q.device,
+                                 row0=row0 if drop_row0 is None else drop_row0, col0=drop_col0)
         p = p * keep / (1.0 - dropout_p)
     return torch.matmul(p, vf), lse
+
+
+# -- layouts, variable-length batches and paged caches ---------------------------------------------------
+LAYOUTS = ("bhld", "blhd")
+# A query-head count above this is taken for a sequence length: (B, L, H, D) passed as (B, H, L, D).
+MAX_PLAUSIBLE_HEADS = 256
+
+
+def _as_bhld(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """The logical (B, H, L, D) view of a tensor in ``layout`` (a strided view, never a copy)."""
+    return t if layout == "bhld" else t.transpose(1, 2)
+
+
+def _segments_of(cu_q: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
+    """(nseq, 4) int64 rows ``(q_start, q_end, k_start, k_end)`` on the CPU from cumulative lengths."""
+    cq, ck = cu_q.to("cpu", torch.int64), cu_k.to("cpu", torch.int64)
+    return torch.stack([cq[:-1], cq[1:], ck[:-1], ck[1:]], 1).contiguous()
+
+
+def _row_bounds(Lq: int, Lk: int, wl: int, wr: int, segments: torch.Tensor | None,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per query row ``(lo, hi, pos, seg)`` int64 (Lq,): the visible keys ``lo..hi`` (inclusive; empty when
+    ``hi < lo``), the row's bottom-right aligned key position (ALiBi's origin) and its sequence index.
+
+    Both bounds are nondecreasing in the row, so the rows that see a key form one contiguous range."""
+    if segments is None:
+        pos = torch.arange(Lq, dtype=torch.int64) + (Lk - Lq)
+        ks = torch.zeros(Lq, dtype=torch.int64)
+        ke = torch.full((Lq,), Lk, dtype=torch.int64)
+        seg = torch.zeros(Lq, dtype=torch.int64)
+    else:
+        qs, qe, kss, kes = segments.unbind(1)
+        nq = qe - qs
+        total = int(nq.sum())
+        seg_r = torch.repeat_interleave(torch.arange(len(nq)), nq)
+        local = torch.arange(total) - torch.repeat_interleave(nq.cumsum(0) - nq, nq)
+        rows = qs[seg_r] + local
+        # Rows outside every sequence see nothing (lo = 0 > hi = -1).
+        ks = torch.zeros(Lq, dtype=torch.int64)
+        ke = torch.zeros(Lq, dtype=torch.int64)
+        pos = torch.zeros(Lq, dtype=torch.int64)
+        seg = torch.zeros(Lq, dtype=torch.int64)
+        ks[rows], ke[rows], seg[rows] = kss[seg_r], kes[seg_r], seg_r
+        pos[rows] = kss[seg_r] + local + (kes - kss - nq)[seg_r]
+    lo = torch.maximum(ks, pos - wl) if wl >= 0 else ks
+    hi = torch.minimum(ke - 1, pos + wr) if wr >= 0 else ke - 1
+    dev = torch.device(device)
+    return lo.to(dev), hi.to(dev), pos.to(dev), seg.to(dev)
+
+
+def _has_exclusions(wl: int, wr: int, kpm, bias, segments) -> bool:
+    return wl >= 0 or wr >= 0 or kpm is not None or bias is not None or segments is not None
+
+
+def _nonfinite_key_rows(t: torch.Tensor) -> torch.Tensor:
+    """(B, Hk, L) bool: the rows of t (B, Hk, L, D) holding a NaN or Inf. A row sum in memory order finds the
+    candidates in one pass (NaN or Inf in a row makes its sum non-finite); candidates are checked exactly,
+    since a sum of large finite values can overflow."""
+    tt = t.transpose(1, 2)
+    if tt.is_contiguous():  # (B, L, Hk, D) memory
+        cand = (~torch.isfinite(tt.sum(-1))).transpose(1, 2)
+    else:
+        cand = ~torch.isfinite(t.sum(-1))
+    if bool(cand.any()):
+        idx = cand.nonzero(as_tuple=True)
+        cand[idx] = ~torch.isfinite(t[idx]).all(-1)
+    return cand
+
+
+def _nonfinite_rows(k: torch.Tensor, v: torch.Tensor, kpm: torch.Tensor | None, H: int, wl: int, wr: int,
+                    segments: torch.Tensor | None, Lq: int) -> torch.Tensor | None:
+    """(B, H, Lq) bool: the query rows that see a key whose k or v row holds a NaN or Inf; None when no key
+    holds one. Keys the mask, window, causality or sequence bounds exclude do not count."""
+    if torch.compiler.is_compiling():
+        # No data-dependent branch: always clean and mark (no row is marked when all is finite).
+        bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
+    else:
+        bad = _nonfinite_key_rows(k) | _nonfinite_key_rows(v)
+        if not bool(bad.any()):
+            return None
+    B, Hk, Lk = bad.shape
+    if kpm is not None:
+        bad = bad & kpm.view(B, 1, Lk)
+    cnt = F.pad(bad.to(torch.int64).cumsum(-1), (1, 0))  # (B, Hk, Lk + 1)
+    lo, hi, _, _ = _row_bounds(Lq, Lk, wl, wr, segments, k.device)
+    lo_c = lo.clamp(0, Lk)
+    hi_c = torch.maximum(hi + 1, lo_c).clamp(0, Lk)
+    seen = (cnt[..., hi_c] - cnt[..., lo_c]) > 0  # (B, Hk, Lq)
+    return _expand_kv(seen.unsqueeze(-1), H).squeeze(-1)
+
+
+def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """(num_pages, page, Hk, D) pages and a (B, n) block table -> the (B, n * page, Hk, D) caches."""
+    B, n = block_table.shape
+    page = cache.shape[1]
+    return cache[block_table.long().reshape(-1)].view(B, n * page, *cache.shape[2:])
 
 
 def attention_ref(
@@ -185,33 +297,113 @@ def attention_ref(
     scale: float | None = None,
     return_lse: bool = False,
     dropout_seed: int | None = None,
+    layout: str = "bhld",
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The oracle: dense masked attention in fp32 (materialises ``(B, H, Lq, Lk)``), output in q's dtype.
+    """The oracle: dense masked attention in fp32 (materialises ``(B, H, Lq, Lk)`` per sequence), output in
+    q's dtype.
 
-    Same arguments and semantics as :func:`attention`; differentiable through plain autograd. With
-    ``dropout_p > 0`` a ``dropout_seed`` must be given (the mask is the shared hash mask).
+    Same arguments and semantics as :func:`attention` (variable-length batches loop over the sequences;
+    paged caches are not taken); differentiable through plain autograd. With ``dropout_p > 0`` a
+    ``dropout_seed`` must be given (the mask is the shared hash mask). A query row that sees a key whose k or
+    v row holds a NaN or Inf gives NaN (and lse NaN); keys it does not see never matter.
     """
     wl, wr = normalize_window(window, causal)
     if dropout_p > 0 and dropout_seed is None:
         fail(OP, "attention_ref with dropout_p > 0 needs an explicit dropout_seed")
     sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, lse = _dense_forward(q, k, v, key_padding_mask, attn_bias, wl, wr, float(dropout_p),
-                            int(dropout_seed or 0), sc)
-    o = o.to(q.dtype)
+    seed = int(dropout_seed or 0)
+    if cu_seqlens_q is not None:
+        segs = _segments_of(cu_seqlens_q, cu_seqlens_k)
+        H = q.shape[1]
+        lse = torch.full((H, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+        os, lses = [], []
+        for s_i, (qs, qe, ks, ke) in enumerate(segs.tolist()):
+            if qe == qs or ke == ks:  # no rows, or rows that see no key (0, lse = -inf)
+                continue
+            al = None
+            if alibi_slopes is not None:
+                al = alibi_slopes.view(-1, H)[s_i if alibi_slopes.dim() == 2 else 0].view(1, H)
+            oi, li = _ref_dense(q[qs:qe].transpose(0, 1)[None], k[ks:ke].transpose(0, 1)[None],
+                                v[ks:ke].transpose(0, 1)[None], None, None, wl, wr, float(dropout_p), seed, sc,
+                                softcap, al, qs, ks)
+            os.append((qs, qe, oi[0].transpose(0, 1)))
+            lses.append((qs, qe, li[0]))
+        o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        for qs, qe, oi in os:
+            o = o.index_copy(0, torch.arange(qs, qe, device=q.device), oi)
+        for qs, qe, li in lses:
+            lse = lse.index_copy(1, torch.arange(qs, qe, device=q.device), li)
+        o = o.to(q.dtype)
+        return (o, lse) if return_lse else o
+    q4, k4, v4 = (_as_bhld(t, layout) for t in (q, k, v))
+    al = None
+    if alibi_slopes is not None:
+        al = alibi_slopes.float().expand(q4.shape[0], q4.shape[1]) if alibi_slopes.dim() == 1 else alibi_slopes
+    o, lse = _ref_dense(q4, k4, v4, key_padding_mask, attn_bias, wl, wr, float(dropout_p), seed, sc, softcap, al,
+                        0, 0)
+    o = _as_bhld(o.to(q.dtype), layout)
     return (o, lse) if return_lse else o
 
 
+def attention_probs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+    window: int | Sequence[int] = (-1, -1), dropout_p: float = 0.0, scale: float | None = None,
+    dropout_seed: int = 0, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The attention probabilities ``(B, H, Lq, Lk)`` fp32 of a dense problem (q ``(B, H, Lq, D)``, k/v
+    ``(B, Hk, Lk, D)``), with the entries that dropout drops negated (FlashAttention's sign encoding of its
+    ``S_dmask``); masked entries are 0. Materialises the whole matrix: for inspection and tests."""
+    wl, wr = normalize_window(window, causal)
+    sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    B, H, Lq, _ = q.shape
+    alibi = None
+    if alibi_slopes is not None:
+        alibi = alibi_slopes.float().expand(B, H) if alibi_slopes.dim() == 1 else alibi_slopes.float()
+    s, _ = _dense_scores_mask(q.detach().float(), _expand_kv(k.detach().float(), H), None, None, wl, wr, sc, 0,
+                              Lq, float(softcap), alibi)
+    p, _ = _softmax_lse(s)
+    if dropout_p > 0:
+        keep = dropout_keep_mask(dropout_seed, B, H, Lq, k.shape[2], dropout_p, q.device)
+        p = torch.where(keep, p, -p)
+    return p
+
+
+def _ref_dense(q, k, v, kpm, bias, wl, wr, p, seed, scale, softcap, alibi, drop_row0, drop_col0):
+    """One dense problem of the oracle, with the NaN/Inf rule: rows that see a non-finite key or value
+    row are NaN."""
+    H = q.shape[1]
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # (B, Hk, Lk)
+    kc = torch.where(torch.isfinite(k), k, torch.zeros_like(k))
+    vc = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+    o, lse = _dense_forward(q, kc, vc, kpm, bias, wl, wr, p, seed, scale, softcap=softcap, alibi=alibi,
+                            drop_row0=drop_row0, drop_col0=drop_col0)
+    if bool(bad.any()):
+        s, _ = _dense_scores_mask(q.detach().float(), _expand_kv(kc.detach().float(), H), kpm,
+                                  None if bias is None else _bias4(bias).detach(), wl, wr, scale, 0, q.shape[2])
+        seen = ((s != float("-inf")) & _expand_kv(bad.unsqueeze(-1), H).transpose(-2, -1)).any(-1)
+        o = torch.where(seen[..., None], torch.full_like(o, float("nan")), o)
+        lse = torch.where(seen, torch.full_like(lse, float("nan")), lse)
+    return o, lse
+
+
 # -- validation ------------------------------------------------------------------------------------------
-def _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale) -> None:
+def _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale, layout: str = "bhld") -> None:
     check_tensor(OP, "q", q, ndim=4)
     check_tensor(OP, "k", k, ndim=4)
     check_tensor(OP, "v", v, ndim=4)
     check_same_device(OP, "q", q, k=k, v=v)
     check_same_dtype(OP, "q", q, k=k, v=v)
-    B, H, Lq, D = q.shape
+    names = "(B, H, Lq, D)" if layout == "bhld" else "(B, Lq, H, D)"
+    knames = "(B, Hk, Lk, D)" if layout == "bhld" else "(B, Lk, Hk, D)"
     if k.shape != v.shape:
-        fail(OP, f"arguments 'k' and 'v' must have the same shape (B, Hk, Lk, D), got {tuple(k.shape)} "
+        fail(OP, f"arguments 'k' and 'v' must have the same shape {knames}, got {tuple(k.shape)} "
                  f"and {tuple(v.shape)}")
+    q, k = _as_bhld(q, layout), _as_bhld(k, layout)
+    B, H, Lq, D = q.shape
     Bk, Hk, Lk, Dk = k.shape
     if Bk != B:
         fail(OP, f"argument 'k' has batch {Bk} but 'q' has batch {B} "
@@ -219,10 +411,13 @@ def _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale) -> None:
     if Dk != D:
         fail(OP, f"argument 'k' has head dim {Dk} but 'q' has head dim {D}")
     if D < 1:
-        fail(OP, f"argument 'q' must have head dim >= 1, got shape {tuple(q.shape)}")
+        fail(OP, f"argument 'q' must have head dim >= 1, got shape {names} = {tuple(q.shape)}")
+    if layout == "bhld" and H > MAX_PLAUSIBLE_HEADS and Lq <= MAX_PLAUSIBLE_HEADS:
+        fail(OP, f"argument 'q' of shape {tuple(q.shape)} read as (B, H, Lq, D) has H={H} heads and Lq={Lq}: "
+                 "this looks like a (B, L, H, D) FlashAttention-layout tensor; pass layout='blhd'")
     if Hk < 1 or H % Hk != 0:
         fail(OP, f"the number of query heads H={H} must be a multiple of the key/value heads Hk={Hk} "
-                 f"(q: {tuple(q.shape)}, k: {tuple(k.shape)})")
+                 f"(q: {names} = {tuple(_as_bhld(q, layout).shape)}, k: {knames}; check 'layout')")
     if key_padding_mask is not None:
         check_tensor(OP, "key_padding_mask", key_padding_mask, ndim=2, dtypes=(torch.bool,), shape=(B, Lk))
         check_same_device(OP, "q", q, key_padding_mask=key_padding_mask)
@@ -239,29 +434,72 @@ def _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale) -> None:
         fail(OP, f"argument 'scale' must be a finite float or None, got {scale!r}")
 
 
+def _validate_softcap(softcap) -> float:
+    if not isinstance(softcap, (int, float)) or isinstance(softcap, bool) or not (
+            math.isfinite(softcap) and softcap >= 0):
+        fail(OP, f"argument 'softcap' must be a finite float >= 0 (0 = off), got {softcap!r}")
+    return float(softcap)
+
+
+def _validate_alibi(alibi_slopes, nb: int, H: int, q: torch.Tensor, what: str) -> torch.Tensor | None:
+    """ALiBi slopes (H,) or (nb, H) fp32 -> (nb, H) fp32 (an expanded view for (H,))."""
+    if alibi_slopes is None:
+        return None
+    check_tensor(OP, "alibi_slopes", alibi_slopes, ndim=(1, 2), dtypes=(torch.float32,))
+    check_same_device(OP, "q", q, alibi_slopes=alibi_slopes)
+    shp = tuple(alibi_slopes.shape)
+    if shp not in ((H,), (nb, H)):
+        fail(OP, f"argument 'alibi_slopes' must have shape (H,) = ({H},) or ({what}, H) = ({nb}, {H}), got {shp}")
+    return alibi_slopes.expand(nb, H) if alibi_slopes.dim() == 1 else alibi_slopes
+
+
+def _validate_cu(name: str, cu, total: int, max_name: str, max_len) -> None:
+    check_tensor(OP, name, cu, ndim=1, dtypes=(torch.int32,))
+    if cu.numel() < 1:
+        fail(OP, f"argument '{name}' must have B + 1 >= 1 entries, got 0")
+    c = cu.to("cpu", torch.int64)
+    if int(c[0]) != 0 or int(c[-1]) != total:
+        fail(OP, f"argument '{name}' must start at 0 and end at the packed length {total}, got "
+                 f"{int(c[0])} .. {int(c[-1])}")
+    lens = c[1:] - c[:-1]
+    if bool((lens < 0).any()):
+        fail(OP, f"argument '{name}' must be nondecreasing, got {c.tolist()}")
+    if max_len is not None:
+        if not isinstance(max_len, int) or isinstance(max_len, bool):
+            fail(OP, f"argument '{max_name}' must be an int, got {type(max_len).__name__}", TypeError)
+        longest = int(lens.max()) if lens.numel() else 0
+        if max_len < longest:
+            fail(OP, f"argument '{max_name}' = {max_len} is shorter than the longest sequence in '{name}' "
+                     f"({longest})")
+
+
 # -- the custom ops --------------------------------------------------------------------------------------
 def _call(q: torch.Tensor, k: torch.Tensor, kpm, bias, wl: int, wr: int, dropout_p: float,
-          bias_grad: bool = False) -> Call:
+          bias_grad: bool = False, softcap: float = 0.0, alibi=None, segments=None) -> Call:
     return call_of(
         q, head_dim=q.shape[-1], Lq=q.shape[2], Lk=k.shape[2], H=q.shape[1], Hk=k.shape[1], window=(wl, wr),
         has_mask=kpm is not None, has_bias=bias is not None, dropout=dropout_p > 0, bias_grad=bias_grad,
+        softcap=softcap > 0, alibi=alibi is not None, varlen=segments is not None,
     )
 
 
 @torch.library.custom_op("fastarch::attention_fwd", mutates_args=())
 def _attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: torch.Tensor | None,
-    attn_bias: torch.Tensor | None, window_left: int, window_right: int, dropout_p: float, seed: int,
-    scale: float, backend: str,
+    attn_bias: torch.Tensor | None, alibi_slopes: torch.Tensor | None, segments: torch.Tensor | None,
+    window_left: int, window_right: int, dropout_p: float, seed: int, scale: float, softcap: float,
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    call = _call(q, k, key_padding_mask, attn_bias, window_left, window_right, dropout_p)
-    o, lse = run(OP, "forward", call, backend, q, k, v, key_padding_mask, attn_bias, window_left,
-                 window_right, dropout_p, seed, scale)
+    call = _call(q, k, key_padding_mask, attn_bias, window_left, window_right, dropout_p, False, softcap,
+                 alibi_slopes, segments)
+    o, lse = run(OP, "forward", call, backend, q, k, v, key_padding_mask, attn_bias, alibi_slopes, segments,
+                 window_left, window_right, dropout_p, seed, scale, softcap)
     return o, lse
 
 
 @_attention_fwd.register_fake
-def _(q, k, v, key_padding_mask, attn_bias, window_left, window_right, dropout_p, seed, scale, backend):
+def _(q, k, v, key_padding_mask, attn_bias, alibi_slopes, segments, window_left, window_right, dropout_p, seed,
+      scale, softcap, backend):
     B, H, Lq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, H, Lq), dtype=torch.float32)
 
@@ -269,20 +507,23 @@ def _(q, k, v, key_padding_mask, attn_bias, window_left, window_right, dropout_p
 @torch.library.custom_op("fastarch::attention_bwd", mutates_args=())
 def _attention_bwd(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    key_padding_mask: torch.Tensor | None, attn_bias: torch.Tensor | None, window_left: int,
-    window_right: int, dropout_p: float, seed: int, scale: float, need_dbias: bool, backend: str,
+    key_padding_mask: torch.Tensor | None, attn_bias: torch.Tensor | None, alibi_slopes: torch.Tensor | None,
+    segments: torch.Tensor | None, window_left: int, window_right: int, dropout_p: float, seed: int,
+    scale: float, softcap: float, need_dbias: bool, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    call = _call(q, k, key_padding_mask, attn_bias, window_left, window_right, dropout_p, need_dbias)
+    call = _call(q, k, key_padding_mask, attn_bias, window_left, window_right, dropout_p, need_dbias, softcap,
+                 alibi_slopes, segments)
     dq, dk, dv, dbias = run_backward(OP, call, backend, do, q, k, v, o, lse, key_padding_mask, attn_bias,
-                                     window_left, window_right, dropout_p, seed, scale, need_dbias)
+                            alibi_slopes, segments, window_left, window_right, dropout_p, seed, scale, softcap,
+                            need_dbias)
     if dbias is None:
         dbias = q.new_empty((0,), dtype=torch.float32)
     return dq, dk, dv, dbias
 
 
 @_attention_bwd.register_fake
-def _(do, q, k, v, o, lse, key_padding_mask, attn_bias, window_left, window_right, dropout_p, seed, scale,
-      need_dbias, backend):
+def _(do, q, k, v, o, lse, key_padding_mask, attn_bias, alibi_slopes, segments, window_left, window_right,
+      dropout_p, seed, scale, softcap, need_dbias, backend):
     B, H, Lq, _ = q.shape
     dbias_shape = (B, H, Lq, k.shape[2]) if need_dbias else (0,)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
@@ -293,10 +534,10 @@ _LSE_PAD = 8
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, kpm, bias, wl, wr, p, seed, scale, backend = inputs
+    q, k, v, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap, backend = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, kpm, bias)
-    ctx.args = (wl, wr, p, seed, scale, backend)
+    ctx.save_for_backward(q, k, v, o, lse, kpm, bias, alibi, segs)
+    ctx.args = (wl, wr, p, seed, scale, softcap, backend)
     ctx.set_materialize_grads(False)  # an unused lse gets None, not a zero tensor
 
 
@@ -307,8 +548,8 @@ def _reduce_to(g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse, kpm, bias = ctx.saved_tensors
-    wl, wr, p, seed, scale, backend = ctx.args
+    q, k, v, o, lse, kpm, bias, alibi, segs = ctx.saved_tensors
+    wl, wr, p, seed, scale, softcap, backend = ctx.args
     need_dbias = bias is not None and ctx.needs_input_grad[4]
     if do is None:
         do = torch.zeros_like(o)
@@ -322,16 +563,24 @@ def _backward(ctx, do, dlse):
         q, k, v = (F.pad(t, pad) for t in (q, k, v))
         o = F.pad(torch.cat([o, torch.ones_like(o[..., :1])], -1), (0, _LSE_PAD - 1))
         do = F.pad(torch.cat([do, (-dlse).unsqueeze(-1).to(do.dtype)], -1), (0, _LSE_PAD - 1))
-    dq, dk, dv, dbias = _attention_bwd(do.contiguous(), q, k, v, o, lse, kpm, bias, wl, wr, p, seed, scale,
-                                       need_dbias, backend)
+    dq, dk, dv, dbias = _attention_bwd(do, q, k, v, o, lse, kpm, bias, alibi, segs, wl, wr, p, seed, scale,
+                                       softcap, need_dbias, backend)
     dq, dk, dv = dq[..., :D], dk[..., :D], dv[..., :D]
     gb = None
     if need_dbias:
         gb = _reduce_to(dbias, bias.shape).to(bias.dtype)
-    return dq, dk, dv, None, gb, None, None, None, None, None, None
+    return dq, dk, dv, None, gb, None, None, None, None, None, None, None, None, None
 
 
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _seed_of(dropout_p: float, dropout_seed) -> int:
+    if dropout_seed is None:
+        return int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
+    if not isinstance(dropout_seed, int):
+        fail(OP, f"argument 'dropout_seed' must be an int or None, got {type(dropout_seed).__name__}", TypeError)
+    return int(dropout_seed) & _M
 
 
 def attention(
@@ -348,8 +597,19 @@ def attention(
     return_lse: bool = False,
     dropout_seed: int | None = None,
     backend: str | None = None,
+    layout: str = "bhld",
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    seqlens_k: torch.Tensor | None = None,
+    key_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Fused scaled-dot-product attention with windows, padding, bias, GQA and dropout.
+    """Fused scaled-dot-product attention with windows, padding, bias, ALiBi, soft-capping, GQA, dropout,
+    variable-length batches and paged key/value caches.
 
     Args:
         q: queries.
@@ -358,7 +618,7 @@ def attention(
         v: values, shaped as ``k``.
         causal: query ``i`` sees no key after it (sets ``window``'s right side to 0).
         window: ``(left, right)`` inclusive, -1 unlimited, or one int for both; bottom-right aligned when
-            ``Lq != Lk``.
+            ``Lq != Lk`` (per sequence for variable-length batches and caches).
         key_padding_mask: True marks a real key; False keys are never attended.
         attn_bias: additive bias on the scores, broadcastable to ``(B, H, Lq, Lk)``; differentiable.
         dropout_p: probability of dropping an attention weight (the shared hash mask of ``dropout_seed``).
@@ -366,63 +626,243 @@ def attention(
         return_lse: also return the log-sum-exp of each query row's scores.
         dropout_seed: seed of the dropout mask; drawn from torch's generator when None.
         backend: force 'aten', 'cpp', 'triton' or 'torch' (default: the selector's choice).
+        layout: 'bhld' for ``(B, H, L, D)`` tensors or 'blhd' for FlashAttention's ``(B, L, H, D)``; either
+            is read in place through its strides and the output comes in the same layout. A 'bhld' call
+            whose head count exceeds 256 while its length does not is refused as a likely 'blhd' tensor.
+        softcap: when > 0, scores are soft-capped as ``softcap * tanh(s / softcap)`` (after scaling, before
+            the bias and ALiBi), as in FlashAttention; differentiated through.
+        alibi_slopes: fp32 ``(H,)`` or ``(B, H)`` (``(num_sequences, H)`` for variable-length batches):
+            adds ``-slope * |i + Lk - Lq - j|`` to the scores (bottom-right aligned, per sequence), computed
+            in the kernel; not differentiated.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(nseq + 1)`` cumulative lengths of a packed variable-length
+            batch: q is ``(total_q, H, D)`` and k, v are ``(total_k, Hk, D)``; each sequence is its own
+            problem (no key padding mask or bias). The output is ``(total_q, H, D)`` and lse ``(H, total_q)``.
+        max_seqlen_q, max_seqlen_k: the longest sequences (validated when given).
+        seqlens_k: int32 ``(B,)``: batch ``b`` sees the keys ``key_leftpad[b] .. seqlens_k[b] - 1`` of its
+            cache row (keys past it may be uninitialised memory), bottom-right aligned on that length.
+        key_leftpad: int32 ``(B,)`` first valid key of each cache row (default 0); needs ``seqlens_k``.
+        block_table: int32 ``(B, n)``: k and v are pages ``(num_pages, page, Hk, D)`` (any page size) and
+            row ``b`` of the cache is pages ``block_table[b]`` in order; needs ``seqlens_k`` and
+            ``layout='blhd'`` for q.
 
     Returns:
         ``o`` in q's dtype, or ``(o, lse)`` with ``lse`` fp32 when ``return_lse``. A query row that sees no
-        key gives 0 and ``lse = -inf``. Differentiable in q, k, v and attn_bias.
+        key gives 0 and ``lse = -inf``. A row that sees a key whose k or v row holds a NaN or Inf gives NaN;
+        keys it does not see (masked, windowed, causal, padded, past the cache length) never contribute,
+        whatever their values. Differentiable in q, k, v and attn_bias (the paged path too, through the
+        gather of its pages).
 
     Shapes:
-        q: ``(B, H, Lq, D)``; k, v: ``(B, Hk, Lk, D)``; key_padding_mask: ``(B, Lk)``;
-        attn_bias: broadcastable to ``(B, H, Lq, Lk)``; o: ``(B, H, Lq, D)``; lse: ``(B, H, Lq)``.
+        q: ``(B, H, Lq, D)`` ('bhld') or ``(B, Lq, H, D)`` ('blhd'); k, v: ``(B, Hk, Lk, D)`` or
+        ``(B, Lk, Hk, D)``; key_padding_mask: ``(B, Lk)``; attn_bias: broadcastable to ``(B, H, Lq, Lk)``;
+        o: q's shape; lse: ``(B, H, Lq)``.
     """
+    if layout not in LAYOUTS:
+        fail(OP, f"argument 'layout' must be one of {LAYOUTS}, got {layout!r}")
     wl, wr = normalize_window(window, causal)
-    _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale)
-    dropout_p = float(dropout_p)
-    if dropout_seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
-    else:
-        if not isinstance(dropout_seed, int):
-            fail(OP, f"argument 'dropout_seed' must be an int or None, got {type(dropout_seed).__name__}",
-                 TypeError)
-        seed = int(dropout_seed) & _M
-    sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    bias4 = _bias4(attn_bias)
-    B, H, Lq, _ = q.shape
-    if Lq == 0 or k.shape[2] == 0 or B == 0 or H == 0:
-        # Empty problems: nothing to launch; rows without keys are 0 by definition.
-        o = q.new_zeros(q.shape) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()
-        lse = q.new_full((B, H, Lq), float("-inf"), dtype=torch.float32)
-        return (o, lse) if return_lse else o
-    bias_grad = bias4 is not None and bias4.requires_grad and torch.is_grad_enabled()
-    name = resolve(OP, lambda: _call(q, k, key_padding_mask, bias4, wl, wr, dropout_p, bias_grad), backend)
-    o, lse = _attention_fwd(q, k, v, key_padding_mask, bias4, wl, wr, dropout_p, seed, sc, name)
+    softcap = _validate_softcap(softcap)
+    dropout_p = float(dropout_p) if isinstance(dropout_p, (int, float)) else dropout_p
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return _varlen(q, k, v, wl, wr, dropout_p, scale, return_lse, dropout_seed, backend, softcap,
+                       alibi_slopes, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, key_padding_mask,
+                       attn_bias, seqlens_k, block_table)
+    if seqlens_k is not None or block_table is not None or key_leftpad is not None:
+        return _cached(q, k, v, wl, wr, dropout_p, scale, return_lse, dropout_seed, backend, softcap,
+                       alibi_slopes, seqlens_k, key_leftpad, block_table, layout, key_padding_mask, attn_bias)
+    _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale, layout)
+    q4, k4, v4 = (_as_bhld(t, layout) for t in (q, k, v))
+    alibi = _validate_alibi(alibi_slopes, q4.shape[0], q4.shape[1], q, "B")
+    o, lse = _run(q4, k4, v4, key_padding_mask, _bias4(attn_bias), alibi, None, wl, wr, dropout_p, scale,
+                  dropout_seed, backend, softcap)
+    o = _as_bhld(o, layout)
     return (o, lse) if return_lse else o
 
 
+def _run(q, k, v, kpm, bias4, alibi, segments, wl, wr, dropout_p, scale, dropout_seed, backend, softcap):
+    """Resolve the backend and run the custom op on logical (B, H, L, D) views; applies the rule that
+    non-finite keys only matter to the rows that see them."""
+    seed = _seed_of(dropout_p, dropout_seed)
+    sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    B, H, Lq, _ = q.shape
+    if Lq == 0 or k.shape[2] == 0 or B == 0 or H == 0:
+        # Empty problems: nothing to launch; rows without keys are 0 by definition.
+        o = torch.zeros_like(q) + 0 * q.sum() + 0 * k.sum() + 0 * v.sum()
+        lse = q.new_full((B, H, Lq), float("-inf"), dtype=torch.float32)
+        return o, lse
+    seen = None
+    if _has_exclusions(wl, wr, kpm, bias4, segments):
+        # Excluded keys could still reach the output through 0 * NaN in P @ V (or dS @ K): clean them, and
+        # mark the rows that do see a non-finite key.
+        seen = _nonfinite_rows(k.detach(), v.detach(), kpm, H, wl, wr, segments, Lq)
+        if seen is not None:
+            k = torch.where(torch.isfinite(k), k, torch.zeros_like(k))
+            v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
+    bias_grad = bias4 is not None and bias4.requires_grad and torch.is_grad_enabled()
+    name = resolve(OP, lambda: _call(q, k, kpm, bias4, wl, wr, dropout_p, bias_grad, softcap, alibi, segments),
+                   backend)
+    o, lse = _attention_fwd(q, k, v, kpm, bias4, alibi, segments, wl, wr, dropout_p, seed, sc, softcap, name)
+    if seen is not None:
+        o = torch.where(seen[..., None], torch.full_like(o, float("nan")), o)
+        lse = torch.where(seen, torch.full_like(lse, float("nan")), lse)
+    return o, lse
+
+
+def _varlen(q, k, v, wl, wr, dropout_p, scale, return_lse, dropout_seed, backend, softcap, alibi_slopes,
+            cu_q, cu_k, max_q, max_k, kpm, bias, seqlens_k, block_table):
+    if cu_q is None or cu_k is None:
+        fail(OP, "variable-length attention needs both 'cu_seqlens_q' and 'cu_seqlens_k'")
+    for name, t in (("key_padding_mask", kpm), ("attn_bias", bias), ("seqlens_k", seqlens_k),
+                    ("block_table", block_table)):
+        if t is not None:
+            fail(OP, f"argument '{name}' cannot be combined with a variable-length batch (cu_seqlens_q/k)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(OP, name, t, ndim=3)
+    check_same_device(OP, "q", q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    check_same_dtype(OP, "q", q, k=k, v=v)
+    if k.shape != v.shape:
+        fail(OP, f"arguments 'k' and 'v' must have the same shape (total_k, Hk, D), got {tuple(k.shape)} and "
+                 f"{tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        fail(OP, f"argument 'k' has head dim {k.shape[2]} but 'q' has head dim {q.shape[2]}")
+    H, Hk = q.shape[1], k.shape[1]
+    if Hk < 1 or H % Hk != 0:
+        fail(OP, f"the number of query heads H={H} must be a multiple of the key/value heads Hk={Hk}")
+    _validate_cu("cu_seqlens_q", cu_q, q.shape[0], "max_seqlen_q", max_q)
+    _validate_cu("cu_seqlens_k", cu_k, k.shape[0], "max_seqlen_k", max_k)
+    if cu_q.numel() != cu_k.numel():
+        fail(OP, f"arguments 'cu_seqlens_q' and 'cu_seqlens_k' must have the same length (B + 1), got "
+                 f"{cu_q.numel()} and {cu_k.numel()}")
+    if not isinstance(dropout_p, float) or not 0.0 <= dropout_p < 1.0:
+        fail(OP, f"argument 'dropout_p' must be a float in [0, 1), got {dropout_p!r}")
+    segs = _segments_of(cu_q, cu_k)
+    alibi = _validate_alibi(alibi_slopes, segs.shape[0], H, q, "num_sequences")
+    q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+    o, lse = _run(q4, k4, v4, None, None, alibi, segs, wl, wr, dropout_p, scale, dropout_seed, backend, softcap)
+    o = o[0].transpose(0, 1)
+    return (o, lse[0]) if return_lse else o
+
+
+def _cached(q, k, v, wl, wr, dropout_p, scale, return_lse, dropout_seed, backend, softcap, alibi_slopes,
+            seqlens_k, key_leftpad, block_table, layout, kpm, bias):
+    if seqlens_k is None:
+        fail(OP, "arguments 'key_leftpad' and 'block_table' need 'seqlens_k' (the cache lengths)")
+    for name, t in (("key_padding_mask", kpm), ("attn_bias", bias)):
+        if t is not None:
+            fail(OP, f"argument '{name}' cannot be combined with 'seqlens_k' (the lengths are the mask)")
+    check_tensor(OP, "q", q, ndim=4)
+    q4 = _as_bhld(q, layout)
+    B, H, Lq, D = q4.shape
+    if block_table is not None:
+        check_tensor(OP, "block_table", block_table, ndim=2, dtypes=(torch.int32,))
+        check_same_device(OP, "q", q, block_table=block_table)
+        for name, t in (("k", k), ("v", v)):
+            check_tensor(OP, name, t, ndim=4)
+        if k.shape != v.shape:
+            fail(OP, f"arguments 'k' and 'v' must have the same shape (num_pages, page, Hk, D), got "
+                     f"{tuple(k.shape)} and {tuple(v.shape)}")
+        if block_table.shape[0] != B:
+            fail(OP, f"argument 'block_table' must have B={B} rows, got shape {tuple(block_table.shape)}")
+        if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= k.shape[0]):
+            fail(OP, f"argument 'block_table' entries must be page indices in [0, {k.shape[0]}), got "
+                     f"{int(block_table.min())} .. {int(block_table.max())}")
+        k, v = _gather_pages(k, block_table), _gather_pages(v, block_table)
+        kl = "blhd"
+    else:
+        kl = layout
+    _validate(q4, _as_bhld(k, kl), _as_bhld(v, kl), None, None, dropout_p, scale, "bhld")
+    k4, v4 = _as_bhld(k, kl), _as_bhld(v, kl)
+    Lc = k4.shape[2]
+    check_tensor(OP, "seqlens_k", seqlens_k, ndim=1, dtypes=(torch.int32,), shape=(B,))
+    sk = seqlens_k.to("cpu", torch.int64)
+    lp = torch.zeros(B, dtype=torch.int64)
+    if key_leftpad is not None:
+        check_tensor(OP, "key_leftpad", key_leftpad, ndim=1, dtypes=(torch.int32,), shape=(B,))
+        lp = key_leftpad.to("cpu", torch.int64)
+    if bool(((sk < 0) | (sk > Lc)).any()) or bool(((lp < 0) | (lp > sk)).any()):
+        fail(OP, f"argument 'seqlens_k' must lie in [key_leftpad, cache length {Lc}] per batch, got "
+                 f"seqlens_k={sk.tolist()}, key_leftpad={lp.tolist()}")
+    alibi = _validate_alibi(alibi_slopes, B, H, q, "B")
+    b = torch.arange(B, dtype=torch.int64)
+    segs = torch.stack([b * Lq, (b + 1) * Lq, b * Lc + lp, b * Lc + sk], 1)
+    # One packed problem: rows b*Lq.., keys b*Lc.. (reshape is a view for contiguous caches).
+    qf = q4.transpose(1, 2).reshape(1, B * Lq, H, D).transpose(1, 2)
+    kf = k4.transpose(1, 2).reshape(1, B * Lc, -1, D).transpose(1, 2)
+    vf = v4.transpose(1, 2).reshape(1, B * Lc, -1, D).transpose(1, 2)
+    o, lse = _run(qf, kf, vf, None, None, alibi, segs, wl, wr, dropout_p, scale, dropout_seed, backend, softcap)
+    o = o.transpose(1, 2).reshape(B, Lq, H, D)
+    o = o if layout == "blhd" else o.transpose(1, 2)
+    lse = lse.view(H, B, Lq).transpose(0, 1)
+    return (o, lse) if return_lse else o
 # -- backends --------------------------------------------------------------------------------------------
 def _query_chunk(B: int, H: int, Lk: int, budget: int = 1 << 26) -> int:
     # Rows per chunk so that one chunk's fp32 score matrix stays under ~256 MB.
     return max(1, budget // max(1, B * H * Lk))
 
 
+def _segment_list(segments: torch.Tensor | None, Lq: int, Lk: int) -> list[tuple[int, int, int, int, int]]:
+    """``(index, q_start, q_end, k_start, k_end)`` of each sequence; one whole-problem entry when plain."""
+    if segments is None:
+        return [(0, 0, Lq, 0, Lk)]
+    return [(i, *row) for i, row in enumerate(segments.tolist())]
+
+
 class TorchAttention(TorchImplementation):
     op = OP
-    supports_dropout = supports_bias_grad = True
-    supports_varlen = False
-    description = "dense masked attention in fp32, chunked over query rows"
+    supports_dropout = supports_bias_grad = supports_varlen = True
+    description = "dense masked attention in fp32, chunked over query rows (and looped over sequences)"
 
-    def forward(self, q, k, v, kpm, bias, wl, wr, p, seed, scale):
+    def forward(self, q, k, v, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap):
+        B, H, Lq, _ = q.shape
+        o = torch.zeros_like(q)
+        lse = torch.full((B, H, Lq), float("-inf"), dtype=torch.float32, device=q.device)
+        for s_i, qs, qe, ks, ke in _segment_list(segs, Lq, k.shape[2]):
+            if qe == qs:
+                continue
+            al = None if alibi is None else (alibi if segs is None else alibi[s_i:s_i + 1])
+            oi, li = self._forward_one(q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], kpm, bias, al, wl, wr, p,
+                                       seed, scale, softcap, qs, ks)
+            o[:, :, qs:qe] = oi
+            lse[:, :, qs:qe] = li
+        return o, lse
+
+    @staticmethod
+    def _forward_one(q, k, v, kpm, bias, alibi, wl, wr, p, seed, scale, softcap, drow0, dcol0):
         B, H, Lq, _ = q.shape
         step = _query_chunk(B, H, k.shape[2])
         os, lses = [], []
         for r0 in range(0, Lq, step):
-            o, lse = _dense_forward(q[:, :, r0:r0 + step], k, v, kpm, bias, wl, wr, p, seed, scale,
-                                    row0=r0, Lq_total=Lq)
+            o, lse = _dense_forward(q[:, :, r0:r0 + step], k, v, kpm, bias, wl, wr, p, seed, scale, row0=r0,
+                                    Lq_total=Lq, softcap=softcap, alibi=alibi, drop_row0=drow0 + r0,
+                                    drop_col0=dcol0)
             os.append(o)
             lses.append(lse)
-        return torch.cat(os, 2).to(q.dtype), torch.cat(lses, 2).contiguous()
+        return torch.cat(os, 2).to(q.dtype), torch.cat(lses, 2)
 
-    def backward(self, do, q, k, v, o, lse, kpm, bias, wl, wr, p, seed, scale, need_dbias):
+    def backward(self, do, q, k, v, o, lse, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap,
+                 need_dbias):
+        B, H, Lq, D = q.shape
+        Lk = k.shape[2]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+        dbias = torch.zeros(B, H, Lq, Lk, dtype=torch.float32, device=q.device) if need_dbias else None
+        for s_i, qs, qe, ks, ke in _segment_list(segs, Lq, Lk):
+            if qe == qs or ke == ks:
+                continue
+            al = None if alibi is None else (alibi if segs is None else alibi[s_i:s_i + 1])
+            dqi, dki, dvi, dbi = self._backward_one(
+                do[:, :, qs:qe], q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], o[:, :, qs:qe], kpm, bias, al,
+                wl, wr, p, seed, scale, softcap, need_dbias, qs, ks)
+            dq[:, :, qs:qe] = dqi
+            dk[:, :, ks:ke] += dki
+            dv[:, :, ks:ke] += dvi
+            if need_dbias:
+                dbias[:, :, qs:qe, ks:ke] = dbi
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
+
+    @staticmethod
+    def _backward_one(do, q, k, v, o, kpm, bias, alibi, wl, wr, p, seed, scale, softcap, need_dbias, drow0,
+                      dcol0):
         # Explicit formulas (custom-op bodies run below autograd, so no autograd.grad here).
         B, H, Lq, D = q.shape
         Hk, Lk = k.shape[1], k.shape[2]
@@ -439,11 +879,12 @@ class TorchAttention(TorchImplementation):
             bc = None
             if b4 is not None:
                 bc = b4[:, :, r0:r0 + lq] if b4.shape[2] != 1 else b4
-            s = _dense_scores_mask(qc, kx, kpm, bc, wl, wr, scale, r0, Lq)
+            s, dcap = _dense_scores_mask(qc, kx, kpm, bc, wl, wr, scale, r0, Lq, softcap, alibi)
             pr, _ = _softmax_lse(s)
             dpd = torch.matmul(doc, vx.transpose(-2, -1))
             if p > 0:
-                keep = dropout_keep_mask(seed, B, H, lq, Lk, p, q.device, row0=r0).float() / (1.0 - p)
+                keep = dropout_keep_mask(seed, B, H, lq, Lk, p, q.device, row0=drow0 + r0,
+                                         col0=dcol0).float() / (1.0 - p)
                 dvx += torch.matmul((pr * keep).transpose(-2, -1), doc)
                 dp = dpd * keep
             else:
@@ -452,17 +893,25 @@ class TorchAttention(TorchImplementation):
             # Di = rowsum(dO * O), as every backend computes it (the lse gradient relies on this).
             di = (doc * o[:, :, r0:r0 + lq].float()).sum(-1, keepdim=True)
             ds = pr * (dp - di)
-            dq_parts.append(torch.matmul(ds, kx) * scale)
-            dkx += torch.matmul(ds.transpose(-2, -1), qc) * scale
             if need_dbias:
                 dbias_parts.append(ds)
+            if dcap is not None:
+                ds = ds * dcap
+            dq_parts.append(torch.matmul(ds, kx) * scale)
+            dkx += torch.matmul(ds.transpose(-2, -1), qc) * scale
         dk, dv = _sum_groups(dkx, Hk), _sum_groups(dvx, Hk)
         dbias = torch.cat(dbias_parts, 2) if need_dbias else None
-        return torch.cat(dq_parts, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
+        return torch.cat(dq_parts, 2), dk, dv, dbias
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.float().contiguous()
+
+
+def _in_layout_of(ref: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (ref's shape) in ref's memory layout (so a (B, L, H, D) input gives a (B, L, H, D) output)."""
+    out = torch.empty_like(ref, dtype=t.dtype)
+    return t if out.stride() == t.stride() else out.copy_(t)
 
 
 class AtenAttention(AtenImplementation):
@@ -486,9 +935,13 @@ class AtenAttention(AtenImplementation):
         if call.device.type == "cuda" and call.get("head_dim", 0) % align:
             reasons.append(f"head dim {call['head_dim']} not a multiple of {align} (the memory-efficient "
                            "kernel's alignment)")
+        if call.get("softcap"):
+            reasons.append("softcap (not in the native kernels)")
+        if call.get("alibi"):
+            reasons.append("ALiBi (the native kernels would need a dense (Lq, Lk) bias)")
         return reasons
 
-    def forward(self, q, k, v, kpm, bias, wl, wr, p, seed, scale):
+    def forward(self, q, k, v, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap):
         causal = wr == 0
         if q.device.type == "cpu":
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -497,7 +950,8 @@ class AtenAttention(AtenImplementation):
         o, lse = self._efficient(q, k, v, causal, scale)[:2]
         return o, lse[..., :q.shape[2]].float().contiguous()
 
-    def backward(self, do, q, k, v, o, lse, kpm, bias, wl, wr, p, seed, scale, need_dbias):
+    def backward(self, do, q, k, v, o, lse, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap,
+                 need_dbias):
         causal = wr == 0
         if q.device.type == "cpu":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -519,23 +973,45 @@ class AtenAttention(AtenImplementation):
             q, _expand_kv(k, H), _expand_kv(v, H), None, True, 0.0, causal, scale=scale)
 
 
+def _rows32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 with unit-stride rows: the C++ kernel reads any (B, H, L, D) strides, so a (B, L, H, D) tensor
+    is passed as it is."""
+    t = t.float()
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _packed_rows(segs: torch.Tensor | None, Lq: int, Lk: int, wl: int, wr: int) -> torch.Tensor | None:
+    """(4, Lq) int64 (lo, hi, pos, seq) per query row of a packed batch, for the C++ kernel (None if plain).
+    An empty row's hi is lo - 1, which keeps both bounds nondecreasing across sequences."""
+    if segs is None:
+        return None
+    lo, hi, pos, seg = _row_bounds(Lq, Lk, wl, wr, segs)
+    return torch.stack([lo, torch.maximum(hi, lo - 1), pos, seg]).contiguous()
+
+
 class CppAttention(CppImplementation):
     op, extension = OP, "attention"
-    supports_dropout = supports_bias_grad = True
-    supports_varlen = False
-    description = "banded tiled online-softmax C++ kernel (AVX2/FMA micro-GEMMs), fp32 accumulation"
+    supports_dropout = supports_bias_grad = supports_varlen = True
+    description = ("banded tiled online-softmax C++ kernel (AVX2/FMA micro-GEMMs), fp32 accumulation; reads "
+                   "any layout through strides and packed variable-length batches natively")
 
-    def forward(self, q, k, v, kpm, bias, wl, wr, p, seed, scale):
+    def forward(self, q, k, v, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap):
         kpm = kpm.contiguous() if kpm is not None else None
         bias = bias.float() if bias is not None else None
-        o, lse = self.lib.attention_fwd(_f32(q), _f32(k), _f32(v), kpm, bias, wl, wr, p, seed, scale)
-        return o.to(q.dtype), lse
+        alibi = _f32(alibi) if alibi is not None else None
+        rows = _packed_rows(segs, q.shape[2], k.shape[2], wl, wr)
+        o, lse = self.lib.attention_fwd(_rows32(q), _rows32(k), _rows32(v), kpm, bias, alibi, rows, wl, wr, p,
+                                        seed, scale, softcap)
+        return _in_layout_of(q, o.to(q.dtype)), lse
 
-    def backward(self, do, q, k, v, o, lse, kpm, bias, wl, wr, p, seed, scale, need_dbias):
+    def backward(self, do, q, k, v, o, lse, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap,
+                 need_dbias):
         kpm = kpm.contiguous() if kpm is not None else None
         bias = bias.float() if bias is not None else None
-        res = self.lib.attention_bwd(_f32(do), _f32(q), _f32(k), _f32(v), _f32(o), lse.contiguous(), kpm, bias,
-                                     wl, wr, p, seed, scale, need_dbias)
+        alibi = _f32(alibi) if alibi is not None else None
+        rows = _packed_rows(segs, q.shape[2], k.shape[2], wl, wr)
+        res = self.lib.attention_bwd(_f32(do), _rows32(q), _rows32(k), _rows32(v), o.float(), lse.contiguous(),
+                                     kpm, bias, alibi, rows, wl, wr, p, seed, scale, softcap, need_dbias)
         dq, dk, dv = res[0], res[1], res[2]
         dbias = res[3] if need_dbias else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
@@ -549,9 +1025,19 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 class TritonAttention(TritonImplementation):
     op, kernel_module = OP, "attention"
     max_head_dim = MAX_TRITON_HEAD_DIM
-    supports_dropout = supports_bias_grad = True
-    supports_varlen = False
-    description = "Triton FlashAttention-2 style kernels (kernels/attention.py), fp32 accumulation"
+    supports_dropout = supports_bias_grad = supports_varlen = True
+    description = ("Triton FlashAttention-2 style kernels (kernels/attention.py), fp32 accumulation; "
+                   "variable-length batches launch per sequence on strided views")
+
+    def check(self, call):
+        reasons = []
+        if call.get("softcap"):
+            reasons.append("softcap (not in the Triton kernels)")
+        if call.get("alibi"):
+            reasons.append("ALiBi (not in the Triton kernels)")
+        if call.get("varlen") and call.get("dropout"):
+            reasons.append("dropout with a variable-length batch (the kernels hash per-sequence indices)")
+        return reasons
 
     @staticmethod
     def _bias_full(bias, q, k):
@@ -560,21 +1046,48 @@ class TritonAttention(TritonImplementation):
         B, H, Lq, _ = q.shape
         return bias.expand(B, H, Lq, k.shape[2])
 
-    def forward(self, q, k, v, kpm, bias, wl, wr, p, seed, scale):
+    def forward(self, q, k, v, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap):
         q, k, v = (_unit_last_stride(t) for t in (q, k, v))
-        o, lse = self.lib.attention_fwd(
-            q, k, v, window_left=wl, window_right=wr, key_padding_mask=kpm,
-            attn_bias=self._bias_full(bias, q, k), dropout_p=p, seed=seed, scale=scale,
-        )
+        if segs is None:
+            o, lse = self.lib.attention_fwd(
+                q, k, v, window_left=wl, window_right=wr, key_padding_mask=kpm,
+                attn_bias=self._bias_full(bias, q, k), dropout_p=p, seed=seed, scale=scale,
+            )
+            return _in_layout_of(q, o), lse
+        B, H, Lq, _ = q.shape
+        o = torch.zeros_like(q)
+        lse = torch.full((B, H, Lq), float("-inf"), dtype=torch.float32, device=q.device)
+        for _, qs, qe, ks, ke in _segment_list(segs, Lq, k.shape[2]):
+            if qe == qs:
+                continue
+            oi, li = self.lib.attention_fwd(q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], window_left=wl,
+                                            window_right=wr, key_padding_mask=None, attn_bias=None,
+                                            dropout_p=p, seed=seed, scale=scale)
+            o[:, :, qs:qe] = oi
+            lse[:, :, qs:qe] = li
         return o, lse
 
-    def backward(self, do, q, k, v, o, lse, kpm, bias, wl, wr, p, seed, scale, need_dbias):
+    def backward(self, do, q, k, v, o, lse, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap,
+                 need_dbias):
         do, q, k, v, o = (_unit_last_stride(t) for t in (do, q, k, v, o))
-        dq, dk, dv, dbias = self.lib.attention_bwd(
-            do, q, k, v, o, lse, window_left=wl, window_right=wr, key_padding_mask=kpm,
-            attn_bias=self._bias_full(bias, q, k), dropout_p=p, seed=seed, scale=scale, need_dbias=need_dbias,
-        )
-        return dq, dk, dv, dbias
+        if segs is None:
+            return self.lib.attention_bwd(
+                do, q, k, v, o, lse, window_left=wl, window_right=wr, key_padding_mask=kpm,
+                attn_bias=self._bias_full(bias, q, k), dropout_p=p, seed=seed, scale=scale,
+                need_dbias=need_dbias,
+            )
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for _, qs, qe, ks, ke in _segment_list(segs, q.shape[2], k.shape[2]):
+            if qe == qs or ke == ks:
+                continue
+            dqi, dki, dvi, _ = self.lib.attention_bwd(
+                do[:, :, qs:qe], q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], o[:, :, qs:qe],
+                lse[:, :, qs:qe].contiguous(), window_left=wl, window_right=wr, key_padding_mask=None,
+                attn_bias=None, dropout_p=p, seed=seed, scale=scale, need_dbias=False)
+            dq[:, :, qs:qe] = dqi
+            dk[:, :, ks:ke] += dki
+            dv[:, :, ks:ke] += dvi
+        return dq, dk, dv, None
 
 
 for _impl in (TorchAttention, AtenAttention, CppAttention, TritonAttention):

@@ -943,6 +943,7 @@ class AtenAttention(AtenImplementation):
 
     def forward(self, q, k, v, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap):
         causal = wr == 0
+        q, k, v = (_unit_last_stride(t) for t in (q, k, v))  # the native kernels read rows with unit stride
         if q.device.type == "cpu":
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
             # the kernel's outputs are (B, L, H, .) in memory; the op returns dense (B, H, L, .) tensors
@@ -953,6 +954,7 @@ class AtenAttention(AtenImplementation):
     def backward(self, do, q, k, v, o, lse, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap,
                  need_dbias):
         causal = wr == 0
+        do, q, k, v, o = (_unit_last_stride(t) for t in (do, q, k, v, o))
         if q.device.type == "cpu":
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 do, q, k, v, o, lse, 0.0, causal, scale=scale)
@@ -1018,7 +1020,7 @@ class CppAttention(CppImplementation):
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    # The Triton launchers take any strides as long as the last dim is unit-stride.
+    # The Triton launchers and the native kernels take any strides as long as rows are unit-stride.
     return t if t.stride(-1) == 1 else t.contiguous()
 
 

@@ -20,6 +20,7 @@ from ..models import create_model
 from ..optim import SGD, AdamW, Momentum
 from ..train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from ..train.schedules import CosineAnnealingWarmup
+from .options import build_parser
 
 Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -248,8 +249,6 @@ def _load_state(net, opt, state, sharded: bool) -> None:
 
 
 def main() -> None:
-    from .launch import build_parser
-
     args = build_parser().parse_args(json.loads(os.environ["FASTARCH_TRAIN_ARGS"]))
     run(args)
     if args.parallel != "none":

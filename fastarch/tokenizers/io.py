@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from .._files import atomic_write
 
 __all__ = ["BaseTokenizer", "TokenizerFileError", "atomic_write_text", "load_tokenizer"]
 
 FORMAT_VERSION = 1
+
+# class name -> tokenizer class, filled as subclasses of BaseTokenizer are defined
+_TOKENIZER_TYPES: dict[str, type[BaseTokenizer]] = {}
 
 
 class TokenizerFileError(ValueError):
@@ -20,19 +24,7 @@ class TokenizerFileError(ValueError):
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` to ``path`` atomically: a temporary file in the same folder, fsync, ``os.replace``."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: f.write(text), binary=False)
 
 
 def _fail(path: str, msg: str) -> TokenizerFileError:
@@ -72,6 +64,11 @@ class BaseTokenizer:
     Subclasses implement ``tokenize(text) -> list[str]`` for ordinary text, ``_decode_tokens`` and the
     ``_state``/``_from_state`` pair used by :meth:`save`/:meth:`load`.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A saved file names its class; load() finds it here without importing the subclasses' modules.
+        super().__init_subclass__(**kwargs)
+        _TOKENIZER_TYPES[cls.__name__] = cls
 
     #: special-token roles, in the order their ids are assigned
     SPECIAL_ROLES: tuple[str, ...] = ("pad_token", "unk_token", "bos_token", "eos_token")
@@ -230,7 +227,7 @@ class BaseTokenizer:
         version = require(p, data, "version", int, "an int")
         if version != FORMAT_VERSION:
             raise _fail(p, f"format version {version} is not supported (expected {FORMAT_VERSION})")
-        target = cls if cls is not BaseTokenizer else _registry().get(typ)
+        target = cls if cls is not BaseTokenizer else _TOKENIZER_TYPES.get(typ)
         if target is None:
             raise _fail(p, f"unknown tokenizer type {typ!r}")
         vocab = require(p, data, "vocab", list, "a list of token strings")
@@ -251,14 +248,6 @@ class BaseTokenizer:
         tok.additional_special_tokens = list(extra)
         tok._set_vocab(vocab)
         return tok
-
-
-def _registry() -> dict[str, type[BaseTokenizer]]:
-    from .bpe import BPETokenizer
-    from .unigram import UnigramTokenizer
-    from .wordpiece import WordPieceTokenizer
-
-    return {c.__name__: c for c in (BPETokenizer, WordPieceTokenizer, UnigramTokenizer)}
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> BaseTokenizer:

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .bert_basic import BasicTokenizer, wordpiece_tokenize
-from .io import BaseTokenizer, TokenizerFileError, require
+from .io import BaseTokenizer, TokenizerFileError, atomic_write_text, require
 
 __all__ = ["WordPieceTokenizer"]
 
@@ -215,8 +215,6 @@ class WordPieceTokenizer(BaseTokenizer):
         return tok
 
     def save_vocab_file(self, path: str | os.PathLike[str]) -> None:
-        from .io import atomic_write_text
-
         self._require_vocab()
         atomic_write_text(path, "".join(t + "\n" for t in self._id_to_token))
 

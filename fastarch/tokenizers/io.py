@@ -61,8 +61,8 @@ def require(path: str, data: dict[str, Any], key: str, kind: type | tuple[type, 
 class BaseTokenizer:
     """Vocabulary, ids and special tokens shared by the BPE, WordPiece and Unigram tokenizers.
 
-    Subclasses implement ``tokenize(text) -> list[str]`` for ordinary text, ``_decode_tokens`` and the
-    ``_state``/``_from_state`` pair used by :meth:`save`/:meth:`load`.
+    Subclasses implement ``_words`` and ``_segment`` (or ``tokenize(text) -> list[str]`` as a whole) for
+    ordinary text, ``_decode_tokens`` and the ``_state``/``_from_state`` pair used by :meth:`save`/:meth:`load`.
     """
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
@@ -79,6 +79,15 @@ class BaseTokenizer:
         self.special_tokens: dict[str, str] = {}
         self.additional_special_tokens: list[str] = []
         self._special_re: re.Pattern[str] | None = None
+
+    def _configure(self, vocab_size: int, lowercase: bool, **roles: str | None) -> None:
+        """Check and set the options every tokenizer has; ``roles`` maps special-token roles to tokens."""
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+            raise ValueError(f"{type(self).__name__}: argument 'vocab_size' must be a positive int, "
+                             f"got {vocab_size!r}")
+        self.vocab_size = vocab_size
+        self.lowercase = lowercase
+        self.special_tokens = {r: t for r, t in roles.items() if t}
 
     # ---- vocabulary -------------------------------------------------------------------------------------
     def _set_vocab(self, tokens: Sequence[str]) -> None:
@@ -150,8 +159,18 @@ class BaseTokenizer:
                 parts.append((piece, i % 2 == 1))
         return parts
 
-    def tokenize(self, text: str) -> list[str]:
+    def _words(self, text: str) -> list[str]:
+        """Pre-tokenization: ``text`` as the words that :meth:`_segment` splits."""
         raise NotImplementedError
+
+    def _segment(self, word: str) -> list[str]:
+        """One word as token strings."""
+        raise NotImplementedError
+
+    def tokenize(self, text: str) -> list[str]:
+        """Token strings of ``text`` (ordinary text, no special tokens)."""
+        self._require_vocab()
+        return [t for w in self._words(text) for t in self._segment(w)]
 
     def tokenize_with_specials(self, text: str) -> list[str]:
         self._require_vocab()

@@ -18,8 +18,8 @@ PACKAGE_ROOTS = {"fastarch": ROOT / "fastarch", "fastarch.kernels": ROOT / "kern
 # Bottom to top. A module may import its own layer and the layers below it. A name matches a module and
 # every module under it; the longest match wins.
 LAYERS: list[tuple[str, ...]] = [
-    ("fastarch._files", "fastarch.backend", "fastarch.extensions"),
     ("fastarch.kernels",),
+    ("fastarch._files", "fastarch._source_tree", "fastarch.backend", "fastarch.extensions"),
     ("fastarch.ops",),
     ("fastarch.nn",),
     ("fastarch.models",),

@@ -278,11 +278,8 @@ class Adam(_GuideOptimizer):
 
     Default (``foreach=None, fused=None``): the fused kernel when every param of the group is a plain CPU
     tensor of a supported dtype and the extension builds (first use compiles it; a failed build warns once and
-    falls back), otherwise foreach. It is the default because in ``bench/optim_headline.py`` it matched or
-    beat ``torch.optim.AdamW(fused=True)`` with one thread (1.1-1.5x on a 24.6M-parameter model, 1.7-2.8x on
-    5000 small tensors) and was 5-9x faster than either foreach path; with two threads on the loaded build
-    machine it won every paired run but lost one unpaired run (0.59x) -- figures in docs/optim.md.
-    ``foreach=True`` or ``fused=False`` opt out.
+    falls back), otherwise foreach: it is the faster CPU path in the optimizer benchmarks (figures in
+    docs/optim.md). ``foreach=True`` or ``fused=False`` opt out.
     """
 
     state_names = ("m", "v")

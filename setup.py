@@ -25,7 +25,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 
 HERE = Path(__file__).resolve().parent
 
@@ -90,8 +90,11 @@ if os.environ.get("FASTARCH_NO_AOT") != "1":
 
         cmdclass["build_ext"] = TolerantBuildExtension.with_options(use_ninja=True)
 
+# csrc/ holds no Python; its folders are listed as packages so that setuptools ships their files as data.
+csrc_packages = ["fastarch._csrc"] + [f"fastarch._csrc.{p}" for p in find_namespace_packages(where=str(HERE / "csrc"))]
+
 setup(
-    packages=find_packages(include=["fastarch", "fastarch.*"]) + ["fastarch.kernels", "fastarch._csrc"],
+    packages=find_packages(include=["fastarch", "fastarch.*"]) + ["fastarch.kernels"] + csrc_packages,
     package_dir={"fastarch.kernels": "kernels", "fastarch._csrc": "csrc"},
     package_data={"fastarch._csrc": ["cpu/*.cpp", "cpu/include/*", "cuda/*.cu", "cuda/include/*"]},
     ext_modules=ext_modules,

@@ -1,114 +1,102 @@
-"""Build script. Metadata lives in pyproject.toml; this file adds the compiled extensions.
+"""Build script. Metadata lives in pyproject.toml; this file lays out the package and adds the extensions.
 
-When torch can be imported at build time (``pip install --no-build-isolation .``), every ``csrc/cpu/*.cpp``
-is compiled ahead of time into ``fastarch._cpu_<name>`` (and ``csrc/cuda/*.cu`` into ``fastarch._cuda_<name>``
-against a CUDA torch). A failed compile never fails the install: the extension is left to the just-in-time
-path, and ``fastarch info`` shows the reason. Without torch at build time nothing is compiled here.
+Layout: ``kernels/`` is installed as the subpackage ``fastarch.kernels`` and ``csrc/`` as the package data
+``fastarch._csrc``, so that an installed fastarch can still build its extensions just in time.
+
+Extensions: when torch can be imported at build time (``pip install --no-build-isolation .``), every
+``csrc/cpu/NAME.cpp`` is compiled ahead of time into ``fastarch._cpu_NAME_<hash>`` (and ``csrc/cuda/NAME.cu``
+into ``fastarch._cuda_NAME_<hash>`` against a CUDA torch), with the portable flags and the hash described
+in ``fastarch/extensions.py``. A failed compile never fails the install: the extension is left to the
+just-in-time path, and ``fastarch info`` shows the reason. Without torch at build time nothing is compiled.
+
+Incremental builds: ninja compiles each extension in its own folder under ``build/temp.*``, which is kept
+between installs (pip would otherwise build in a fresh temporary folder every time). ninja recompiles an
+object only when its command line, its source or a header the compiler reported as included changed, so
+re-running the installer only links the unchanged extensions again. ``FASTARCH_REBUILD=1`` (or deleting
+``build/``) compiles everything from scratch.
 """
 
 from __future__ import annotations
 
-import json
+import copy
 import os
 import shutil
 import sys
+import sysconfig
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 
 HERE = Path(__file__).resolve().parent
-# fastarch/kernels is a link to ./kernels, so fastarch.kernels is found as an ordinary subpackage;
-# fastarch/_csrc links ./csrc so that wheels carry the sources for just-in-time builds.
-packages = find_packages(include=["fastarch", "fastarch.*"])
-if "fastarch.kernels" not in packages:
-    packages.append("fastarch.kernels")
 
 ext_modules: list = []
 cmdclass: dict = {}
 
 if os.environ.get("FASTARCH_NO_AOT") != "1":
     try:
-        import torch  # noqa: F401
+        import torch
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
     except ImportError:
         torch = None  # type: ignore[assignment]
 
     if torch is not None:
         sys.path.insert(0, str(HERE))
-        from fastarch import extensions as fx  # noqa: E402
+        from fastarch import extensions as fx
 
         for name, kind in fx.all_extensions():
+            full_name = f"fastarch.{fx.aot_module_name(name, kind)}"
             src = [str(p.relative_to(HERE)) for p in fx.sources(name, kind)]
-            inc = [str(HERE / "csrc" / kind / "include")]
+            inc = [str(p) for p in fx.include_dirs(kind)]
             if kind == "cpu":
                 ext_modules.append(CppExtension(
-                    f"fastarch.{fx.module_name(name, kind)}", src, include_dirs=inc,
-                    extra_compile_args=fx.cpu_cflags(), extra_link_args=fx.CPU_LDFLAGS))
+                    full_name, src, include_dirs=inc, extra_compile_args=fx.cpu_cflags(ahead_of_time=True),
+                    extra_link_args=fx.CPU_LDFLAGS))
             elif torch.version.cuda is not None and CUDA_HOME is not None:
                 ext_modules.append(CUDAExtension(
-                    f"fastarch.{fx.module_name(name, kind)}", src, include_dirs=inc,
-                    extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": fx.CUDA_CFLAGS}))
+                    full_name, src, include_dirs=inc,
+                    extra_compile_args={"cxx": fx.CUDA_CXXFLAGS, "nvcc": fx.CUDA_CFLAGS}))
 
         class TolerantBuildExtension(BuildExtension):
-            """Builds what compiles and records the source hash of each success for staleness checks.
+            """Builds what compiles, each extension in its own persistent ninja folder."""
 
-            Re-running the installer does not recompile: an extension whose in-tree build (left by the last
-            editable install) records the same source hash, and was not rewritten after that record, is
-            copied to the build target instead. ``FASTARCH_REBUILD=1`` compiles everything again.
-            """
+            def finalize_options(self) -> None:
+                super().finalize_options()
+                self.build_temp = str(HERE / "build" / f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")
 
             def run(self) -> None:
-                self.built: dict[str, str] = {}
-                super().run()
-                manifest = Path(self.get_ext_fullpath("fastarch._x")).parent / "_aot_manifest.json"
-                if self.inplace:
-                    manifest = HERE / "fastarch" / "_aot_manifest.json"
-                manifest.parent.mkdir(parents=True, exist_ok=True)
-                tmp = manifest.with_suffix(".tmp")
-                tmp.write_text(json.dumps(self.built, indent=1, sort_keys=True))
-                os.replace(tmp, manifest)
-
-            def _reuse_in_tree(self, ext, short: str, want: str) -> bool:
                 if os.environ.get("FASTARCH_REBUILD") == "1":
-                    return False
-                target = Path(self.get_ext_fullpath(ext.name))
-                in_tree = HERE / "fastarch" / target.name
-                manifest = HERE / "fastarch" / "_aot_manifest.json"
-                try:
-                    recorded = json.loads(manifest.read_text()).get(short)
-                    # rewritten after the record: an interrupted build
-                    fresh = in_tree.stat().st_mtime <= manifest.stat().st_mtime
-                except (OSError, ValueError):
-                    return False
-                if recorded != want or not fresh:
-                    return False
-                if in_tree.resolve() != target.resolve():
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(in_tree, target)
-                print(f"fastarch: {ext.name} is up to date (source hash {want}), not recompiled", file=sys.stderr)
-                return True
+                    shutil.rmtree(self.build_temp, ignore_errors=True)
+                super().run()
+                if self.inplace or getattr(self, "editable_mode", False):
+                    self._remove_stale_in_tree_builds()
+
+            def _remove_stale_in_tree_builds(self) -> None:
+                # Builds of older sources stay in the tree after an editable install; none would be loaded.
+                current = {e.name.rpartition(".")[2] for e in self.extensions}
+                for path in (HERE / "fastarch").glob("_c*_*.*"):
+                    if path.suffix in (".so", ".pyd") and path.name.split(".")[0] not in current:
+                        path.unlink()
 
             def build_extension(self, ext) -> None:
-                short = ext.name.split(".")[-1]
-                kind, _, name = short[1:].partition("_")
-                want = fx.source_hash(name, kind)
-                if self._reuse_in_tree(ext, short, want):
-                    self.built[short] = want
-                    return
+                # torch writes one build.ninja per extension into the build folder, and extensions build in
+                # parallel (setup.cfg), so each gets a folder of its own, named without the source hash.
+                own = copy.copy(self)
+                own.build_temp = os.path.join(self.build_temp, ext.name.rpartition(".")[2].rpartition("_")[0])
                 try:
-                    super().build_extension(ext)
+                    BuildExtension.build_extension(own, ext)
                 except Exception as exc:  # left to the just-in-time path
                     print(f"fastarch: could not build {ext.name} ahead of time ({exc}); it will be built "
                           f"just in time on first use", file=sys.stderr)
-                    return
-                self.built[short] = want
 
         cmdclass["build_ext"] = TolerantBuildExtension.with_options(use_ninja=True)
 
+# csrc/ holds no Python; its folders are listed as packages so that setuptools ships their files as data.
+csrc_packages = ["fastarch._csrc"] + [f"fastarch._csrc.{p}" for p in find_namespace_packages(where=str(HERE / "csrc"))]
+
 setup(
-    packages=packages,
-    package_data={"fastarch": ["_csrc/cpu/*.cpp", "_csrc/cpu/include/*", "_csrc/cuda/*.cu",
-                               "_csrc/cuda/include/*", "_aot_manifest.json"]},
+    packages=find_packages(include=["fastarch", "fastarch.*"]) + ["fastarch.kernels"] + csrc_packages,
+    package_dir={"fastarch.kernels": "kernels", "fastarch._csrc": "csrc"},
+    package_data={"fastarch._csrc": ["cpu/*.cpp", "cpu/include/*", "cuda/*.cu", "cuda/include/*"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -1,16 +1,22 @@
 """Building and loading the compiled extensions in ``csrc/``.
 
-Convention: ``csrc/cpu/NAME.cpp`` is the CPU extension ``fastarch._cpu_NAME`` and ``csrc/cuda/NAME.cu`` the
-CUDA extension ``fastarch._cuda_NAME``; each is a pybind11 module. Headers shared between files live in
+Convention: ``csrc/cpu/NAME.cpp`` is the CPU extension ``_cpu_NAME`` and ``csrc/cuda/NAME.cu`` the CUDA
+extension ``_cuda_NAME``; each is a pybind11 module. Headers shared between files live in
 ``csrc/cpu/include`` and ``csrc/cuda/include``.
 
 An extension is looked up in this order:
 
-1. built ahead of time by ``setup.py`` (``pip install --no-build-isolation .``), when the source it was
-   built from is unchanged;
-2. otherwise built just in time with ninja through ``torch.utils.cpp_extension.load`` into a cache keyed
-   by the torch version, the build flags and a hash of the sources. torch's own file baton makes two
-   processes building at once wait for one another; we add a file lock around the whole step.
+1. built ahead of time by ``setup.py`` (``pip install --no-build-isolation .``) as the module
+   ``fastarch._cpu_NAME_<hash>``, where the hash covers the sources, the shared headers, the build flags and
+   the torch version: a build of other sources, flags or torch is never loaded;
+2. otherwise built just in time with ninja through ``torch.utils.cpp_extension.load`` into a cache folder
+   keyed by the same kind of hash. A file lock makes two processes building at once wait for one another.
+
+Flags. Ahead-of-time builds may run on any CPU of the architecture they were built for, so they never use
+``-march=native``. On x86-64 they target AVX2 and FMA, the instruction sets the hand-vectorised CPU kernels
+are written for, and are loaded only on a CPU that has both (read from ``/proc/cpuinfo``, else from torch's
+own CPU capability); elsewhere the just-in-time build takes over. Just-in-time builds run on the machine
+that uses them and are tuned to it with ``-march=native``.
 
 ``fastarch build`` prebuilds every extension; ``fastarch info`` shows each one's status.
 """
@@ -19,23 +25,27 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
+import importlib.util
 import os
+import platform
 import sys
 import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
+from filelock import FileLock
 
 from .backend import ExtensionBuildError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
-_MANIFEST = PACKAGE_DIR / "_aot_manifest.json"
 
 CPU_CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 CPU_LDFLAGS = ["-fopenmp"]
+CUDA_CXXFLAGS = ["-O3", "-std=c++17"]
 CUDA_CFLAGS = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+# Instruction sets of ahead-of-time x86-64 builds, as compiler flags and as /proc/cpuinfo flags.
+X86_AOT_ISA = {"-mavx2": "avx2", "-mfma": "fma"}
 
 _loaded: dict[str, ModuleType] = {}
 _errors: dict[str, str] = {}
@@ -43,20 +53,46 @@ _lock = threading.Lock()
 
 
 def csrc_dir() -> Path | None:
-    """The ``csrc`` tree: beside the package in a source checkout, or shipped inside it in a wheel."""
-    for cand in (PACKAGE_DIR.parent / "csrc", PACKAGE_DIR / "_csrc"):
-        if cand.is_dir():
+    """The ``csrc`` tree: shipped inside the package by a wheel, or beside it in a source checkout."""
+    for cand in (PACKAGE_DIR / "_csrc", PACKAGE_DIR.parent / "csrc"):
+        if (cand / "cpu").is_dir():
             return cand
     return None
 
 
-def _arch_flags() -> list[str]:
-    # Tuned to this machine for JIT builds; FASTARCH_PORTABLE=1 drops it for builds shipped elsewhere.
-    return [] if os.environ.get("FASTARCH_PORTABLE") == "1" else ["-march=native"]
+def _is_x86_64() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def cpu_cflags() -> list[str]:
-    return CPU_CFLAGS + _arch_flags()
+def cpu_cflags(ahead_of_time: bool = False) -> list[str]:
+    """Flags of CPU extensions: portable ahead of time, tuned to this machine just in time."""
+    if not ahead_of_time:
+        return CPU_CFLAGS + ["-march=native"]
+    return CPU_CFLAGS + (list(X86_AOT_ISA) if _is_x86_64() else [])
+
+
+def _cpu_flags() -> list[str] | None:
+    """The CPU's feature flags from ``/proc/cpuinfo``, or None where there is none."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), None)
+    except OSError:
+        return None
+
+
+def aot_cpu_reason() -> str | None:
+    """Why this CPU cannot run the ahead-of-time CPU builds, or None."""
+    if not _is_x86_64():
+        return None
+    flags = _cpu_flags()
+    if flags is None:  # torch's own dispatch level "AVX2" requires AVX2 and FMA
+        has = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+        missing = [] if has else list(X86_AOT_ISA.values())
+    else:
+        missing = [f for f in X86_AOT_ISA.values() if f not in flags]
+    if missing:
+        return f"the ahead-of-time build needs {' and '.join(m.upper() for m in missing)}, which this CPU lacks"
+    return None
 
 
 def sources(name: str, kind: str) -> list[Path]:
@@ -65,6 +101,12 @@ def sources(name: str, kind: str) -> list[Path]:
         return []
     src = root / kind / (f"{name}.cpp" if kind == "cpu" else f"{name}.cu")
     return [src] if src.exists() else []
+
+
+def include_dirs(kind: str) -> list[Path]:
+    root = csrc_dir()
+    inc = root / kind / "include" if root is not None else None
+    return [inc] if inc is not None and inc.is_dir() else []
 
 
 def all_extensions() -> list[tuple[str, str]]:
@@ -78,23 +120,31 @@ def all_extensions() -> list[tuple[str, str]]:
 
 
 def module_name(name: str, kind: str) -> str:
+    """The extension's name without the build hash, e.g. ``_cpu_attention``."""
     return f"_{kind}_{name}"
 
 
-def source_hash(name: str, kind: str) -> str:
-    """Hash of the extension's source, the shared headers of its kind and the flags."""
+def compile_flags(kind: str, ahead_of_time: bool) -> list[str]:
+    return cpu_cflags(ahead_of_time) if kind == "cpu" else CUDA_CXXFLAGS + CUDA_CFLAGS
+
+
+def source_hash(name: str, kind: str, ahead_of_time: bool = False) -> str:
+    """Hash of the extension's source, the shared headers of its kind, the flags and the torch version."""
     h = hashlib.sha256()
-    root = csrc_dir()
     files = sources(name, kind)
-    if root is not None:
-        files += sorted((root / kind / "include").glob("*")) if (root / kind / "include").is_dir() else []
+    for inc in include_dirs(kind):
+        files += sorted(inc.glob("*"))
     for f in files:
         h.update(f.name.encode())
         h.update(f.read_bytes())
-    flags = cpu_cflags() if kind == "cpu" else CUDA_CFLAGS
-    h.update(" ".join(flags).encode())
+    h.update(" ".join(compile_flags(kind, ahead_of_time)).encode())
     h.update(torch.__version__.encode())
     return h.hexdigest()[:16]
+
+
+def aot_module_name(name: str, kind: str) -> str:
+    """The module an ahead-of-time build of the current sources has inside ``fastarch``."""
+    return f"{module_name(name, kind)}_{source_hash(name, kind, ahead_of_time=True)}"
 
 
 def cache_dir() -> Path:
@@ -115,24 +165,15 @@ def kind_reason(kind: str) -> str | None:
     return None
 
 
-def _aot_manifest() -> dict[str, str]:
-    try:
-        return json.loads(_MANIFEST.read_text())
-    except (OSError, ValueError):
-        return {}
+def _aot_reason(name: str, kind: str) -> str | None:
+    """Why the ahead-of-time build cannot be used (absent, or not for this CPU), or None."""
+    if importlib.util.find_spec(f"fastarch.{aot_module_name(name, kind)}") is None:
+        return "no ahead-of-time build of these sources"
+    return aot_cpu_reason() if kind == "cpu" else None
 
 
-def _try_aot(name: str, kind: str) -> ModuleType | None:
-    modname = f"fastarch.{module_name(name, kind)}"
-    built_hash = _aot_manifest().get(module_name(name, kind))
-    if sources(name, kind):
-        # Source checkout: only trust an ahead-of-time build of the same source.
-        if built_hash is None or built_hash != source_hash(name, kind):
-            return None
-    try:
-        return importlib.import_module(modname)
-    except ImportError:
-        return None
+def _jit_dir(name: str, kind: str) -> Path:
+    return cache_dir() / f"{module_name(name, kind)}-{source_hash(name, kind)}"
 
 
 def _jit_build(name: str, kind: str) -> ModuleType:
@@ -141,47 +182,19 @@ def _jit_build(name: str, kind: str) -> ModuleType:
     srcs = sources(name, kind)
     if not srcs:
         raise ExtensionBuildError(f"no source for extension {name!r} ({kind})")
-    digest = source_hash(name, kind)
-    build_dir = cache_dir() / f"{module_name(name, kind)}-{digest}"
+    build_dir = _jit_dir(name, kind)
     build_dir.mkdir(parents=True, exist_ok=True)
-    root = csrc_dir()
-    assert root is not None
-    include = [str(root / kind / "include")] if (root / kind / "include").is_dir() else []
-    lock_path = build_dir / ".fastarch.lock"
-    try:
-        from filelock import FileLock
-    except ImportError:  # torch's FileBaton in cpp_extension.load still serialises the compile itself
-        FileLock = None  # type: ignore[assignment]
-    ctx = FileLock(str(lock_path)) if FileLock is not None else _NullCtx()
-    verbose = os.environ.get("FASTARCH_VERBOSE_BUILD") == "1"
-    with ctx:
+    common = dict(
+        name=f"fastarch{module_name(name, kind)}_{source_hash(name, kind)}",
+        sources=[str(s) for s in srcs],
+        extra_include_paths=[str(p) for p in include_dirs(kind)],
+        build_directory=str(build_dir),
+        verbose=os.environ.get("FASTARCH_VERBOSE_BUILD") == "1",
+    )
+    with FileLock(str(build_dir / ".fastarch.lock")):
         if kind == "cpu":
-            return cpp_extension.load(
-                name=f"fastarch{module_name(name, kind)}_{digest}",
-                sources=[str(s) for s in srcs],
-                extra_cflags=cpu_cflags(),
-                extra_ldflags=CPU_LDFLAGS,
-                extra_include_paths=include,
-                build_directory=str(build_dir),
-                verbose=verbose,
-            )
-        return cpp_extension.load(
-            name=f"fastarch{module_name(name, kind)}_{digest}",
-            sources=[str(s) for s in srcs],
-            extra_cflags=["-O3", "-std=c++17"],
-            extra_cuda_cflags=CUDA_CFLAGS,
-            extra_include_paths=include,
-            build_directory=str(build_dir),
-            verbose=verbose,
-        )
-
-
-class _NullCtx:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: object) -> None:
-        return None
+            return cpp_extension.load(extra_cflags=cpu_cflags(), extra_ldflags=CPU_LDFLAGS, **common)
+        return cpp_extension.load(extra_cflags=CUDA_CXXFLAGS, extra_cuda_cflags=CUDA_CFLAGS, **common)
 
 
 def load_extension(name: str, kind: str = "cpu") -> ModuleType:
@@ -202,7 +215,12 @@ def load_extension(name: str, kind: str = "cpu") -> ModuleType:
         if reason is not None:
             _errors[key] = reason
             raise ExtensionBuildError(reason)
-        mod = _try_aot(name, kind)
+        mod = None
+        if _aot_reason(name, kind) is None:
+            try:
+                mod = importlib.import_module(f"fastarch.{aot_module_name(name, kind)}")
+            except ImportError:  # e.g. linked against libraries this system lacks: build here instead
+                mod = None
         if mod is None:
             try:
                 mod = _jit_build(name, kind)
@@ -224,25 +242,25 @@ def _first_compiler_error(exc: BaseException) -> str:
 
 
 def status() -> list[tuple[str, str, str]]:
-    """(module, kind, status) for every extension, building none: 'loaded', 'prebuilt', 'cached', ..."""
+    """(module, kind, status) for every extension, building none: 'loaded', 'built ahead of time', ..."""
     out = []
-    manifest = _aot_manifest()
     for name, kind in all_extensions():
         key = module_name(name, kind)
+        aot = _aot_reason(name, kind) if key not in _loaded else None
         if key in _loaded:
             st = "loaded"
         elif key in _errors:
             st = _errors[key]
         elif kind_reason(kind):
             st = f"not built: {kind_reason(kind)}"
-        elif manifest.get(key) == source_hash(name, kind):
+        elif aot is None:
             st = "built ahead of time"
-        elif (cache_dir() / f"{key}-{source_hash(name, kind)}").is_dir() and any(
-            (cache_dir() / f"{key}-{source_hash(name, kind)}").glob("*.so")
-        ):
+        elif any(_jit_dir(name, kind).glob("*.so")):
             st = "built just in time (cached)"
-        else:
+        elif aot.startswith("no "):
             st = "not built yet (builds on first use)"
+        else:
+            st = f"not built yet (builds on first use; {aot})"
         out.append((key, kind, st))
     return out
 

@@ -20,6 +20,8 @@ from ..models import create_model
 from ..optim import SGD, AdamW, Momentum
 from ..train.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from ..train.schedules import CosineAnnealingWarmup
+from ..train.trainer import progress_bar
+from .options import build_parser
 
 Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
@@ -146,7 +148,8 @@ def run(args: argparse.Namespace) -> None:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         _truncate_metrics(out / "metrics.csv", start)
-    bar = _bar(args, start) if rank == 0 else None
+    enabled = None if args.progress == "auto" else args.progress == "on"
+    bar = progress_bar(args.steps, enabled, f"train {args.model}", start) if rank == 0 else None
     local = args.batch_size // world
     for step in range(start, args.steps):
         x, y = batch_fn(step)
@@ -181,17 +184,6 @@ def run(args: argparse.Namespace) -> None:
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
-
-
-def _bar(args: argparse.Namespace, start: int):
-    on = sys.stderr.isatty() if args.progress == "auto" else args.progress == "on"
-    if not on:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None
-    return tqdm(total=args.steps, initial=start, desc=f"train {args.model}", dynamic_ncols=True)
 
 
 def _append_metrics(path: Path, step: int, loss: float, lr: float) -> None:
@@ -248,8 +240,6 @@ def _load_state(net, opt, state, sharded: bool) -> None:
 
 
 def main() -> None:
-    from .launch import build_parser
-
     args = build_parser().parse_args(json.loads(os.environ["FASTARCH_TRAIN_ARGS"]))
     run(args)
     if args.parallel != "none":

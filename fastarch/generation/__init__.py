@@ -3,23 +3,11 @@
 
 from __future__ import annotations
 
+from . import sampling
 from .beam_search import BeamSearch, beam_search
 from .generate import LMAdapter, generate, generate_stream, reorder_cache
 from .kv_cache import KVCache
-from .sampling import (
-    RepetitionPenaltyController,
-    apply_penalties,
-    greedy_decode,
-    min_p_filter,
-    process_logits,
-    sample_from_logits,
-    temperature_decode,
-    token_counts,
-    top_k_decode,
-    top_k_filter,
-    top_p_decode,
-    top_p_filter,
-)
+from .sampling import *  # noqa: F403  (the logit processors and samplers: sampling.__all__)
 from .streaming import CallbackStreamer, TextStreamer, TokenIteratorStreamer
 
 __all__ = [
@@ -27,22 +15,11 @@ __all__ = [
     "CallbackStreamer",
     "KVCache",
     "LMAdapter",
-    "RepetitionPenaltyController",
     "TextStreamer",
     "TokenIteratorStreamer",
-    "apply_penalties",
     "beam_search",
     "generate",
     "generate_stream",
-    "greedy_decode",
-    "min_p_filter",
-    "process_logits",
     "reorder_cache",
-    "sample_from_logits",
-    "temperature_decode",
-    "token_counts",
-    "top_k_decode",
-    "top_k_filter",
-    "top_p_decode",
-    "top_p_filter",
 ]
+__all__ += sampling.__all__

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .adapter import LMAdapter, check_request, eos_ids
+
 __all__ = ["BeamSearch", "beam_search"]
 
 
@@ -110,15 +112,13 @@ def beam_search(
     ``pad_token_id`` (default: the first EOS, else 0); with ``return_scores`` also their scores
     ``(B * num_return_sequences,)``.
     """
-    from .generate import LMAdapter, _eos_list, _validate
-
-    _validate(input_ids, max_new_tokens, "beam", num_beams)
+    check_request(input_ids, max_new_tokens, "beam", num_beams)
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"beam_search: argument 'early_stopping' must be True, False or 'never', got {early_stopping!r}")
     if not 1 <= num_return_sequences <= num_beams:
         raise ValueError(f"beam_search: argument 'num_return_sequences' must be in [1, num_beams={num_beams}], "
                          f"got {num_return_sequences}")
-    eos = _eos_list(eos_token_id)
+    eos = eos_ids(eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     B, L = input_ids.shape
     nb = num_beams

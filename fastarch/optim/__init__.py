@@ -118,34 +118,33 @@ class Momentum(_GuideOptimizer):
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.9, *, foreach: bool | None = None) -> None:
         super().__init__(params, dict(lr=lr, momentum=momentum), foreach)
 
-    def _update_one(self, group, p, g, st):
-        v = st["velocity"].mul_(group["momentum"]).add_(g)
-        p.add_(v, alpha=-group["lr"])
+    @staticmethod
+    def _velocity(group, g, st):
+        return st["velocity"].mul_(group["momentum"]).add_(g)
 
-    def _update_foreach(self, group, ps, gs, sts):
+    @staticmethod
+    def _velocities(group, gs, sts):
         vs = [st["velocity"] for st in sts]
         torch._foreach_mul_(vs, group["momentum"])
         torch._foreach_add_(vs, gs)
-        torch._foreach_add_(ps, vs, alpha=-group["lr"])
-
-
-class NesterovMomentum(_GuideOptimizer):
-    """``v = momentum * v + g; p -= lr * (momentum * v + g)`` (torch's SGD with ``nesterov=True``)."""
-
-    state_names = ("velocity",)
-
-    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.9, *, foreach: bool | None = None) -> None:
-        super().__init__(params, dict(lr=lr, momentum=momentum), foreach)
+        return vs
 
     def _update_one(self, group, p, g, st):
-        v = st["velocity"].mul_(group["momentum"]).add_(g)
+        p.add_(self._velocity(group, g, st), alpha=-group["lr"])
+
+    def _update_foreach(self, group, ps, gs, sts):
+        torch._foreach_add_(ps, self._velocities(group, gs, sts), alpha=-group["lr"])
+
+
+class NesterovMomentum(Momentum):
+    """``v = momentum * v + g; p -= lr * (momentum * v + g)`` (torch's SGD with ``nesterov=True``)."""
+
+    def _update_one(self, group, p, g, st):
+        v = self._velocity(group, g, st)
         p.add_(g.add(v, alpha=group["momentum"]), alpha=-group["lr"])
 
     def _update_foreach(self, group, ps, gs, sts):
-        vs = [st["velocity"] for st in sts]
-        torch._foreach_mul_(vs, group["momentum"])
-        torch._foreach_add_(vs, gs)
-        upd = torch._foreach_add(gs, vs, alpha=group["momentum"])
+        upd = torch._foreach_add(gs, self._velocities(group, gs, sts), alpha=group["momentum"])
         torch._foreach_add_(ps, upd, alpha=-group["lr"])
 
 

@@ -44,12 +44,8 @@ class BPETokenizer(BaseTokenizer):
                  pad_token: str | None = "<pad>", bos_token: str | None = None, eos_token: str | None = None,
                  additional_special_tokens: Sequence[str] = ()) -> None:
         super().__init__()
-        if not isinstance(vocab_size, int) or vocab_size < 1:
-            raise ValueError(f"BPETokenizer: argument 'vocab_size' must be a positive int, got {vocab_size!r}")
-        self.vocab_size = vocab_size
-        self.lowercase = lowercase
-        roles = {"pad_token": pad_token, "unk_token": unk_token, "bos_token": bos_token, "eos_token": eos_token}
-        self.special_tokens = {r: t for r, t in roles.items() if t}
+        self._configure(vocab_size, lowercase, pad_token=pad_token, unk_token=unk_token, bos_token=bos_token,
+                        eos_token=eos_token)
         self.additional_special_tokens = list(additional_special_tokens)
         self.merges: list[tuple[str, str]] = []
         self._ranks: dict[tuple[str, str], int] = {}
@@ -220,13 +216,8 @@ class BPETokenizer(BaseTokenizer):
             self._cache[word] = syms
         return syms
 
-    def tokenize(self, text: str) -> list[str]:
-        """Token strings of ``text`` (what the guide's ``encode`` returned)."""
-        self._require_vocab()
-        out: list[str] = []
-        for w in self._words(text):
-            out.extend(self._bpe(w))
-        return out
+    def _segment(self, word: str) -> list[str]:
+        return self._bpe(word)
 
     def _decode_tokens(self, tokens: list[str]) -> str:
         return "".join(tokens).replace(EOW, " ").strip()

@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+from .._files import atomic_write
 
 __all__ = ["BaseTokenizer", "TokenizerFileError", "atomic_write_text", "load_tokenizer"]
 
 FORMAT_VERSION = 1
+
+# class name -> tokenizer class, filled as subclasses of BaseTokenizer are defined
+_TOKENIZER_TYPES: dict[str, type[BaseTokenizer]] = {}
 
 
 class TokenizerFileError(ValueError):
@@ -20,19 +24,7 @@ class TokenizerFileError(ValueError):
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` to ``path`` atomically: a temporary file in the same folder, fsync, ``os.replace``."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: f.write(text), binary=False)
 
 
 def _fail(path: str, msg: str) -> TokenizerFileError:
@@ -69,9 +61,14 @@ def require(path: str, data: dict[str, Any], key: str, kind: type | tuple[type, 
 class BaseTokenizer:
     """Vocabulary, ids and special tokens shared by the BPE, WordPiece and Unigram tokenizers.
 
-    Subclasses implement ``tokenize(text) -> list[str]`` for ordinary text, ``_decode_tokens`` and the
-    ``_state``/``_from_state`` pair used by :meth:`save`/:meth:`load`.
+    Subclasses implement ``_words`` and ``_segment`` (or ``tokenize(text) -> list[str]`` as a whole) for
+    ordinary text, ``_decode_tokens`` and the ``_state``/``_from_state`` pair used by :meth:`save`/:meth:`load`.
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A saved file names its class; load() finds it here without importing the subclasses' modules.
+        super().__init_subclass__(**kwargs)
+        _TOKENIZER_TYPES[cls.__name__] = cls
 
     #: special-token roles, in the order their ids are assigned
     SPECIAL_ROLES: tuple[str, ...] = ("pad_token", "unk_token", "bos_token", "eos_token")
@@ -82,6 +79,15 @@ class BaseTokenizer:
         self.special_tokens: dict[str, str] = {}
         self.additional_special_tokens: list[str] = []
         self._special_re: re.Pattern[str] | None = None
+
+    def _configure(self, vocab_size: int, lowercase: bool, **roles: str | None) -> None:
+        """Check and set the options every tokenizer has; ``roles`` maps special-token roles to tokens."""
+        if not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1:
+            raise ValueError(f"{type(self).__name__}: argument 'vocab_size' must be a positive int, "
+                             f"got {vocab_size!r}")
+        self.vocab_size = vocab_size
+        self.lowercase = lowercase
+        self.special_tokens = {r: t for r, t in roles.items() if t}
 
     # ---- vocabulary -------------------------------------------------------------------------------------
     def _set_vocab(self, tokens: Sequence[str]) -> None:
@@ -153,8 +159,18 @@ class BaseTokenizer:
                 parts.append((piece, i % 2 == 1))
         return parts
 
-    def tokenize(self, text: str) -> list[str]:
+    def _words(self, text: str) -> list[str]:
+        """Pre-tokenization: ``text`` as the words that :meth:`_segment` splits."""
         raise NotImplementedError
+
+    def _segment(self, word: str) -> list[str]:
+        """One word as token strings."""
+        raise NotImplementedError
+
+    def tokenize(self, text: str) -> list[str]:
+        """Token strings of ``text`` (ordinary text, no special tokens)."""
+        self._require_vocab()
+        return [t for w in self._words(text) for t in self._segment(w)]
 
     def tokenize_with_specials(self, text: str) -> list[str]:
         self._require_vocab()
@@ -230,7 +246,7 @@ class BaseTokenizer:
         version = require(p, data, "version", int, "an int")
         if version != FORMAT_VERSION:
             raise _fail(p, f"format version {version} is not supported (expected {FORMAT_VERSION})")
-        target = cls if cls is not BaseTokenizer else _registry().get(typ)
+        target = cls if cls is not BaseTokenizer else _TOKENIZER_TYPES.get(typ)
         if target is None:
             raise _fail(p, f"unknown tokenizer type {typ!r}")
         vocab = require(p, data, "vocab", list, "a list of token strings")
@@ -251,14 +267,6 @@ class BaseTokenizer:
         tok.additional_special_tokens = list(extra)
         tok._set_vocab(vocab)
         return tok
-
-
-def _registry() -> dict[str, type[BaseTokenizer]]:
-    from .bpe import BPETokenizer
-    from .unigram import UnigramTokenizer
-    from .wordpiece import WordPieceTokenizer
-
-    return {c.__name__: c for c in (BPETokenizer, WordPieceTokenizer, UnigramTokenizer)}
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> BaseTokenizer:

@@ -48,19 +48,15 @@ class UnigramTokenizer(BaseTokenizer):
                  max_piece_length: int = 16, seed_size_factor: int = 4, shrink_factor: float = 0.75,
                  em_iterations: int = 2) -> None:
         super().__init__()
-        if not isinstance(vocab_size, int) or vocab_size < 1:
-            raise ValueError(f"UnigramTokenizer: argument 'vocab_size' must be a positive int, got {vocab_size!r}")
+        self._configure(vocab_size, lowercase, pad_token=pad_token, unk_token=unk_token, bos_token=bos_token,
+                        eos_token=eos_token)
         if not 0.0 < shrink_factor < 1.0:
             raise ValueError(f"UnigramTokenizer: argument 'shrink_factor' must be in (0, 1), got {shrink_factor}")
-        self.vocab_size = vocab_size
         self.unk_token = unk_token
-        self.lowercase = lowercase
         self.max_piece_length = max_piece_length
         self.seed_size_factor = seed_size_factor
         self.shrink_factor = shrink_factor
         self.em_iterations = em_iterations
-        roles = {"pad_token": pad_token, "unk_token": unk_token, "bos_token": bos_token, "eos_token": eos_token}
-        self.special_tokens = {r: t for r, t in roles.items() if t}
         self.token_probs: dict[str, float] = {}
         self._logp: dict[str, float] = {}
 
@@ -227,12 +223,8 @@ class UnigramTokenizer(BaseTokenizer):
         return out
 
     # ---- encoding ---------------------------------------------------------------------------------------
-    def tokenize(self, text: str) -> list[str]:
-        self._require_vocab()
-        out: list[str] = []
-        for w in self._words(text):
-            out.extend(self.viterbi_segment(w))
-        return out
+    def _segment(self, word: str) -> list[str]:
+        return self.viterbi_segment(word)
 
     def _decode_tokens(self, tokens: list[str]) -> str:
         return "".join(tokens).replace(SPACE, " ").strip()

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .bert_basic import BasicTokenizer, wordpiece_tokenize
-from .io import BaseTokenizer, TokenizerFileError, require
+from .io import BaseTokenizer, TokenizerFileError, atomic_write_text, require
 
 __all__ = ["WordPieceTokenizer"]
 
@@ -48,20 +48,15 @@ class WordPieceTokenizer(BaseTokenizer):
                  lowercase: bool = True, strip_accents: bool | None = None, tokenize_chinese_chars: bool = True,
                  max_input_chars_per_word: int = 100, prefix: str = "##") -> None:
         super().__init__()
-        if not isinstance(vocab_size, int) or vocab_size < 1:
-            raise ValueError(f"WordPieceTokenizer: argument 'vocab_size' must be a positive int, got {vocab_size!r}")
+        self._configure(vocab_size, lowercase, pad_token=pad_token, unk_token=unk_token, cls_token=cls_token,
+                        sep_token=sep_token, mask_token=mask_token)
         if not unk_token:
             raise ValueError("WordPieceTokenizer: argument 'unk_token' must be a non-empty string")
-        self.vocab_size = vocab_size
         self.unk_token = unk_token
-        self.lowercase = lowercase
         self.strip_accents = strip_accents
         self.tokenize_chinese_chars = tokenize_chinese_chars
         self.max_input_chars_per_word = max_input_chars_per_word
         self.prefix = prefix
-        roles = {"pad_token": pad_token, "unk_token": unk_token, "cls_token": cls_token, "sep_token": sep_token,
-                 "mask_token": mask_token}
-        self.special_tokens = {r: t for r, t in roles.items() if t}
         self._basic_cache: BasicTokenizer | None = None
 
     # ---- pre-tokenization -------------------------------------------------------------------------------
@@ -102,14 +97,20 @@ class WordPieceTokenizer(BaseTokenizer):
         pair_count: Counter[tuple[str, str]] = Counter()
         where: defaultdict[tuple[str, str], set[int]] = defaultdict(set)
         sym_pairs: defaultdict[str, set[tuple[str, str]]] = defaultdict(set)  # symbol -> pairs holding it
-        for i, (w, f) in enumerate(zip(words, freqs)):
+        def count(i: int, w: list[str], f: int) -> list[tuple[str, str]]:
+            """Add word ``i`` (symbols ``w``, frequency ``f``) to the counts; returns its pairs."""
             for s in w:
                 sym_count[s] += f
-            for p in zip(w, w[1:]):
+            pairs = list(zip(w, w[1:]))
+            for p in pairs:
                 pair_count[p] += f
                 where[p].add(i)
                 sym_pairs[p[0]].add(p)
                 sym_pairs[p[1]].add(p)
+            return pairs
+
+        for i, (w, f) in enumerate(zip(words, freqs)):
+            count(i, w, f)
 
         def score(p: tuple[str, str]) -> float:
             return pair_count[p] / (sym_count[p[0]] * sym_count[p[1]])
@@ -147,14 +148,7 @@ class WordPieceTokenizer(BaseTokenizer):
                         merged.append(w[j])
                         j += 1
                 words[i] = merged
-                for s in merged:
-                    sym_count[s] += f
-                for p in zip(merged, merged[1:]):
-                    pair_count[p] += f
-                    where[p].add(i)
-                    sym_pairs[p[0]].add(p)
-                    sym_pairs[p[1]].add(p)
-                    changed.add(p)
+                changed.update(count(i, merged, f))
             pair_count.pop(best, None)
             # count(a) and count(b) fell, so every pair holding a or b scores differently now.
             for sym in (a, b):
@@ -215,8 +209,6 @@ class WordPieceTokenizer(BaseTokenizer):
         return tok
 
     def save_vocab_file(self, path: str | os.PathLike[str]) -> None:
-        from .io import atomic_write_text
-
         self._require_vocab()
         atomic_write_text(path, "".join(t + "\n" for t in self._id_to_token))
 
@@ -224,15 +216,13 @@ class WordPieceTokenizer(BaseTokenizer):
     def encode_word(self, word: str) -> list[str]:
         """WordPiece of one already pre-tokenized word (guide API)."""
         self._require_vocab()
-        return wordpiece_tokenize(word, self.vocab, self.unk_token, self.max_input_chars_per_word, self.prefix)
+        return self._segment(word)
 
-    def tokenize(self, text: str) -> list[str]:
-        self._require_vocab()
-        out: list[str] = []
-        for word in self.basic.tokenize(text):
-            out.extend(wordpiece_tokenize(word, self.vocab, self.unk_token, self.max_input_chars_per_word,
-                                          self.prefix))
-        return out
+    def _words(self, text: str) -> list[str]:
+        return self.basic.tokenize(text)
+
+    def _segment(self, word: str) -> list[str]:
+        return wordpiece_tokenize(word, self.vocab, self.unk_token, self.max_input_chars_per_word, self.prefix)
 
     def _wrap_special(self, ids: list[int]) -> list[int]:
         cls_t, sep_t = self.special_tokens.get("cls_token"), self.special_tokens.get("sep_token")

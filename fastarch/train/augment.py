@@ -27,36 +27,43 @@ def _check(x: torch.Tensor, y: torch.Tensor, name: str) -> None:
                          f"{x.shape[0]}, got {tuple(y.shape)}")
 
 
-class RandomMixup(nn.Module):
-    """``x~ = lam x + (1-lam) x[perm]``, ``y~ = lam y + (1-lam) y[perm]`` with ``lam ~ Beta(alpha, alpha)``."""
+class _BatchMixer(nn.Module):
+    """Mixes each sample with a random partner from the same batch, with a weight drawn from Beta(alpha, alpha)."""
 
-    def __init__(self, alpha: float = 0.2, generator: torch.Generator | None = None) -> None:
+    def __init__(self, alpha: float, generator: torch.Generator | None) -> None:
         super().__init__()
         self.alpha, self.generator = alpha, generator
         self.last_lam: float | None = None
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _check(x, y, "RandomMixup")
+    def _draw(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """Check the labels; draw the weight and each sample's partner index ``(B,)``."""
+        _check(x, y, type(self).__name__)
         lam = _beta(self.alpha, self.generator)
-        index = torch.randperm(x.size(0), generator=self.generator).to(x.device)
+        return lam, torch.randperm(x.size(0), generator=self.generator).to(x.device)
+
+
+class RandomMixup(_BatchMixer):
+    """``x~ = lam x + (1-lam) x[perm]``, ``y~ = lam y + (1-lam) y[perm]`` with ``lam ~ Beta(alpha, alpha)``."""
+
+    def __init__(self, alpha: float = 0.2, generator: torch.Generator | None = None) -> None:
+        super().__init__(alpha, generator)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lam, index = self._draw(x, y)
         self.last_lam = lam
         return lam * x + (1 - lam) * x[index], lam * y + (1 - lam) * y[index]
 
 
-class RandomCutmix(nn.Module):
+class RandomCutmix(_BatchMixer):
     """Paste a random box from ``x[perm]`` into ``x`` ``(B, C, H, W)``; labels mix by the box's area."""
 
     def __init__(self, alpha: float = 1.0, generator: torch.Generator | None = None) -> None:
-        super().__init__()
-        self.alpha, self.generator = alpha, generator
-        self.last_lam: float | None = None
+        super().__init__(alpha, generator)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.dim() != 4:
             raise ValueError(f"RandomCutmix: x must be (batch, C, H, W), got {tuple(x.shape)}")
-        _check(x, y, "RandomCutmix")
-        lam = _beta(self.alpha, self.generator)
-        index = torch.randperm(x.size(0), generator=self.generator).to(x.device)
+        lam, index = self._draw(x, y)
         _, _, H, W = x.shape
         cut = (1 - lam) ** 0.5
         cut_w, cut_h = int(W * cut), int(H * cut)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 import random
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .._files import atomic_write
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "rng_state", "set_rng_state"]
 
@@ -24,28 +25,7 @@ _CKPT_RE = re.compile(r"^ckpt-(\d+)\.pt$")
 
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> Path:
     """Write ``state`` to ``path`` atomically (temp file, fsync, rename, fsync of the folder)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    try:
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
-    return path
+    return atomic_write(path, lambda f: torch.save(state, f), binary=True)
 
 
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict[str, Any]:

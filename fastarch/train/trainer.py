@@ -33,7 +33,9 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)
 
 
-def _progress(total: int | None, enabled: bool | None, desc: str):
+def progress_bar(total: int | None, enabled: bool | None, desc: str, initial: int = 0) -> Any:
+    """A tqdm bar on stderr, or None when disabled (``enabled=None``: when stderr is a terminal) or when the
+    optional tqdm is not installed."""
     use = sys.stderr.isatty() if enabled is None else enabled
     if not use:
         return None
@@ -41,7 +43,7 @@ def _progress(total: int | None, enabled: bool | None, desc: str):
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc=desc, leave=False, dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc=desc, leave=False, dynamic_ncols=True)
 
 
 class MetricsLogger:
@@ -208,7 +210,7 @@ class Trainer:
         if per_epoch == 0:
             raise ValueError(f"dataset of {n} samples gives no full batch of {batch_size}")
         total = max_steps if max_steps is not None else epochs * per_epoch // self.accumulation_steps
-        bar = _progress(total, self.progress, "train")
+        bar = progress_bar(total, self.progress, "train")
         if bar is not None:
             bar.update(self.step)
         losses: list[float] = []

@@ -1,5 +1,6 @@
-"""Tiny language models for the generation tests, following fastarch.generation's model protocols, and a plain
-PyTorch attention that implements fastarch.ops.attention's semantics (bottom-right alignment)."""
+"""Tiny language models for the generation tests, following the model protocols of
+:mod:`fastarch.generation.adapter`, and a plain PyTorch attention that implements fastarch.ops.attention's
+semantics (bottom-right alignment)."""
 
 from __future__ import annotations
 

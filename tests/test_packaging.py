@@ -1,0 +1,48 @@
+"""Build flags and package layout: ahead-of-time builds stay portable, and fastarch.kernels is this
+checkout's kernels/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import fastarch.kernels
+from fastarch import extensions as fx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_only_just_in_time_builds_tune_to_this_machine():
+    assert "-march=native" in fx.cpu_cflags()
+    assert not any(f.startswith(("-march", "-mtune", "-mcpu")) for f in fx.cpu_cflags(ahead_of_time=True))
+
+
+def test_ahead_of_time_x86_builds_target_avx2_and_fma(monkeypatch):
+    monkeypatch.setattr(fx, "_is_x86_64", lambda: True)
+    assert {"-mavx2", "-mfma"} <= set(fx.cpu_cflags(ahead_of_time=True))
+    monkeypatch.setattr(fx, "_is_x86_64", lambda: False)
+    assert not any(f in ("-mavx2", "-mfma") for f in fx.cpu_cflags(ahead_of_time=True))
+
+
+@pytest.mark.parametrize("flags,missing", [(["sse2", "avx"], "AVX2 and FMA"), (["avx2"], "FMA"),
+                                           (["fma", "avx2", "avx512f"], None)])
+def test_ahead_of_time_build_is_refused_on_a_cpu_without_avx2_or_fma(monkeypatch, flags, missing):
+    monkeypatch.setattr(fx, "_is_x86_64", lambda: True)
+    monkeypatch.setattr(fx, "_cpu_flags", lambda: flags)
+    reason = fx.aot_cpu_reason()
+    if missing is None:
+        assert reason is None
+    else:
+        assert reason is not None and f"needs {missing}" in reason
+
+
+def test_ahead_of_time_module_name_changes_with_the_flags():
+    name, kind = fx.all_extensions()[0]
+    assert fx.aot_module_name(name, kind).startswith(f"{fx.module_name(name, kind)}_")
+    assert fx.source_hash(name, kind, ahead_of_time=True) != fx.source_hash(name, kind)
+
+
+def test_kernels_subpackage_is_this_checkouts_kernels_folder():
+    assert Path(fastarch.kernels.__file__).resolve() == ROOT / "kernels" / "__init__.py"
+    assert not (ROOT / "fastarch" / "kernels").exists(), "fastarch/kernels must not exist: package_dir maps it"

@@ -28,14 +28,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("fastarch.bench", "fastarch.cli", "fastarch.info", "fastarch.__main__", "fastarch"),
 ]
 
-# Known edges that are being removed (the KV cache moves into nn; the model registry stops importing its
-# package); each is (importer, imported). The list only shrinks.
-EXPECTED_TO_BE_FIXED: set[tuple[str, str]] = {
-    ("fastarch.nn.gpt", "fastarch.generation"),
-    ("fastarch.nn.kv_attention", "fastarch.generation.kv_cache"),
-    ("fastarch.models.registry", "fastarch.models"),
-}
-
 
 def module_files() -> dict[str, Path]:
     """Every fastarch module name and its source file."""
@@ -146,10 +138,7 @@ def test_graph_sees_function_local_imports() -> None:
 
 
 def test_no_import_cycles() -> None:
-    graph = import_graph()
-    for a, b in EXPECTED_TO_BE_FIXED:
-        graph.get(a, set()).discard(b)
-    found = cycles(graph)
+    found = cycles(import_graph())
     assert not found, "import cycles between fastarch modules:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
@@ -157,13 +146,6 @@ def test_no_layer_imports_a_layer_above_it() -> None:
     bad = []
     for module, deps in import_graph().items():
         for dep in sorted(deps):
-            if layer_of(dep) > layer_of(module) and (module, dep) not in EXPECTED_TO_BE_FIXED:
+            if layer_of(dep) > layer_of(module):
                 bad.append(f"{module} (layer {layer_of(module)}) imports {dep} (layer {layer_of(dep)})")
     assert not bad, "imports of a higher layer:\n" + "\n".join(bad)
-
-
-def test_expected_to_be_fixed_edges_still_exist() -> None:
-    # An allowlisted edge that is gone must leave the list, so that it cannot come back unnoticed.
-    graph = import_graph()
-    gone = [edge for edge in EXPECTED_TO_BE_FIXED if edge[1] not in graph.get(edge[0], set())]
-    assert not gone, f"remove these from EXPECTED_TO_BE_FIXED, they no longer exist: {gone}"

@@ -1,4 +1,8 @@
-"""A timm-style model registry: ``@register_model``, ``create_model(name, **kw)``, ``list_models(pattern)``."""
+"""A timm-style model registry: ``@register_model``, ``create_model(name, **kw)``, ``list_models(pattern)``.
+
+The builders register themselves when their files are imported; importing any part of ``fastarch.models``
+(this file included) runs the package's ``__init__``, which imports them all.
+"""
 
 from __future__ import annotations
 
@@ -27,23 +31,16 @@ def register_model(fn: F | None = None, *, name: str | None = None) -> Any:
 
 
 def list_models(pattern: str = "*") -> list[str]:
-    _load_builtin()
     return sorted(n for n in _MODELS if fnmatch.fnmatch(n, pattern))
 
 
 def create_model(name: str, **kwargs: Any) -> nn.Module:
     """Build the registered model ``name`` with ``kwargs`` overriding its defaults."""
-    _load_builtin()
     if name not in _MODELS:
         close = difflib.get_close_matches(name, list(_MODELS), n=5, cutoff=0.5)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         raise KeyError(f"unknown model {name!r}{hint} (see fastarch.models.list_models())")
     return _MODELS[name](**kwargs)
-
-
-def _load_builtin() -> None:
-    # Builders live in the other files of fastarch.models; importing the package registers them.
-    import fastarch.models  # noqa: F401
 
 
 def register_configs(table: dict[str, tuple[Callable[..., nn.Module], str, dict[str, Any]]]

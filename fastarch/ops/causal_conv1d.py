@@ -144,7 +144,7 @@ def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
 
 @_conv_fwd.register_fake
 def _(x, weight, bias, seq_idx, initial_states, silu, backend):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("fastarch::causal_conv1d_bwd", mutates_args=())
@@ -331,7 +331,7 @@ class TorchCausalConv1d(Implementation):
 
     def forward(self, x, weight, bias, seq_idx, initial_states, silu):
         return causal_conv1d_ref(x, weight, bias, "silu" if silu else None, seq_idx=seq_idx,
-                                 initial_states=initial_states)
+                                 initial_states=initial_states).contiguous()  # conv1d may pick other strides
 
     def backward(self, dout, x, weight, bias, seq_idx, initial_states, silu):
         batch, dim, L = x.shape

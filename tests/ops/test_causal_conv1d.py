@@ -296,3 +296,18 @@ def test_update_errors_leave_state_untouched(backend):
         with pytest.raises(exc, match=match):
             causal_conv1d_update(**args, backend=backend)
         assert torch.equal(state, before), match
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_opcheck(backend):
+    """The custom ops' fake (meta) functions, autograd registration and schemas agree with the kernels."""
+    x, w, b = torch.randn(2, 4, 9, requires_grad=True), torch.randn(4, 3, requires_grad=True), torch.randn(4)
+    init = torch.randn(2, 4, 2, requires_grad=True)
+    seq = torch.tensor([[0] * 4 + [1] * 5, [0] * 9], dtype=torch.int32)
+    fwd = torch.ops.fastarch.causal_conv1d_fwd.default
+    torch.library.opcheck(fwd, (x, w, b, None, init, True, backend))
+    torch.library.opcheck(fwd, (x, w, None, seq, None, False, backend))
+    state = torch.randn(3, 4, 5)
+    torch.library.opcheck(torch.ops.fastarch.causal_conv1d_update.default,
+                          (torch.randn(2, 4, 3), state, w.detach(), b, True, torch.tensor([1, 7], dtype=torch.int32),
+                           torch.tensor([2, 0], dtype=torch.int32), backend))

@@ -215,3 +215,16 @@ def test_validates_before_mutating(backend):
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(state, ref_state)
     assert not torch.equal(state, before)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+def test_opcheck(backend):
+    """The custom op's fake function and schema agree with the kernels, batch indices included."""
+    state = torch.randn(4, 2, 3, 8)
+    args = (torch.randn(3, 2, 3), torch.rand(3, 2, 3), -torch.rand(2, 3, 8), torch.randn(3, 1, 8),
+            torch.randn(3, 1, 8), torch.randn(2, 3), None, None, True, torch.tensor([3, -1, 0]), backend)
+    torch.library.opcheck(torch.ops.fastarch.selective_state_update.default, (state, *args))
+    # The 3-D state with 2-D arguments.
+    torch.library.opcheck(torch.ops.fastarch.selective_state_update.default,
+                          (torch.randn(3, 5, 4), torch.randn(3, 5), torch.rand(3, 5), -torch.rand(5, 4),
+                           torch.randn(3, 4), torch.randn(3, 4), None, torch.randn(3, 5), None, False, None, backend))

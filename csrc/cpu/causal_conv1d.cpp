@@ -17,9 +17,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "fastarch_math.h"
+
 namespace {
 
-inline float sigmoid_f(float x) { return 1.f / (1.f + std::exp(-x)); }
+using fastarch::sigmoid_f;
 
 struct Conv {
   const float* x;
@@ -89,6 +91,7 @@ void conv_row(const Conv& c, int64_t r, const float* v, float* o, bool silu) {
         if (same_seq(seq, t, k, K)) o[t] += wr[k] * v[t + k];
   }
   if (silu)
+#pragma omp simd
     for (int64_t t = 0; t < L; ++t) o[t] = o[t] * sigmoid_f(o[t]);
 }
 
@@ -139,6 +142,7 @@ std::vector<torch::Tensor> conv_bwd(torch::Tensor x, torch::Tensor w, c10::optio
         const float* gr = pd + r * L;
         if (silu) {
           conv_row(c, r, v.data(), g.data(), false);
+#pragma omp simd
           for (int64_t t = 0; t < L; ++t) {
             const float sg = sigmoid_f(g[t]);
             g[t] = gr[t] * sg * (1.f + g[t] * (1.f - sg));

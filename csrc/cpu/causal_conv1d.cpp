@@ -72,7 +72,12 @@ inline bool same_seq(const int32_t* seq, int64_t t, int64_t k, int64_t K) {
   return src >= 0 && seq[src] == seq[t];
 }
 
-// Pre-activation (or activated) output of row r into o (L floats).
+void silu_inplace(float* o, int64_t L) {
+#pragma omp simd
+  for (int64_t t = 0; t < L; ++t) o[t] = o[t] * sigmoid_f(o[t]);
+}
+
+// Pre-activation (or activated) output of row r into o (L floats), from its virtual row v.
 void conv_row(const Conv& c, int64_t r, const float* v, float* o, bool silu) {
   const int64_t d = r % c.dim, b = r / c.dim, L = c.L, K = c.K;
   const float bv = c.bias ? c.bias[d] : 0.f;
@@ -90,9 +95,23 @@ void conv_row(const Conv& c, int64_t r, const float* v, float* o, bool silu) {
       for (int64_t t = 0; t < L; ++t)
         if (same_seq(seq, t, k, K)) o[t] += wr[k] * v[t + k];
   }
-  if (silu)
+  if (silu) silu_inplace(o, L);
+}
+
+// The same without initial states or seq_idx: the taps read x directly (skipping the zero padding), so the
+// row is never copied.
+void conv_row_plain(const Conv& c, int64_t r, float* o, bool silu) {
+  const int64_t d = r % c.dim, L = c.L, K = c.K;
+  const float* xr = c.x + r * L;
+  const float* wr = c.w + d * K;
+  std::fill(o, o + L, c.bias ? c.bias[d] : 0.f);
+  for (int64_t k = 0; k < K; ++k) {
+    const float wk = wr[k];
+    const int64_t shift = K - 1 - k;
 #pragma omp simd
-    for (int64_t t = 0; t < L; ++t) o[t] = o[t] * sigmoid_f(o[t]);
+    for (int64_t t = shift; t < L; ++t) o[t] += wk * xr[t - shift];
+  }
+  if (silu) silu_inplace(o, L);
 }
 
 torch::Tensor conv_fwd(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
@@ -103,10 +122,15 @@ torch::Tensor conv_fwd(torch::Tensor x, torch::Tensor w, c10::optional<torch::Te
   // Fork only when each task gets >= ~16K outputs: waking a thread team costs more than small rows.
   at::parallel_for(0, c.batch * c.dim, std::max<int64_t>(1, 16384 / std::max<int64_t>(c.L, 1)),
                    [&](int64_t begin, int64_t end) {
-                     std::vector<float> v(c.K - 1 + c.L);
+                     const bool plain = !c.init && !c.seq;
+                     std::vector<float> v(plain ? 0 : c.K - 1 + c.L);
                      for (int64_t r = begin; r < end; ++r) {
-                       load_row(c, r, v.data());
-                       conv_row(c, r, v.data(), po + r * c.L, silu);
+                       if (plain) {
+                         conv_row_plain(c, r, po + r * c.L, silu);
+                       } else {
+                         load_row(c, r, v.data());
+                         conv_row(c, r, v.data(), po + r * c.L, silu);
+                       }
                      }
                    });
   return out;

@@ -1,8 +1,8 @@
 """fastarch: fast attention, long-sequence attention and state-space kernels for PyTorch.
 
 ``fastarch.ops`` holds the functional ops, ``fastarch.nn`` drop-in modules for the architectures of the
-seed guides, ``fastarch.models`` whole-model builders, and ``fastarch.backend`` the selector that
-picks an implementation per call.
+seed guides, ``fastarch.models`` whole-model builders, ``fastarch.compat`` drop-ins for mamba-ssm and
+causal-conv1d code, and ``fastarch.backend`` the selector that picks an implementation per call.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 __all__ = ["BackendUnavailableError", "ExtensionBuildError", "use_backend", "__version__", "explain"]
 
 _SUBMODULES = {"ops", "nn", "models", "generation", "tokenizers", "optim", "train", "distributed", "bench",
-               "extensions", "backend", "info"}
+               "extensions", "backend", "info", "compat"}
 
 
 def __getattr__(name: str) -> Any:

@@ -300,10 +300,10 @@ def selective_scan_bwd(dout, dlast, u, delta, A, B, C, D, z, delta_bias, ckpt, s
 
 # -- selective_state_update: one decode step --------------------------------------------------------------
 @triton.jit
-def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, out_ptr,
+def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, idx_ptr, out_ptr,
                 nheads, P, N, GB, GC,
                 HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-                BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                HAS_IDX: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     # Program (batch * nheads + head, channel block): the (BLOCK_P, BLOCK_N) state tile is read, updated and
     # written back once; every array is contiguous in the heads form (see the launcher).
     bh = tl.program_id(0)
@@ -316,7 +316,11 @@ def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bia
     m2 = mp[:, None] & mn[None, :]
     hp = h * P + offs_p  # (head, channel) index into A / D / dt_bias
     row = bh * P + offs_p  # (batch, head, channel) index into x / dt / z / out
-    st_ptrs = state_ptr + row[:, None] * N + offs_n[None, :]
+    # With state_batch_indices the state row is state[idx[b]]; a negative index is a padding row (out 0).
+    sb = tl.load(idx_ptr + b) if HAS_IDX else b
+    live = (offs_p * 0 + sb) >= 0  # (BLOCK_P,), all equal
+    m2 = m2 & live[:, None]
+    st_ptrs = state_ptr + ((sb * nheads + h) * P + offs_p)[:, None] * N + offs_n[None, :]
     st = tl.load(st_ptrs, mask=m2, other=0.0).to(tl.float32)
     A = tl.load(A_ptr + hp[:, None] * N + offs_n[None, :], mask=m2, other=0.0).to(tl.float32)
     Bv = tl.load(B_ptr + (b * GB + h // (nheads // GB)) * N + offs_n, mask=mn, other=0.0).to(tl.float32)
@@ -335,13 +339,16 @@ def _ssu_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bia
     if HAS_Z:
         zv = tl.load(z_ptr + row, mask=mp, other=0.0).to(tl.float32)
         y = y * zv * _sigmoid(zv)
-    tl.store(out_ptr + row, y, mask=mp)
+    tl.store(out_ptr + row, tl.where(live, y, 0.0), mask=mp)
 
 
-def selective_state_update_fwd(state, x, dt, A, B, C, D, z, dt_bias, softplus: bool) -> torch.Tensor:
-    """Heads form, contiguous: state (batch, H, P, N) updated in place; x/dt/z (batch, H, P); A (H, P, N);
-    B/C (batch, G, N); D/dt_bias (H, P). Returns out (batch, H, P) fp32."""
-    batch, nheads, P, N = state.shape
+def selective_state_update_fwd(state, x, dt, A, B, C, D, z, dt_bias, softplus: bool,
+                               state_batch_indices=None) -> torch.Tensor:
+    """Heads form, contiguous: state (batch_state, H, P, N) updated in place; x/dt/z (batch, H, P); A (H, P, N);
+    B/C (batch, G, N); D/dt_bias (H, P); state_batch_indices (batch,) int64 or None (validated by the caller).
+    Returns out (batch, H, P) fp32."""
+    batch, nheads, P = x.shape
+    N = state.shape[-1]
     out = torch.empty(batch, nheads, P, device=state.device, dtype=torch.float32)
     block_n = max(triton.next_power_of_2(N), 2)
     block_p = max(2, min(triton.next_power_of_2(P), max(2, 4096 // block_n)))
@@ -349,7 +356,9 @@ def selective_state_update_fwd(state, x, dt, A, B, C, D, z, dt_bias, softplus: b
     grid = (batch * nheads, triton.cdiv(P, block_p))
     _ssu_kernel[grid](
         state, x, dt, A, B, C, D if D is not None else dm, z if z is not None else dm,
-        dt_bias if dt_bias is not None else dm, out, nheads, P, N, B.shape[1], C.shape[1],
+        dt_bias if dt_bias is not None else dm, state_batch_indices if state_batch_indices is not None else dm,
+        out, nheads, P, N, B.shape[1], C.shape[1],
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(softplus),
+        HAS_IDX=state_batch_indices is not None,
         BLOCK_P=block_p, BLOCK_N=block_n)
     return out

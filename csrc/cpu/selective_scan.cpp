@@ -1,5 +1,5 @@
-// Mamba's selective scan on CPU (forward and backward), the depthwise causal conv1d that precedes it, and
-// both ops' decode steps (selective_state_update, causal_conv1d_update) at the end of the file.
+// Mamba's selective scan on CPU (forward and backward) and its decode step (selective_state_update) at the
+// end of the file. The causal conv1d that precedes it is csrc/cpu/causal_conv1d.cpp.
 //
 // Layout the Python glue hands us (all fp32, contiguous):
 //   u, delta, z, out: (batch, D, L)     A: (D, N)     D, delta_bias: (D,)
@@ -20,6 +20,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "fastarch_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -28,44 +30,12 @@
 
 namespace {
 
+using fastarch::fast_exp;
+using fastarch::sigmoid_f;
+using fastarch::softplus_f;
+
 constexpr int W = 16;
 
-// e^x by range reduction x = k ln2 + r (|r| <= ln2/2) and a degree-6 minimax polynomial for e^r (relative
-// error ~1e-7, fp32 rounding level). Plain arithmetic and a bit cast, so `omp simd` loops vectorise it.
-// Inputs are clamped to [-87.3, 88.3]: below, the result is ~1e-38 instead of 0 (harmless for a decay).
-inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.3f), 88.3f);
-  const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  float r = x - kf * 0.693359375f;
-  r = r + kf * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(kf) + 127) << 23;
-  return p * __builtin_bit_cast(float, bits);
-}
-
-// log1p(y) for y in [0, 1]: 2 atanh(s) with s = y / (2 + y) in [0, 1/3], odd series to s^11 (truncation
-// <= 1e-7 absolute; relative accuracy holds for tiny y, where the series is ~2s).
-inline float log1p_unit(float y) {
-  const float s = y / (2.f + y);
-  const float s2 = s * s;
-  float p = 1.f / 11.f;
-  p = p * s2 + 1.f / 9.f;
-  p = p * s2 + 1.f / 7.f;
-  p = p * s2 + 1.f / 5.f;
-  p = p * s2 + 1.f / 3.f;
-  p = p * s2 + 1.f;
-  return 2.f * s * p;
-}
-// softplus(x) = max(x, 0) + log1p(exp(-|x|)): branch-free so `omp simd` loops vectorise it. Above 20 this
-// is x to fp32 precision, matching mamba's threshold; its derivative sigmoid(x) is 1 there, likewise.
-inline float softplus_f(float x) { return std::max(x, 0.f) + log1p_unit(fast_exp(-std::fabs(x))); }
-inline float sigmoid_f(float x) { return 1.f / (1.f + fast_exp(-x)); }
 
 struct Scan {
   const float* u;
@@ -452,103 +422,22 @@ std::vector<torch::Tensor> scan_bwd(torch::Tensor dout, c10::optional<torch::Ten
   return {du, ddelta, dA.sum(0), dB, dC, dD.sum(0), dz, dbias.sum(0)};
 }
 
-// ---- causal conv1d: out[b, d, t] = bias[d] + sum_k w[d, k] * x[b, d, t - (W-1) + k], optional SiLU ----------
-torch::Tensor conv_fwd(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias, bool silu) {
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat, "causal_conv1d cpp: x must be fp32 contiguous");
-  const int64_t batch = x.size(0), dim = x.size(1), L = x.size(2), K = w.size(1);
-  auto out = torch::empty_like(x);
-  const float* px = x.data_ptr<float>();
-  const float* pw = w.data_ptr<float>();
-  const float* pb = bias ? bias->data_ptr<float>() : nullptr;
-  float* po = out.data_ptr<float>();
-  // Fork only when each task gets >= ~16K outputs: waking a thread team costs more than small rows.
-  at::parallel_for(0, batch * dim, std::max<int64_t>(1, 16384 / std::max<int64_t>(L, 1)), [&](int64_t begin,
-                                                                                               int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t d = r % dim;
-      const float* xr = px + r * L;
-      float* orow = po + r * L;
-      const float bv = pb ? pb[d] : 0.f;
-      for (int64_t t = 0; t < L; ++t) orow[t] = bv;
-      for (int64_t k = 0; k < K; ++k) {
-        const float wk = pw[d * K + k];
-        const int64_t shift = K - 1 - k;
-#pragma omp simd
-        for (int64_t t = shift; t < L; ++t) orow[t] += wk * xr[t - shift];
-      }
-      if (silu)
-#pragma omp simd
-        for (int64_t t = 0; t < L; ++t) orow[t] = orow[t] * sigmoid_f(orow[t]);
-    }
-  });
-  return out;
-}
-
-std::vector<torch::Tensor> conv_bwd(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
-                                    torch::Tensor dout, bool silu) {
-  const int64_t batch = x.size(0), dim = x.size(1), L = x.size(2), K = w.size(1);
-  auto g = silu ? torch::empty_like(x) : dout;
-  if (silu) {
-    auto pre = conv_fwd(x, w, bias, false);
-    const float* pp = pre.data_ptr<float>();
-    const float* pd = dout.data_ptr<float>();
-    float* pg = g.data_ptr<float>();
-    at::parallel_for(0, x.numel(), 16384, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const float sg = sigmoid_f(pp[i]);
-        pg[i] = pd[i] * sg * (1.f + pp[i] * (1.f - sg));
-      }
-    });
-  }
-  auto dx = torch::zeros_like(x);
-  auto dw = torch::zeros({dim, K}, x.options());
-  auto db = torch::zeros({dim}, x.options());
-  const float* px = x.data_ptr<float>();
-  const float* pw = w.data_ptr<float>();
-  const float* pg = g.data_ptr<float>();
-  float* pdx = dx.data_ptr<float>();
-  float* pdw = dw.data_ptr<float>();
-  float* pdb = db.data_ptr<float>();
-  // Parallel over channels: dw/db of a channel sum over batch inside one task.
-  at::parallel_for(0, dim, std::max<int64_t>(1, 16384 / std::max<int64_t>(batch * L, 1)), [&](int64_t begin,
-                                                                                                int64_t end) {
-    for (int64_t d = begin; d < end; ++d) {
-      for (int64_t b = 0; b < batch; ++b) {
-        const int64_t r = b * dim + d;
-        const float* xr = px + r * L;
-        const float* gr = pg + r * L;
-        float* dxr = pdx + r * L;
-        float sb = 0.f;
-        for (int64_t t = 0; t < L; ++t) sb += gr[t];
-        pdb[d] += sb;
-        for (int64_t k = 0; k < K; ++k) {
-          const int64_t shift = K - 1 - k;
-          const float wk = pw[d * K + k];
-          float sw = 0.f;
-#pragma omp simd reduction(+ : sw)
-          for (int64_t t = shift; t < L; ++t) {
-            sw += gr[t] * xr[t - shift];
-            dxr[t - shift] += wk * gr[t];
-          }
-          pdw[d * K + k] += sw;
-        }
-      }
-    }
-  });
-  return {dx, dw, db};
-}
-
 // ---- selective_state_update: one decode step, in place on the state --------------------------------------
 // Heads form (the no-heads form arrives with nheads = 1):
-//   state (batch, H, P, N) fp32 contiguous, updated in place;  x, dt, z, out: (batch, H, P);
+//   state (batch_state, H, P, N) fp32 contiguous, updated in place; with state_batch_indices (int64, one per
+//   row of x, validated in Python) row b updates state[state_batch_indices[b]] and a negative index skips the
+//   row (output 0, state untouched), else row b updates state[b];  x, dt, z, out: (batch, H, P);
 //   A (H, P, N);  B, C (batch, G, N), head h reads group h / (H / G);  D, dt_bias (H, P).
 // Parallel over batch x H x P rows; each row's N-long update is one `omp simd` loop with the polynomial exp.
 torch::Tensor state_update(torch::Tensor state, torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
                            torch::Tensor C, c10::optional<torch::Tensor> Dp, c10::optional<torch::Tensor> z,
-                           c10::optional<torch::Tensor> dt_bias, bool softplus) {
+                           c10::optional<torch::Tensor> dt_bias, bool softplus,
+                           c10::optional<torch::Tensor> state_batch_indices) {
   TORCH_CHECK(state.is_contiguous() && state.scalar_type() == torch::kFloat && state.dim() == 4,
               "selective_state_update cpp: state must be fp32 contiguous (batch, nheads, dim, N)");
-  const int64_t batch = state.size(0), H = state.size(1), P = state.size(2), N = state.size(3);
+  const int64_t H = state.size(1), P = state.size(2), N = state.size(3);
+  const int64_t batch = state_batch_indices ? state_batch_indices->numel() : state.size(0);
+  const int64_t* pidx = state_batch_indices ? state_batch_indices->data_ptr<int64_t>() : nullptr;
   const int64_t G = B.size(1), GC = C.size(1);
   TORCH_CHECK(x.numel() == batch * H * P && A.numel() == H * P * N && B.numel() == batch * G * N &&
                   C.numel() == batch * GC * N,
@@ -576,7 +465,12 @@ torch::Tensor state_update(torch::Tensor state, torch::Tensor x, torch::Tensor d
       const float* Br = pB + (b * G + h / (H / G)) * N;
       const float* Cr = pC + (b * GC + h / (H / GC)) * N;
       const float* Ar = pA + hp * N;
-      float* sr = ps + r * N;
+      const int64_t sb = pidx ? pidx[b] : b;
+      if (sb < 0) {  // a padding slot: no state to update
+        po[r] = 0.f;
+        continue;
+      }
+      float* sr = ps + (sb * H * P + hp) * N;
       float d = pdt[r] + (pbias ? pbias[hp] : 0.f);
       if (softplus) d = softplus_f(d);
       const float dx = d * px[r];
@@ -595,51 +489,11 @@ torch::Tensor state_update(torch::Tensor state, torch::Tensor x, torch::Tensor d
   return out;
 }
 
-// ---- causal_conv1d_update: T decode steps, conv_state (batch, D, S) shifted in place --------------------
-// The virtual sequence is [conv_state (S), x (T)]; output t reads its last W entries ending at S + t, and
-// the new state is the last S entries. Parallel over batch x channel; each row works in a small buffer.
-torch::Tensor conv_update(torch::Tensor x, torch::Tensor conv_state, torch::Tensor w, c10::optional<torch::Tensor> bias,
-                          bool silu) {
-  TORCH_CHECK(x.is_contiguous() && conv_state.is_contiguous() && conv_state.scalar_type() == torch::kFloat,
-              "causal_conv1d_update cpp: x and conv_state must be fp32 contiguous");
-  const int64_t batch = x.size(0), dim = x.size(1), T = x.size(2), S = conv_state.size(2), K = w.size(1);
-  TORCH_CHECK(S >= K - 1, "causal_conv1d_update cpp: conv_state shorter than width - 1");
-  auto out = torch::empty_like(x);
-  const float* px = x.data_ptr<float>();
-  float* pst = conv_state.data_ptr<float>();
-  const float* pw = w.data_ptr<float>();
-  const float* pb = bias ? bias->data_ptr<float>() : nullptr;
-  float* po = out.data_ptr<float>();
-  // Tiny per row (T outputs of K taps): fork only when a task gets ~16K multiply-adds.
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(T * K + S, 1));
-  at::parallel_for(0, batch * dim, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> full(S + T);
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t d = r % dim;
-      float* st = pst + r * S;
-      std::copy(st, st + S, full.begin());
-      std::copy(px + r * T, px + (r + 1) * T, full.begin() + S);
-      const float* wr = pw + d * K;
-      for (int64_t t = 0; t < T; ++t) {
-        float acc = pb ? pb[d] : 0.f;
-        const float* win = full.data() + S + t - (K - 1);  // S >= K - 1 keeps this inside the buffer
-        for (int64_t k = 0; k < K; ++k) acc += wr[k] * win[k];
-        po[r * T + t] = silu ? acc * sigmoid_f(acc) : acc;
-      }
-      std::copy(full.end() - S, full.end(), st);
-    }
-  });
-  return out;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fastarch: selective scan (Mamba) and causal conv1d on CPU";
+  m.doc() = "fastarch: selective scan (Mamba) and its decode step on CPU";
   m.def("fwd", &scan_fwd, "selective scan forward -> (out, last_state, ckpt)");
   m.def("bwd", &scan_bwd, "selective scan backward -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)");
-  m.def("conv_fwd", &conv_fwd, "causal conv1d forward");
-  m.def("conv_bwd", &conv_bwd, "causal conv1d backward -> (dx, dw, dbias)");
   m.def("state_update", &state_update, "selective_state_update (in place on state) -> out");
-  m.def("conv_update", &conv_update, "causal_conv1d_update (in place on conv_state) -> out");
 }

@@ -1,10 +1,9 @@
-"""selective_scan / selective_state_update: every backend against the mamba-ssm-semantics reference."""
+"""selective_scan: every backend against the mamba-ssm-semantics reference."""
 
 import pytest
 import torch
 
 from fastarch.ops.selective_scan import selective_scan, selective_scan_fn, selective_scan_ref
-from fastarch.ops.selective_state_update import selective_state_update, selective_state_update_ref
 from tests._tolerance import assert_fa_close
 
 pytestmark = pytest.mark.op("selective_scan")
@@ -170,97 +169,3 @@ def test_errors():
         selective_scan(u.long(), delta, A, B, C)
     with pytest.raises(ValueError, match="'u'"):
         selective_scan(u[0], delta, A, B, C)
-
-
-# -- selective_state_update ---------------------------------------------------------------------------------
-def make_ssu(batch, nheads, dim, N, groups, heads=True, dtype=torch.float32, flags=(True, True, True)):
-    """State update inputs: heads form (nheads, dim) or, with heads=False, the 3-D form (dim channels)."""
-    has_D, has_z, has_bias = flags
-    hd = (nheads, dim) if heads else (dim,)
-    bc = (batch, groups, N) if heads else (batch, N)
-    return dict(state=torch.randn(batch, *hd, N), x=torch.randn(batch, *hd, dtype=dtype),
-                dt=(torch.randn(batch, *hd) * 0.5).to(dtype), A=-(torch.rand(*hd, N) + 0.2),
-                B=torch.randn(*bc, dtype=dtype), C=torch.randn(*bc, dtype=dtype),
-                D=torch.randn(*hd) if has_D else None, z=torch.randn(batch, *hd, dtype=dtype) if has_z else None,
-                dt_bias=torch.randn(*hd) * 0.2 if has_bias else None)
-
-
-@pytest.mark.op("selective_state_update")
-@pytest.mark.parametrize("form", ["no-heads", "heads-1group", "heads-2groups", "heads-4groups"])
-@pytest.mark.parametrize("flags", [(True, True, True, True), (False, False, False, False), (True, False, True, False)],
-                         ids=["D-z-bias-softplus", "bare", "D-bias"])
-def test_state_update_matches_reference(backend, form, flags):
-    groups = {"no-heads": 1, "heads-1group": 1, "heads-2groups": 2, "heads-4groups": 4}[form]
-    ins = make_ssu(2, 4, 5, 3 if form != "heads-2groups" else 16, groups, heads=form != "no-heads",
-                   flags=flags[:3])
-    ref_state = ins["state"].clone()
-    ref = selective_state_update_ref(ref_state, **{k: v for k, v in ins.items() if k != "state"},
-                                     dt_softplus=flags[3])
-    out = selective_state_update(**ins, dt_softplus=flags[3], backend=backend)
-    assert out.shape == ins["x"].shape and out.dtype == ins["x"].dtype
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ins["state"], ref_state, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.op("selective_state_update")
-def test_state_update_fp16_and_noncontiguous_state(backend):
-    ins = make_ssu(2, 2, 6, 4, 2, dtype=torch.float16)
-    # A non-contiguous fp32 state (a transposed view) and an fp16 one are both updated in place.
-    for state in (ins["state"].transpose(0, 1).contiguous().transpose(0, 1), ins["state"].half()):
-        ref_state = state.float().clone()
-        args = {k: v for k, v in ins.items() if k != "state"}
-        ref = selective_state_update_ref(ref_state, **args, dt_softplus=True)
-        out = selective_state_update(state, **args, dt_softplus=True, backend=backend)
-        assert out.dtype == torch.float16
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-3, atol=2e-3)
-        torch.testing.assert_close(state.float(), ref_state, rtol=2e-3, atol=2e-3)
-
-
-@pytest.mark.op("selective_state_update")
-@pytest.mark.parametrize("heads", [False, True])
-def test_state_update_matches_scan_steps(backend, heads):
-    batch, dim, N, L = 2, 6, 4, 5
-    u, delta, A, B, C, D, z, bias = make(batch, dim, L, N, "var", "var")
-    ref = selective_scan_ref(u, delta, A, B, C, D, z, bias, True)
-    state = torch.zeros(batch, dim, N)
-    outs = []
-    for t in range(L):
-        if heads:  # the same problem as 2 heads x 3 channels, one group
-            st = state.view(batch, 2, 3, N)
-            o = selective_state_update(st, u[:, :, t].view(batch, 2, 3), delta[:, :, t].view(batch, 2, 3),
-                                       A.view(2, 3, N), B[:, None, :, t], C[:, None, :, t], D.view(2, 3),
-                                       z[:, :, t].view(batch, 2, 3), bias.view(2, 3), True, backend=backend)
-            outs.append(o.reshape(batch, dim))
-        else:
-            outs.append(selective_state_update(state, u[:, :, t], delta[:, :, t], A, B[:, :, t], C[:, :, t], D,
-                                               z[:, :, t], bias, True, backend=backend))
-    torch.testing.assert_close(torch.stack(outs, -1), ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.op("selective_state_update")
-def test_state_update_validates_before_mutating(backend):
-    state = torch.randn(2, 3, 4)
-    before = state.clone()
-    x, dt = torch.randn(2, 3), torch.rand(2, 3)
-    A, B, C = -torch.rand(3, 4), torch.randn(2, 4), torch.randn(2, 4)
-    with pytest.raises(ValueError, match="'C'"):
-        selective_state_update(state, x, dt, A, B, torch.randn(2, 5), backend=backend)
-    with pytest.raises(ValueError, match="'dt_bias'"):
-        selective_state_update(state, x, dt, A, B, C, dt_bias=torch.randn(4), backend=backend)
-    with pytest.raises(ValueError, match="'z'"):
-        selective_state_update(state, x, dt, A, B, C, z=torch.randn(3, 3), backend=backend)
-    with pytest.raises(NotImplementedError, match="complex"):
-        selective_state_update(state, x, dt, A.to(torch.complex64), B, C, backend=backend)
-    with pytest.raises(TypeError, match="'x'"):
-        selective_state_update(state, x.long(), dt, A, B, C, backend=backend)
-    st4 = state.view(2, 1, 3, 4)
-    with pytest.raises(ValueError, match="groups"):  # 2 groups do not divide 1 head
-        selective_state_update(st4, x[:, None], dt[:, None], A[None], torch.randn(2, 2, 4), torch.randn(2, 1, 4),
-                               backend=backend)
-    assert torch.equal(state, before)
-    out = selective_state_update(state, x, dt, A, B, C, backend=backend)
-    ref_state = before.clone()
-    ref = selective_state_update_ref(ref_state, x, dt, A, B, C)
-    torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(state, ref_state)
-    assert not torch.equal(state, before)

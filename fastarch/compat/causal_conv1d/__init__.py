@@ -1,0 +1,15 @@
+"""``causal_conv1d``'s public functions on fastarch's ops: CPU and GPU, the package's signatures.
+
+``import fastarch.compat.causal_conv1d as causal_conv1d`` (or :func:`fastarch.compat.install`, then
+``import causal_conv1d``) gives ``causal_conv1d_fn`` and ``causal_conv1d_update``; the references are in
+:mod:`.causal_conv1d_interface`, as in the package.
+"""
+
+from .causal_conv1d_interface import (
+    causal_conv1d_fn,
+    causal_conv1d_ref,
+    causal_conv1d_update,
+    causal_conv1d_update_ref,
+)
+
+__all__ = ["causal_conv1d_fn", "causal_conv1d_ref", "causal_conv1d_update", "causal_conv1d_update_ref"]

@@ -1,0 +1,1 @@
+"""``mamba_ssm.ops``: ``selective_scan_interface`` and ``triton.selective_state_update``."""

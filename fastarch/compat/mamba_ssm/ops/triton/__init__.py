@@ -1,0 +1,1 @@
+"""``mamba_ssm.ops.triton``: ``selective_state_update`` (runs on every fastarch backend, CPU included)."""

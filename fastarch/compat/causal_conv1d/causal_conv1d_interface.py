@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from ...ops import causal_conv1d as _conv
 from ...ops.causal_conv1d import causal_conv1d_fn
+from ...ops.causal_conv1d import causal_conv1d_ref as _conv_ref
+from ...ops.causal_conv1d import causal_conv1d_update as _update
+from ...ops.causal_conv1d import causal_conv1d_update_ref as _update_ref
 
 __all__ = ["causal_conv1d_fn", "causal_conv1d_ref", "causal_conv1d_update", "causal_conv1d_update_ref"]
 
@@ -27,7 +29,7 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       final_states_out: torch.Tensor | None = None, activation: str | None = None
                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The package's reference, in composed PyTorch (differentiable through autograd)."""
-    return _conv.causal_conv1d_ref(x, weight, bias, activation, initial_states=initial_states,
+    return _conv_ref(x, weight, bias, activation, initial_states=initial_states,
                                    return_final_states=return_final_states, final_states_out=final_states_out)
 
 
@@ -37,11 +39,11 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
                          conv_state_indices: torch.Tensor | None = None) -> torch.Tensor:
     """The package's decode step; ``conv_state`` is updated in place (a circular buffer with
     ``cache_seqlens``)."""
-    return _conv.causal_conv1d_update(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
+    return _update(x, conv_state, weight, bias, activation, cache_seqlens, conv_state_indices)
 
 
 def causal_conv1d_update_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
                              bias: torch.Tensor | None = None, activation: str | None = None,
                              cache_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """The package's reference decode step, in composed PyTorch."""
-    return _conv.causal_conv1d_update_ref(x, conv_state, weight, bias, activation, cache_seqlens)
+    return _update_ref(x, conv_state, weight, bias, activation, cache_seqlens)

@@ -219,6 +219,13 @@ def test_padding_is_a_key_padding_mask_and_no_dense_mask_is_built(monkeypatch):
     assert seen and all(isinstance(m, fh.CompactMask) for m in seen)
     assert all(m.key_padding_mask is not None and m.key_padding_mask.shape == mask.shape for m in seen)
     assert torch.equal(seen[0].key_padding_mask, mask.bool())
+    seen.clear()
+    model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert all(isinstance(m, fh.CompactMask) and m.window == (5, 0) for m in seen)
+    assert seen[0].key_padding_mask is not None  # the prompt's padded keys
+    # the sliding cache (window 6) keeps 5 keys plus the new one; once the padded keys have left it, the
+    # step takes the unmasked path
+    assert seen[-1].key_length == 6 and seen[-1].key_padding_mask is None
 
 
 def test_no_padded_key_takes_the_unmasked_path(monkeypatch):

@@ -102,22 +102,23 @@ def _mamba_provider(cfg: BenchConfig, fastarch: bool, make_run) -> Callable[[], 
     return setup
 
 
-def _mamba_forward_case(cfg: BenchConfig, L: int) -> Case:
-    ids = _tokens(cfg, L)
-
-    def make_run(model):
-        return lambda: model(input_ids=ids, logits_to_keep=1).logits
-
+def _mamba_case(cfg: BenchConfig, group: str, name: str, params: dict, make_run) -> Case:
     return Case(
-        name=f"mamba fwd L={L}",
-        params={"L": L, "model": "mamba"},
+        name=name,
+        params={**params, "model": "mamba"},
         flops=None,
         providers=[Provider("fastarch", "fastarch", _mamba_provider(cfg, True, make_run)),
                    Provider("hf-pytorch", "reference", _mamba_provider(cfg, False, make_run))],
         reference="hf-pytorch",
-        group="mamba fwd",
+        group=group,
         x="L",
     )
+
+
+def _mamba_forward_case(cfg: BenchConfig, L: int) -> Case:
+    ids = _tokens(cfg, L)
+    return _mamba_case(cfg, "mamba fwd", f"mamba fwd L={L}", {"L": L},
+                       lambda model: lambda: model(input_ids=ids, logits_to_keep=1).logits)
 
 
 def _mamba_generate_case(cfg: BenchConfig, prompt: int, new: int) -> Case:
@@ -127,16 +128,8 @@ def _mamba_generate_case(cfg: BenchConfig, prompt: int, new: int) -> Case:
         return lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                                       min_new_tokens=new, do_sample=False, pad_token_id=0)
 
-    return Case(
-        name=f"mamba generate prompt={prompt},new={new}",
-        params={"L": prompt, "new_tokens": new, "model": "mamba"},
-        flops=None,
-        providers=[Provider("fastarch", "fastarch", _mamba_provider(cfg, True, make_run)),
-                   Provider("hf-pytorch", "reference", _mamba_provider(cfg, False, make_run))],
-        reference="hf-pytorch",
-        group="mamba generate",
-        x="L",
-    )
+    return _mamba_case(cfg, "mamba generate", f"mamba generate prompt={prompt},new={new}",
+                       {"L": prompt, "new_tokens": new}, make_run)
 
 
 def cases(cfg: BenchConfig) -> list[Case]:

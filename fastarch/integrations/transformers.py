@@ -98,7 +98,7 @@ _OP_PARAMS = frozenset(inspect.signature(_attention).parameters)
 
 
 # -- the mask ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CompactMask:
     """What :func:`attention_mask` hands to :func:`attention_forward` instead of an ``L x L`` mask.
 

@@ -1,0 +1,150 @@
+"""Hugging Face transformers models on fastarch (:mod:`fastarch.integrations.transformers`) against the same models
+on transformers' own paths; random weights from configs, nothing downloaded.
+
+Cases and providers:
+
+- ``mistral fwd L``: a Mistral-style model (hidden 256, 4 heads of 64, 2 KV heads, sliding window 256, 2 layers),
+  one forward over ``L`` tokens: ``attn_implementation="fastarch"`` against ``"sdpa"`` (the reference);
+- ``llama fwd L``: the same model without a window (Llama-style), ``fastarch`` against ``sdpa``;
+- ``mamba fwd L``: HF's ``MambaForCausalLM`` (d_model 768, 4 layers), one forward: after
+  :func:`~fastarch.integrations.transformers.register` (fastarch's scan and conv kernels) against its own
+  PyTorch path (the reference);
+- ``mamba generate``: the same model, greedy generation of 64 tokens after a 512-token prompt.
+
+Needs transformers (``pip install 'fastarch[hf]'``); without it every provider is skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..core import BenchConfig, Case, Provider, Skip, Suite
+from ..helpers import require_package
+
+VOCAB = 1024
+
+
+def _hf():
+    """(transformers, fastarch.integrations.transformers), or Skip."""
+    tf = require_package("transformers")
+    try:
+        from fastarch.integrations import transformers as fh
+    except ImportError as exc:
+        raise Skip(str(exc)) from None
+    return tf, fh
+
+
+def _tokens(cfg: BenchConfig, L: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(cfg.seed * 1000003 + L)
+    return torch.randint(0, VOCAB, (1, L), generator=g).to(cfg.device)
+
+
+def _attention_model(cfg: BenchConfig, window: int | None, impl: str):
+    tf, fh = _hf()
+    fh.register()
+    torch.manual_seed(cfg.seed)
+    conf = tf.MistralConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=window,
+                            max_position_embeddings=32768)
+    model = tf.MistralForCausalLM(conf).to(device=cfg.device, dtype=cfg.dtype).eval()
+    model.set_attn_implementation(impl)
+    return model, fh
+
+
+def _attention_case(cfg: BenchConfig, name: str, window: int | None, L: int) -> Case:
+    def provider(impl: str) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            model, fh = _attention_model(cfg, window, impl)
+            ids = _tokens(cfg, L)
+
+            def run() -> Any:
+                fh.register()  # another provider may have unregistered
+                with torch.no_grad():
+                    return model(input_ids=ids, logits_to_keep=1).logits
+            return run
+        return setup
+
+    return Case(
+        name=f"{name} fwd L={L}",
+        params={"L": L, "window": window or 0, "model": name},
+        flops=None,
+        providers=[Provider("fastarch", "fastarch", provider("fastarch")), Provider("sdpa", "torch", provider("sdpa"))],
+        reference="sdpa",
+        group=f"{name} fwd",
+        x="L",
+    )
+
+
+def _mamba_model(cfg: BenchConfig):
+    tf, fh = _hf()
+    torch.manual_seed(cfg.seed)
+    conf = tf.MambaConfig(vocab_size=VOCAB, hidden_size=768, state_size=16, num_hidden_layers=4, conv_kernel=4,
+                          expand=2)
+    return tf.MambaForCausalLM(conf).to(device=cfg.device, dtype=cfg.dtype).eval(), fh
+
+
+def _mamba_provider(cfg: BenchConfig, fastarch: bool, make_run) -> Callable[[], Callable[[], Any]]:
+    def setup() -> Callable[[], Any]:
+        model, fh = _mamba_model(cfg)
+        body = make_run(model)
+
+        def run() -> Any:
+            if fastarch:
+                fh.register()
+            else:
+                fh.unregister()
+            with torch.no_grad():
+                return body()
+        return run
+    return setup
+
+
+def _mamba_case(cfg: BenchConfig, group: str, name: str, params: dict, make_run) -> Case:
+    return Case(
+        name=name,
+        params={**params, "model": "mamba"},
+        flops=None,
+        providers=[Provider("fastarch", "fastarch", _mamba_provider(cfg, True, make_run)),
+                   Provider("hf-pytorch", "reference", _mamba_provider(cfg, False, make_run))],
+        reference="hf-pytorch",
+        group=group,
+        x="L",
+    )
+
+
+def _mamba_forward_case(cfg: BenchConfig, L: int) -> Case:
+    ids = _tokens(cfg, L)
+    return _mamba_case(cfg, "mamba fwd", f"mamba fwd L={L}", {"L": L},
+                       lambda model: lambda: model(input_ids=ids, logits_to_keep=1).logits)
+
+
+def _mamba_generate_case(cfg: BenchConfig, prompt: int, new: int) -> Case:
+    ids = _tokens(cfg, prompt)
+
+    def make_run(model):
+        return lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                      min_new_tokens=new, do_sample=False, pad_token_id=0)
+
+    return _mamba_case(cfg, "mamba generate", f"mamba generate prompt={prompt},new={new}",
+                       {"L": prompt, "new_tokens": new}, make_run)
+
+
+def cases(cfg: BenchConfig) -> list[Case]:
+    if cfg.toy:
+        return [_attention_case(cfg, "mistral", 16, 64), _mamba_forward_case(cfg, 32)]
+    out = [_attention_case(cfg, "mistral", 256, 4096), _attention_case(cfg, "llama", None, 2048),
+           _mamba_forward_case(cfg, 1024), _mamba_generate_case(cfg, 512, 64)]
+    if not cfg.quick:
+        out.insert(1, _attention_case(cfg, "mistral", 256, 16384))
+    return out
+
+
+SUITE = Suite(
+    name="hf",
+    description="Hugging Face models with fastarch registered (attn_implementation='fastarch', Mamba kernels) "
+                "vs sdpa and HF's PyTorch Mamba path",
+    cases=cases,
+)

@@ -1,0 +1,394 @@
+"""fastarch as a backend of Hugging Face transformers (5.x): attention through ``attn_implementation`` and the
+Mamba mixers' kernel functions.
+
+::
+
+    from fastarch.integrations import transformers as fa_hf
+    fa_hf.register()                                   # name="fastarch"
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="fastarch")
+    model.set_attn_implementation("fastarch")          # or switch a loaded model
+    fa_hf.unregister()                                 # undoes everything register() did
+
+**Attention.** :func:`register` adds :func:`attention_forward` to transformers' ``AttentionInterface`` and
+:func:`attention_mask` to its ``AttentionMaskInterface`` under one name. transformers' mask builders
+(``create_causal_mask``, ``create_sliding_window_causal_mask``, ``create_bidirectional_mask``, ...) then call
+:func:`attention_mask`, which recognises their patterns and returns a :class:`CompactMask` (the window and
+a ``(B, Lk)`` key padding mask, or no padding mask at all when no key is padded), so no ``L x L`` mask is
+built. Patterns it does not recognise (``or_mask_function``/``and_mask_function`` overlays, packed
+sequences, block-wise image tokens, a bidirectional mask over misaligned cache offsets) get transformers'
+own dense boolean mask, exactly as ``sdpa`` would, and :func:`attention_forward` applies it as an additive
+bias. A 4-D mask a model or user passes in (boolean, True = attend, or additive float) is used as given.
+
+HF's ``sliding_window=w`` is ``window=(w - 1, 0)`` for causal models (a token sees itself and the ``w - 1``
+before it: ``q - w < k <= q``) and ``window=(w, w)`` for bidirectional sliding masks (``|q - k| <= w``).
+
+**Mamba.** transformers' Mamba mixers call five module-level kernel functions of their modeling module
+(``causal_conv1d_fn``, ``causal_conv1d_update``, ``mamba_selective_scan``, ``mamba_selective_state_update``,
+``mamba_inner_fn``), each made by ``use_kernel_func_from_hub_with_fallback(kernel_name, package)``, which
+picks the implementation once, when the modeling module is imported: a hub kernel when ``kernels`` is
+installed and enabled, else the function from the original package (``mamba_ssm``, ``causal_conv1d``) when
+that imports, else the PyTorch version (for ``mamba_inner_fn`` a stub returning None, which sends the mixer
+down its unfused path). :func:`register` replaces these module attributes in
+:data:`MAMBA_MODULES` with dispatchers onto :mod:`fastarch.compat` (mamba-ssm's and causal-conv1d's
+signatures on fastarch's ops); :func:`unregister` puts the originals back. Where transformers found the real
+package, tensors on an accelerator still go to it; CPU tensors (which the real kernels refuse) and every call
+where transformers had only its PyTorch path go to fastarch.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import transformers
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(
+        "fastarch.integrations.transformers needs Hugging Face transformers 5.x: "
+        "pip install 'fastarch[hf]' (or pip install 'transformers>=5,<6')"
+    ) from exc
+
+if int(transformers.__version__.split(".")[0]) != 5:
+    raise ImportError(
+        f"fastarch.integrations.transformers supports transformers 5.x, found {transformers.__version__}: "
+        "pip install 'fastarch[hf]' (or pip install 'transformers>=5,<6')"
+    )
+
+from transformers import masking_utils  # noqa: E402
+from transformers.modeling_utils import AttentionInterface  # noqa: E402
+from transformers.utils.import_utils import is_torchdynamo_exporting  # noqa: E402
+
+from ..compat.causal_conv1d import causal_conv1d_fn, causal_conv1d_update  # noqa: E402
+from ..compat.mamba_ssm.ops.selective_scan_interface import mamba_inner_fn, selective_scan_fn  # noqa: E402
+from ..compat.mamba_ssm.ops.triton.selective_state_update import selective_state_update  # noqa: E402
+from ..ops import attention as _attention  # noqa: E402
+
+__all__ = [
+    "CompactMask",
+    "MAMBA_MODULES",
+    "attention_forward",
+    "attention_mask",
+    "hf_window",
+    "register",
+    "registered",
+    "unregister",
+]
+
+# The modeling modules whose Mamba kernel functions register() routes to fastarch.
+# FalconMamba is not among them: its PyTorch path normalises dt over dt_rank before dt_proj, mamba-ssm's fused
+# mamba_inner_fn (and fastarch's) over d_inner after it, so its training forward would change meaning.
+MAMBA_MODULES: tuple[str, ...] = ("transformers.models.mamba.modeling_mamba",)
+
+# transformers' kernel name -> fastarch's function with the original package's signature.
+_KERNELS: dict[str, Callable] = {
+    "causal_conv1d_fn": causal_conv1d_fn,
+    "causal_conv1d_update": causal_conv1d_update,
+    "selective_scan_fn": selective_scan_fn,
+    "selective_state_update": selective_state_update,
+    "mamba_inner_fn": mamba_inner_fn,
+}
+
+_OP_PARAMS = frozenset(inspect.signature(_attention).parameters)
+
+
+# -- the mask ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class CompactMask:
+    """What :func:`attention_mask` hands to :func:`attention_forward` instead of an ``L x L`` mask.
+
+    ``window``: ``(left, right)`` as in :func:`fastarch.ops.attention` (bottom-right aligned, -1 unlimited);
+    ``key_padding_mask``: ``(B, key_length)`` bool, True = a real token, or None when no key is padded;
+    ``key_length``: how many keys the queries can see; keys past it (the unused tail of a static cache) are
+    dropped before the op runs.
+    """
+
+    window: tuple[int, int]
+    key_padding_mask: torch.Tensor | None
+    key_length: int
+
+    # transformers' generation code builds the masks of compileable caches before the forward and calls
+    # these on them; the model's mask builder then takes a mask with ndim 4 as already prepared and passes it
+    # back to attention_mask(), which returns it unchanged.
+    ndim = 4
+
+    def contiguous(self) -> CompactMask:
+        return self
+
+    def to(self, *args, **kwargs) -> CompactMask:
+        kpm = self.key_padding_mask
+        if kpm is None:
+            return self
+        device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), kpm.device))
+        return CompactMask(self.window, kpm.to(device=device), self.key_length)
+
+
+def hf_window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
+    """transformers' ``sliding_window`` convention as fastarch's inclusive ``window=(left, right)``."""
+    if sliding_window is None:
+        return (-1, 0) if causal else (-1, -1)
+    if causal:
+        return (sliding_window - 1, 0)
+    return (sliding_window, sliding_window)
+
+
+def _closure(fn: Callable) -> dict:
+    try:
+        return inspect.getclosurevars(fn).nonlocals
+    except (TypeError, ValueError):
+        return {}
+
+
+_AND_CODE = masking_utils.and_masks(masking_utils.causal_mask_function).__code__
+_SLIDING_CODE = masking_utils.sliding_window_overlay(1).__code__
+_SLIDING_BIDIR_CODE = masking_utils.sliding_window_bidirectional_overlay(1).__code__
+
+
+def _pattern(mask_function: Callable) -> tuple[tuple[int, int], bool] | None:
+    """``(window, causal)`` for the mask functions transformers' mask builders pass, None for any other."""
+    if mask_function is masking_utils.causal_mask_function:
+        return hf_window(None, True), True
+    if mask_function is masking_utils.bidirectional_mask_function:
+        return hf_window(None, False), False
+    if getattr(mask_function, "__code__", None) is not _AND_CODE:
+        return None
+    parts = _closure(mask_function).get("mask_functions", ())
+    if len(parts) != 2:
+        return None
+    overlay, base = parts
+    code = getattr(overlay, "__code__", None)
+    size = _closure(overlay).get("sliding_window")
+    if not isinstance(size, int) or size < 1:
+        return None
+    if code is _SLIDING_CODE and base is masking_utils.causal_mask_function:
+        return hf_window(size, True), True
+    if code is _SLIDING_BIDIR_CODE and base is masking_utils.bidirectional_mask_function:
+        return hf_window(size, False), False
+    return None
+
+
+def _offset(x) -> int | None:
+    # Static cache layers give tensor offsets (so that a compiled decode step does not specialise on them):
+    # those calls get the dense mask, whose shape does not change from step to step.
+    return None if isinstance(x, torch.Tensor) else int(x)
+
+
+def attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable = masking_utils.causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> CompactMask | torch.Tensor:
+    """transformers' mask-interface function for fastarch: a :class:`CompactMask` for the causal, sliding-window
+    and bidirectional patterns, else transformers' dense ``(B, 1, q_length, kv_length)`` boolean mask.
+
+    ``attention_mask`` is the 2-D padding mask ``(B, >= kv_offset + kv_length)`` (True/1 = real token) or
+    None; query ``i`` sits at position ``q_offset + i`` and key ``j`` at ``kv_offset + j``.
+    """
+    if isinstance(attention_mask, CompactMask):  # prepared before the forward (generation, static caches)
+        return attention_mask
+    found = _pattern(mask_function)
+    q0, k0 = _offset(q_offset), _offset(kv_offset)
+    compact = found is not None and q0 is not None and k0 is not None and not is_torchdynamo_exporting()
+    if compact:
+        window, causal = found
+        # Queries see no key past the last query's position; the op aligns the last query with the last key.
+        key_length = q0 + q_length - k0 if window != (-1, -1) else kv_length
+        compact = 0 < key_length <= kv_length and (causal or key_length == kv_length)
+    if not compact:
+        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
+        return masking_utils.sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                                       attention_mask, **kwargs)
+    padding = None
+    if attention_mask is not None:
+        padding = masking_utils.prepare_padding_mask(attention_mask.bool(), kv_length, k0)
+        padding = padding[:, k0:k0 + key_length].expand(batch_size, key_length)
+        padding = None if bool(padding.all()) else padding.contiguous()
+    return CompactMask(window=window, key_padding_mask=padding, key_length=key_length)
+
+
+# -- the attention function ----------------------------------------------------------------------------------
+def _dense_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A 4-D boolean (True = attend) or additive mask as an additive bias."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: CompactMask | torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    position_bias: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface function on :func:`fastarch.ops.attention`.
+
+    ``query`` ``(B, H, Lq, D)``, ``key``/``value`` ``(B, Hk, Lk, D)`` with ``Hk`` dividing ``H`` (GQA runs on
+    the ``Hk`` heads, no repeated copies) -> ``((B, Lq, H, D), None)``. ``attention_mask``: a
+    :class:`CompactMask`, a 4-D mask broadcastable to ``(B, H, Lq, Lk)`` (boolean, True = attend, or additive),
+    a 2-D key padding mask, or None (then ``is_causal``, else ``module.is_causal``, and ``sliding_window`` set
+    the window). ``position_bias`` is added to the scores; ``dropout`` is the probability dropout;
+    ``scaling`` defaults to ``D ** -0.5``.
+    """
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("fastarch attention: argument 's_aux' (attention sinks) is not supported; "
+                                  "use attn_implementation='eager' for this model")
+    if kwargs.get("cache") is not None:
+        raise NotImplementedError("fastarch attention: paged caches (continuous batching) are not supported; "
+                                  "use attn_implementation='sdpa' for continuous batching")
+    extra = {}
+    if softcap is not None:
+        if "softcap" not in _OP_PARAMS:
+            raise NotImplementedError(
+                f"fastarch attention: argument 'softcap' ({softcap}) is not supported by this fastarch's "
+                "ops.attention; use attn_implementation='eager' for this model")
+        extra["softcap"] = softcap
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(f"fastarch attention: query/key/value must be (B, heads, L, D), got "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+
+    bias = position_bias
+    kpm = None
+    if isinstance(attention_mask, CompactMask):
+        window = attention_mask.window
+        kpm = attention_mask.key_padding_mask
+        n = attention_mask.key_length
+        if key.shape[2] < n:
+            raise ValueError(f"fastarch attention: the mask covers {n} keys but key has {key.shape[2]}")
+        if key.shape[2] > n:
+            key, value = key[:, :, :n], value[:, :, :n]
+            if bias is not None and bias.shape[-1] > n:
+                bias = bias[..., :n]
+    elif attention_mask is None or attention_mask.dim() == 2:
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        window = hf_window(sliding_window, bool(causal))
+        if attention_mask is not None:
+            kpm = attention_mask.bool()
+            kpm = None if bool(kpm.all()) else kpm
+    elif attention_mask.dim() == 4:
+        window = (-1, -1)
+        mask_bias = _dense_bias(attention_mask[..., : key.shape[2]], query.dtype)
+        bias = mask_bias if bias is None else bias + mask_bias
+    else:
+        raise ValueError(f"fastarch attention: argument 'attention_mask' must be a CompactMask, a 2-D key "
+                         f"padding mask or a 4-D mask, got shape {tuple(attention_mask.shape)}")
+
+    out = _attention(query, key, value, window=window, key_padding_mask=kpm, attn_bias=bias,
+                     dropout_p=float(dropout), scale=scaling, **extra)
+    return out.transpose(1, 2).contiguous(), None
+
+
+# -- Mamba kernel functions -------------------------------------------------------------------------------
+def _kernel_of(fn) -> tuple[str, dict] | None:
+    """(kernel name, closure) when ``fn`` is one of transformers' kernel-function wrappers fastarch covers."""
+    cells = _closure(fn) if callable(fn) else {}
+    name = cells.get("func_name")
+    if name in _KERNELS and cells.get("package") in ("mamba_ssm", "causal_conv1d") and "torch_function" in cells:
+        return name, cells
+    return None
+
+
+def _uses_real_package(cells: dict) -> bool:
+    """Did transformers resolve this kernel function to the original package (not its PyTorch path, not
+    fastarch's alias of the package)?"""
+    impl = cells.get("implementation")
+    if impl is None or impl is cells.get("torch_function"):
+        return False
+    return not getattr(impl, "__module__", "").startswith("fastarch.")
+
+
+def _dispatcher(original: Callable, name: str, real_package: bool) -> Callable:
+    target = _KERNELS[name]
+    params = frozenset(inspect.signature(target).parameters)
+
+    @functools.wraps(original)
+    def run(*args, **kwargs):
+        first = args[0] if args else next(iter(kwargs.values()))
+        if is_torchdynamo_exporting() or (real_package and first.device.type != "cpu"):
+            return original(*args, **kwargs)
+        return target(*args, **{k: v for k, v in kwargs.items() if k in params})
+
+    run.__fastarch_original__ = original
+    return run
+
+
+def _patch_mamba(saved: dict[tuple[str, str], Callable]) -> None:
+    for modname in MAMBA_MODULES:
+        if importlib.util.find_spec(modname) is None:
+            continue
+        module = importlib.import_module(modname)
+        for attr, fn in list(vars(module).items()):
+            found = _kernel_of(fn)
+            if found is None:
+                continue
+            name, cells = found
+            saved[(modname, attr)] = fn
+            setattr(module, attr, _dispatcher(fn, name, _uses_real_package(cells)))
+
+
+# -- register / unregister ----------------------------------------------------------------------------------
+_MISSING = object()
+# name -> what register() replaced: the previous attention and mask entries, and the Mamba functions.
+_STATE: dict[str, dict] = {}
+
+
+def register(name: str = "fastarch", *, mamba: bool = True) -> None:
+    """Register fastarch's attention and mask functions with transformers as ``name``, and (``mamba=True``)
+    route the Mamba mixers of :data:`MAMBA_MODULES` to fastarch's kernels. Idempotent; undone by
+    :func:`unregister`."""
+    if not isinstance(name, str) or not name or name == "eager":
+        raise ValueError(f"register: argument 'name' must be a non-empty string other than 'eager', got {name!r}")
+    if name in _STATE:
+        return
+    masks = masking_utils.AttentionMaskInterface
+    state = {
+        "attention": AttentionInterface._global_mapping.get(name, _MISSING),
+        "mask": masks._global_mapping.get(name, _MISSING),
+        "mamba": {},
+    }
+    if mamba and not any(s["mamba"] for s in _STATE.values()):
+        _patch_mamba(state["mamba"])
+    AttentionInterface.register(name, attention_forward)
+    masks.register(name, attention_mask)
+    _STATE[name] = state
+
+
+def unregister(name: str | None = None) -> None:
+    """Undo :func:`register` for ``name`` (every registered name when None): the interface entries go back to
+    what they were (removed, or the function a name shadowed) and the Mamba functions to transformers' own.
+    Models still set to ``name`` must be switched (``model.set_attn_implementation("sdpa")``) before use."""
+    for key in list(_STATE) if name is None else [name]:
+        state = _STATE.pop(key, None)
+        if state is None:
+            continue
+        for mapping, previous in ((AttentionInterface._global_mapping, state["attention"]),
+                                  (masking_utils.AttentionMaskInterface._global_mapping, state["mask"])):
+            if previous is _MISSING:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = previous
+        for (modname, attr), fn in state["mamba"].items():
+            setattr(importlib.import_module(modname), attr, fn)
+
+
+def registered() -> list[str]:
+    """The names currently registered by :func:`register`."""
+    return sorted(_STATE)
+

@@ -16,5 +16,6 @@ fi
 # Build requirements are not fetched under --no-build-isolation, so install them here.
 "$PY" -m pip install -q "setuptools>=70.1" wheel ninja
 # --no-build-isolation: the build must see the torch above rather than fetch another into an isolated env.
-"$PY" -m pip install -q --no-build-isolation -e ".[test,bench]"
+# FASTARCH_EXTRAS: the optional extras to install (scripts/test.sh adds hf, so that CI runs those tests).
+"$PY" -m pip install -q --no-build-isolation -e ".[${FASTARCH_EXTRAS:-test,bench}]"
 "$PY" -m fastarch build --kind cpu >/dev/null || echo "install: some extensions did not build; see 'python -m fastarch info'"

@@ -2,6 +2,6 @@
 # The README's test command: set up, then run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+FASTARCH_EXTRAS=${FASTARCH_EXTRAS:-test,bench,hf} bash scripts/install.sh
 PY=${PYTHON:-python3}
 exec "$PY" -m pytest -q -p no:cacheprovider "$@"

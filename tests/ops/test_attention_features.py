@@ -8,12 +8,19 @@ import pytest
 import torch
 
 from fastarch.ops.attention import attention, attention_ref
+from tests._backends import require_backend
 from tests._tolerance import assert_fa_close
 from tests.ops._attention_grid import covering_grid, dense_same_dtype
-from tests.ops.test_attention import CPP_SKIP, needs_triton
 
-needs_cpp = pytest.mark.skipif(CPP_SKIP is not None, reason=str(CPP_SKIP))
-BACKENDS = ["torch", pytest.param("cpp", marks=needs_cpp)]
+BACKENDS = ["torch", "cpp"]
+
+@pytest.fixture(autouse=True)
+def _backend_available(request):
+    """A parametrised backend runs unless it is unavailable for a reason outside the code."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and "backend" in callspec.params:
+        require_backend("attention", callspec.params["backend"])
+
 TOL = {"rtol": 1e-4, "atol": 5e-5}
 
 FEATURES = [
@@ -59,18 +66,18 @@ def test_grid_fp16_criterion(backend, case):
         assert_fa_close(a, r, b, 3.0, what=name)
 
 
-@needs_triton
 @pytest.mark.parametrize("case", [dict(Lq=13, Lk=21, D=40, Hk=1, causal=True),
                                   dict(Lq=21, Lk=13, D=59, Hk=2, window=(5, 2)),
                                   dict(Lq=17, Lk=17, D=32, Hk=4)], ids=str)
 def test_grid_triton_interpreter(case):
+    require_backend("attention", "triton")
     (q, k, v), kw = _case_inputs(case, torch.float16)
     o = attention(q, k, v, backend="triton", **kw)
     assert_fa_close(o, attention_ref(q.float(), k.float(), v.float(), **kw), dense_same_dtype(q, k, v, **kw), 2.0)
 
 
-@needs_cpp
 def test_gqa_backward_matches_fp32_pytorch_error():
+    require_backend("attention", "cpp")
     # 4 query heads on 1 key/value head, 1024 x 1024, D 256, causal: the group's dK/dV must be as accurate
     # as PyTorch's fp32 (FlashAttention's gradient criterion against an fp64 reference).
     g = torch.Generator().manual_seed(1)
@@ -89,7 +96,7 @@ def test_gqa_backward_matches_fp32_pytorch_error():
         assert_fa_close(a, r, b, 3.0, atol=0.0, what=name)
 
 
-@pytest.mark.parametrize("backend", BACKENDS + [pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", BACKENDS + ["triton"])
 @pytest.mark.parametrize("feature", ["causal", "window", "padding"])
 def test_nonfinite_excluded_keys_never_contribute(backend, feature):
     g = torch.Generator().manual_seed(3)
@@ -143,7 +150,7 @@ def test_nonfinite_excluded_keys_aten():
     torch.testing.assert_close(o[:, :, :8], attention_ref(q, k, v, causal=True)[:, :, :8], **TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS + ["aten", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("backend", BACKENDS + ["aten", "triton"])
 def test_blhd_layout_in_place(backend):
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 19, 4, 32, generator=g, requires_grad=True)

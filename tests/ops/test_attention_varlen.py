@@ -7,13 +7,20 @@ import pytest
 import torch
 
 from fastarch.ops.attention import attention, attention_ref
+from tests._backends import require_backend
 from tests._tolerance import assert_fa_close
 from tests.ops._attention_grid import dense_same_dtype
-from tests.ops.test_attention import CPP_SKIP, needs_triton
 
-needs_cpp = pytest.mark.skipif(CPP_SKIP is not None, reason=str(CPP_SKIP))
 TOL = {"rtol": 1e-4, "atol": 5e-5}
-BACKENDS = ["torch", pytest.param("cpp", marks=needs_cpp), pytest.param("triton", marks=needs_triton)]
+BACKENDS = ["torch", "cpp", "triton"]
+
+@pytest.fixture(autouse=True)
+def _backend_available(request):
+    """A parametrised backend runs unless it is unavailable for a reason outside the code."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and "backend" in callspec.params:
+        require_backend("attention", callspec.params["backend"])
+
 
 
 def _cu(lens: list[int]) -> torch.Tensor:
@@ -78,8 +85,8 @@ def test_varlen_matches_per_sequence(backend, case):
         torch.testing.assert_close(a, b, **TOL)
 
 
-@needs_cpp
 def test_varlen_fp16_criterion_cpp():
+    require_backend("attention", "cpp")
     lens = _random_lengths(6, 300, 4)
     g = torch.Generator().manual_seed(9)
     q, k, v = (torch.randn(sum(lens), 4 if i == 0 else 2, 64, generator=g).half().requires_grad_(True)
@@ -110,8 +117,7 @@ def test_varlen_fp16_criterion_cpp():
 
 
 def test_varlen_dropout_same_mask_on_torch_and_cpp():
-    if CPP_SKIP is not None:
-        pytest.skip(CPP_SKIP)
+    require_backend("attention", "cpp")
     lens = [5, 1, 0, 12]
     q, k, v = (torch.randn(18, 2, 16) for _ in range(3))
     cu = _cu(lens)

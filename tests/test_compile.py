@@ -91,8 +91,8 @@ def test_selective_scan_opcheck_and_compile(backend):
 def test_causal_conv1d_opcheck_and_compile(backend):
     x = torch.randn(2, 6, 37, requires_grad=True)
     w, b = torch.randn(6, 4, requires_grad=True), torch.randn(6, requires_grad=True)
-    torch.library.opcheck(torch.ops.fastarch.causal_conv1d_fwd.default, (x, w, b, True, backend))
-    torch.library.opcheck(torch.ops.fastarch.causal_conv1d_fwd.default, (x, w, None, False, backend))
+    torch.library.opcheck(torch.ops.fastarch.causal_conv1d_fwd.default, (x, w, b, None, None, True, backend))
+    torch.library.opcheck(torch.ops.fastarch.causal_conv1d_fwd.default, (x, w, None, None, None, False, backend))
 
     def f(x, w, b):
         return ops.causal_conv1d(x, w, b, "silu", backend=backend)
@@ -111,7 +111,7 @@ def test_selective_state_update_opcheck_and_compile(backend):
         D, dt_bias = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
         return state, x, dt, A, Bm, C, D, z, dt_bias
 
-    torch.library.opcheck(torch.ops.fastarch.selective_state_update.default, (*inputs(), True, backend))
+    torch.library.opcheck(torch.ops.fastarch.selective_state_update.default, (*inputs(), True, None, backend))
 
     def f(*a):
         return ops.selective_state_update(*a, dt_softplus=True, backend=backend)
@@ -128,7 +128,7 @@ def test_aten_attention_opcheck_and_compile(causal):
     k, v = (torch.randn(1, 2, 9, 16, requires_grad=True) for _ in range(2))
     wr = 0 if causal else -1
     torch.library.opcheck(torch.ops.fastarch.attention_fwd.default,
-                          (q, k, v, None, None, -1, wr, 0.0, 0, 0.25, "aten"))
+                          (q, k, v, None, None, None, None, -1, wr, 0.0, 0, 0.25, 0.0, "aten"))
 
     def f(q, k, v):
         o, lse = ops.attention(q, k, v, causal=causal, return_lse=True, backend="aten")

@@ -19,7 +19,7 @@ import torch
 
 from ..backend import AUTO, Call, choose, get_implementation, requested_backend, select
 
-__all__ = ["call_of", "resolve", "run", "run_backward"]
+__all__ = ["call_of", "in_layout_of", "resolve", "run", "run_backward"]
 
 
 def call_of(t: torch.Tensor, **features: Any) -> Call:
@@ -51,3 +51,10 @@ def run_backward(op: str, call: Call, backend: str, *args: Any) -> Any:
     named implementation runs without a second check; 'auto' chooses from ``call`` as the forward did."""
     impl = choose(op, call) if backend == AUTO else get_implementation(op, backend)
     return impl.backward(*args)
+
+
+def in_layout_of(ref: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (ref's shape) in the memory layout ``torch.empty_like(ref)`` has, which is what the custom ops'
+    fake implementations declare; a copy only when the layouts differ."""
+    out = torch.empty_like(ref, dtype=t.dtype)
+    return t if out.stride() == t.stride() else out.copy_(t)

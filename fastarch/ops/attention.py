@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..backend import Call, register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, resolve, run, run_backward
+from ._dispatch import call_of, in_layout_of, resolve, run, run_backward
 
 __all__ = ["attention", "attention_probs", "attention_ref", "dropout_keep_mask", "normalize_window"]
 
@@ -494,7 +494,8 @@ def _attention_fwd(
                  alibi_slopes, segments)
     o, lse = run(OP, "forward", call, backend, q, k, v, key_padding_mask, attn_bias, alibi_slopes, segments,
                  window_left, window_right, dropout_p, seed, scale, softcap)
-    return o, lse
+    # Every backend's output takes q's memory layout (a (B, L, H, D) view in, one out), as the fake declares.
+    return in_layout_of(q, o), lse
 
 
 @_attention_fwd.register_fake
@@ -518,7 +519,8 @@ def _attention_bwd(
                             need_dbias)
     if dbias is None:
         dbias = q.new_empty((0,), dtype=torch.float32)
-    return dq, dk, dv, dbias
+    # each gradient in its input's memory layout, as the fake declares
+    return in_layout_of(q, dq), in_layout_of(k, dk), in_layout_of(v, dv), dbias
 
 
 @_attention_bwd.register_fake
@@ -908,12 +910,6 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.float().contiguous()
 
 
-def _in_layout_of(ref: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``t`` (ref's shape) in ref's memory layout (so a (B, L, H, D) input gives a (B, L, H, D) output)."""
-    out = torch.empty_like(ref, dtype=t.dtype)
-    return t if out.stride() == t.stride() else out.copy_(t)
-
-
 class AtenAttention(AtenImplementation):
     op = OP
     supports_dropout = supports_bias_grad = supports_varlen = False
@@ -1004,7 +1000,7 @@ class CppAttention(CppImplementation):
         rows = _packed_rows(segs, q.shape[2], k.shape[2], wl, wr)
         o, lse = self.lib.attention_fwd(_rows32(q), _rows32(k), _rows32(v), kpm, bias, alibi, rows, wl, wr, p,
                                         seed, scale, softcap)
-        return _in_layout_of(q, o.to(q.dtype)), lse
+        return o.to(q.dtype), lse
 
     def backward(self, do, q, k, v, o, lse, kpm, bias, alibi, segs, wl, wr, p, seed, scale, softcap,
                  need_dbias):
@@ -1055,7 +1051,7 @@ class TritonAttention(TritonImplementation):
                 q, k, v, window_left=wl, window_right=wr, key_padding_mask=kpm,
                 attn_bias=self._bias_full(bias, q, k), dropout_p=p, seed=seed, scale=scale,
             )
-            return _in_layout_of(q, o), lse
+            return o, lse
         B, H, Lq, _ = q.shape
         o = torch.zeros_like(q)
         lse = torch.full((B, H, Lq), float("-inf"), dtype=torch.float32, device=q.device)

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from ..backend import register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, resolve, run, run_backward
+from ._dispatch import call_of, in_layout_of, resolve, run, run_backward
 
 __all__ = ["causal_conv1d", "causal_conv1d_fn", "causal_conv1d_ref", "causal_conv1d_update",
            "causal_conv1d_update_ref"]
@@ -290,8 +290,9 @@ def causal_conv1d_update_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: 
 def _conv_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  silu: bool, cache_seqlens: torch.Tensor | None, conv_state_indices: torch.Tensor | None,
                  backend: str) -> torch.Tensor:
-    return run(OP_UPDATE, "update", _update_call(x, weight, cache_seqlens, conv_state_indices), backend, x,
-               conv_state, weight, bias, silu, cache_seqlens, conv_state_indices)
+    out = run(OP_UPDATE, "update", _update_call(x, weight, cache_seqlens, conv_state_indices), backend, x,
+              conv_state, weight, bias, silu, cache_seqlens, conv_state_indices)
+    return in_layout_of(x, out)  # x's layout, as the fake declares
 
 
 def _update_call(x: torch.Tensor, weight: torch.Tensor, cache_seqlens: torch.Tensor | None,

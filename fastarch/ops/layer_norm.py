@@ -85,7 +85,8 @@ def _layer_norm_fwd(
 @_layer_norm_fwd.register_fake
 def _(x, weight, bias, eps, mode, backend):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return torch.empty_like(x), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
+    # contiguous, as the backends return it (they work on a contiguous (rows, N) copy)
+    return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32), x.new_empty(rows, dtype=torch.float32)
 
 
 @torch.library.custom_op("fastarch::layer_norm_bwd", mutates_args=())
@@ -109,7 +110,7 @@ def _layer_norm_bwd(
 @_layer_norm_bwd.register_fake
 def _(dy, x, weight, mean, rstd, eps, mode, backend):
     n = x.shape[-1]
-    return torch.empty_like(x), x.new_empty(n, dtype=torch.float32), x.new_empty(n, dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(n, dtype=torch.float32), x.new_empty(n, dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -90,12 +90,12 @@ def _la_causal_fwd(
     y = run(OP, "forward", _call(q, v), backend, _flat(q), _flat(k), _augment(_flat(v)))
     den = y[..., d] + eps
     out = y[..., :d] / den[..., None]
-    return out.view(b, h, L, d).to(v.dtype), den.view(b, h, L)
+    return out.reshape(b, h, L, d).to(v.dtype).contiguous(), den.reshape(b, h, L).contiguous()
 
 
 @_la_causal_fwd.register_fake
 def _(q, k, v, eps, backend):
-    return torch.empty_like(v), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return v.new_empty(v.shape), q.new_empty(q.shape[:3], dtype=torch.float32)  # contiguous
 
 
 @torch.library.custom_op("fastarch::linear_attention_causal_bwd", mutates_args=())
@@ -117,13 +117,13 @@ def _la_causal_bwd(
     ga = torch.cat([g / den3, -(g * _flat(out)).sum(-1, keepdim=True) / den3], dim=-1).contiguous()
     dq, dk, dva = run_backward(OP, _call(q, v), backend, _flat(q), _flat(k),
                                _augment(_flat(v)), ga)
-    return (dq.view(q.shape).to(q.dtype), dk.view(k.shape).to(k.dtype),
-            dva[..., :d].reshape(v.shape).to(v.dtype))
+    return (dq.reshape(q.shape).to(q.dtype).contiguous(), dk.reshape(k.shape).to(k.dtype).contiguous(),
+            dva[..., :d].reshape(v.shape).to(v.dtype).contiguous())
 
 
 @_la_causal_bwd.register_fake
 def _(dout, q, k, v, out, den, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous
 
 
 def _setup_context(ctx, inputs, output) -> None:

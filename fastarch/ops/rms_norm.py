@@ -54,7 +54,7 @@ def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, eps: float, back
 @_rms_norm_fwd.register_fake
 def _(x, weight, eps, backend):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return torch.empty_like(x), x.new_empty(rows, dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(rows, dtype=torch.float32)  # contiguous, as the backends return
 
 
 @torch.library.custom_op("fastarch::rms_norm_bwd", mutates_args=())
@@ -68,7 +68,7 @@ def _rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None
 
 @_rms_norm_bwd.register_fake
 def _(dy, x, weight, rstd, backend):
-    return torch.empty_like(x), x.new_empty(x.shape[-1], dtype=torch.float32)
+    return x.new_empty(x.shape), x.new_empty(x.shape[-1], dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -75,13 +75,13 @@ def _s4_kernel_bwd(dk: torch.Tensor, ar: torch.Tensor, ai: torch.Tensor, wr: tor
                    backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     h, n = ar.shape
     args = [t.float().contiguous() for t in (ar, ai, wr, wi)]
-    return tuple(run_backward(OP, call_of(args[0], n=n, L=dk.shape[-1]), backend,
-                              dk.float().contiguous(), *args))
+    grads = run_backward(OP, call_of(args[0], n=n, L=dk.shape[-1]), backend, dk.float().contiguous(), *args)
+    return tuple(g.contiguous() for g in grads)
 
 
 @_s4_kernel_bwd.register_fake
 def _(dk, ar, ai, wr, wi, backend):
-    return tuple(torch.empty_like(t, dtype=torch.float32) for t in (ar, ai, wr, wi))
+    return tuple(t.new_empty(t.shape, dtype=torch.float32) for t in (ar, ai, wr, wi))  # contiguous
 
 
 def _setup_context(ctx, inputs, output) -> None:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..backend import Call, register
 from ._backends import CppImplementation, CudaImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, resolve, run, run_backward
+from ._dispatch import call_of, in_layout_of, resolve, run, run_backward
 
 __all__ = ["selective_scan", "selective_scan_fn", "selective_scan_ref"]
 
@@ -197,7 +197,9 @@ def _selective_scan_bwd(
     call = _call(u, A, B, C)
     grads = run_backward(OP, call, backend, dout, dlast, u, delta, A, B, C, D, z, delta_bias, ckpt,
                          delta_softplus)
-    return tuple(g if g is not None else _empty(u) for g in grads)
+    # each gradient in its input's memory layout, as the fake declares
+    inputs = (u, delta, A, B, C, D, z, delta_bias)
+    return tuple(_empty(u) if g is None else in_layout_of(t, g) for g, t in zip(grads, inputs))
 
 
 @_selective_scan_bwd.register_fake

@@ -18,6 +18,9 @@ from tests._tolerance import assert_fa_close
 
 # The Triton interpreter is slow: Triton runs the small cases in test_triton_interpreter instead.
 FAST = pytest.mark.op("attention", exclude=("triton",))
+# aten takes plain full/causal attention only (it declares so; tests/test_backend.py checks the refusals):
+# the window, padding, bias, dropout and alignment tests run on the kernels that implement those.
+FEATURES = pytest.mark.op("attention", exclude=("triton", "aten"))
 TOL = {"rtol": 1e-4, "atol": 5e-5}
 
 
@@ -60,10 +63,14 @@ SHAPE_D = [(lq, lk, d) for lq, lk in SHAPES for d in (16, 40, 64, 72, 128) if no
 @pytest.mark.parametrize("Lq,Lk,D", SHAPE_D)
 @pytest.mark.parametrize("causal", [False, True])
 def test_shapes_headdims(backend, Lq, Lk, D, causal):
+    if backend == "aten" and causal and Lq != Lk:  # PyTorch aligns causal masks top-left: declined
+        with pytest.raises(BackendUnavailableError, match="aten"):
+            attention(*_inputs(1, 2, 2, Lq, Lk, D, grad=False), causal=True, backend=backend)
+        return
     _compare(backend, 1, 2, 2, Lq, Lk, D, causal=causal)
 
 
-@FAST
+@FEATURES
 def test_long_pair(backend):
     # (1023, 1024): bands longer than one tile and more than one key chunk on the C++ path.
     _compare(backend, 1, 1, 1, 1023, 1024, 16, causal=True)
@@ -71,13 +78,13 @@ def test_long_pair(backend):
 
 
 # -- windows, GQA, padding, bias ----------------------------------------------------------------------------
-@FAST
+@FEATURES
 @pytest.mark.parametrize("window", [(7, 3), (0, 5), (-1, 4), (12, -1), (0, 0), (500, 500)])
 def test_windows(backend, window):
     _compare(backend, 2, 2, 2, 61, 83, 16, window=window)
 
 
-@FAST
+@FEATURES
 def test_window_and_causal_combined(backend):
     # causal folds right = 0 into the window
     o = _compare(backend, 1, 2, 2, 50, 50, 16, window=(5, 9), causal=True)
@@ -87,11 +94,18 @@ def test_window_and_causal_combined(backend):
 
 @FAST
 @pytest.mark.parametrize("Hk", [1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_plain(backend, Hk, causal):
+    _compare(backend, 2, 4, Hk, 51, 51, 40, causal=causal)
+
+
+@FEATURES
+@pytest.mark.parametrize("Hk", [1, 2])
 def test_gqa(backend, Hk):
     _compare(backend, 2, 4, Hk, 37, 51, 40, window=(9, 2))
 
 
-@FAST
+@FEATURES
 def test_padding_with_fully_padded_row(backend):
     kpm = torch.rand(3, 70) > 0.3
     kpm[1] = False  # batch row 1 has no real key: its output must be 0 with finite gradients
@@ -99,7 +113,7 @@ def test_padding_with_fully_padded_row(backend):
     assert torch.all(o[1] == 0)
 
 
-@FAST
+@FEATURES
 def test_fully_masked_rows_by_alignment(backend):
     # Lq > Lk with causal, bottom-right aligned: the first Lq - Lk rows see no key at all.
     o = _compare(backend, 1, 2, 2, 30, 12, 16, causal=True)
@@ -109,13 +123,13 @@ def test_fully_masked_rows_by_alignment(backend):
     assert torch.isneginf(lse[:, :, :18]).all()
 
 
-@FAST
+@FEATURES
 @pytest.mark.parametrize("bias_shape", [(2, 2, 33, 47), (1, 2, 33, 47), (2, 1, 1, 47), (33, 47), (47,)])
 def test_bias_and_its_gradient(backend, bias_shape):
     _compare(backend, 2, 2, 2, 33, 47, 16, bias_shape=bias_shape, window=(10, 10))
 
 
-@FAST
+@FEATURES
 def test_lse_gradient(backend):
     q, k, v = _inputs(1, 2, 2, 29, 41, 16)
     o, lse = attention(q, k, v, window=(6, 6), return_lse=True, backend=backend)
@@ -150,7 +164,7 @@ def test_dropout_mask_is_the_shared_hash():
     assert abs(m.float().mean().item() - 0.7) < 0.02
 
 
-@FAST
+@FEATURES
 def test_dropout_against_reference_and_reproducible(backend):
     _compare(backend, 2, 2, 1, 40, 56, 16, window=(11, 4), dropout_p=0.25, dropout_seed=77)
     q, k, v = _inputs(1, 2, 2, 40, 56, 16, grad=False)

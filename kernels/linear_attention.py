@@ -119,7 +119,7 @@ def _check(*ts: torch.Tensor) -> None:
             raise ValueError("linear_attention (triton): inputs must be contiguous fp32 (N, L, W) tensors")
 
 
-def causal_fwd(q: torch.Tensor, k: torch.Tensor, va: torch.Tensor) -> torch.Tensor:
+def linear_attention_causal_fwd(q: torch.Tensor, k: torch.Tensor, va: torch.Tensor) -> torch.Tensor:
     """``tril(q k^T) va``: q, k (N, L, m), va (N, L, Da) -> (N, L, Da) fp32."""
     _check(q, k, va)
     n, L, m = q.shape
@@ -131,7 +131,7 @@ def causal_fwd(q: torch.Tensor, k: torch.Tensor, va: torch.Tensor) -> torch.Tens
     return y.sum(0) if nmb > 1 else y[0]
 
 
-def causal_bwd(q: torch.Tensor, k: torch.Tensor, va: torch.Tensor, ga: torch.Tensor):
+def linear_attention_causal_bwd(q: torch.Tensor, k: torch.Tensor, va: torch.Tensor, ga: torch.Tensor):
     """Gradients of ``tril(q k^T) va`` for the upstream ``ga`` -> (dq, dk, dva), fp32."""
     _check(q, k, va, ga)
     n, L, m = q.shape

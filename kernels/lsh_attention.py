@@ -232,7 +232,7 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for fp16/bf16 operands
 
 
-def lsh_chunk_fwd(
+def lsh_attention_chunk_fwd(
     qk: torch.Tensor,
     v: torch.Tensor,
     perm: torch.Tensor,
@@ -261,7 +261,7 @@ def lsh_chunk_fwd(
     return o_s, lse_s
 
 
-def lsh_chunk_bwd(
+def lsh_attention_chunk_bwd(
     g: torch.Tensor,
     qk: torch.Tensor,
     v: torch.Tensor,

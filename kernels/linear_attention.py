@@ -146,3 +146,8 @@ def linear_attention_causal_bwd(q: torch.Tensor, k: torch.Tensor, va: torch.Tens
     _bwd_dkdv_kernel[grid](q, k, va, ga, dk, dv, n, L, m, da, triton.cdiv(L, chunk),
                            CHUNK=chunk, BLOCK_M=bm, BLOCK_D=bd)
     return dq.sum(0), dk.sum(0), dv.sum(0)
+
+
+# Former names of the launchers.
+causal_fwd = linear_attention_causal_fwd
+causal_bwd = linear_attention_causal_bwd

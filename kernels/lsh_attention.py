@@ -305,3 +305,8 @@ def lsh_attention_chunk_bwd(
         return x.gather(2, idx).view(B, H, NH, L, D).sum(2)
 
     return unsort(dq_s), unsort(dk_s[0] + dk_s[1]), unsort(dv_s[0] + dv_s[1])
+
+
+# Former names of the launchers.
+lsh_chunk_fwd = lsh_attention_chunk_fwd
+lsh_chunk_bwd = lsh_attention_chunk_bwd

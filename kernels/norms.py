@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .rotary import rotary_apply as rotary  # noqa: F401  (the rotary launcher's former home and name)
+
 
 def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(n))

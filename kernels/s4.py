@@ -88,3 +88,8 @@ def s4_kernel_bwd_sums(dk: torch.Tensor, ar: torch.Tensor, ai: torch.Tensor):
     bn = max(16, min(64, triton.next_power_of_2(N)))
     _bwd_kernel[(H, triton.cdiv(N, bn))](dk, ar, ai, *outs, N, L, BLOCK_L=bl, BLOCK_N=bn)
     return tuple(outs)
+
+
+# Former names of the launchers.
+kernel_fwd = s4_kernel_fwd
+kernel_bwd_sums = s4_kernel_bwd_sums

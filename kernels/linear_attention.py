@@ -119,7 +119,7 @@ def _check(*ts: torch.Tensor) -> None:
             raise ValueError("linear_attention (triton): inputs must be contiguous fp32 (N, L, W) tensors")
 
 
-def causal_fwd(q: torch.Tensor, k: torch.Tensor, va: torch.Tensor) -> torch.Tensor:
+def linear_attention_causal_fwd(q: torch.Tensor, k: torch.Tensor, va: torch.Tensor) -> torch.Tensor:
     """``tril(q k^T) va``: q, k (N, L, m), va (N, L, Da) -> (N, L, Da) fp32."""
     _check(q, k, va)
     n, L, m = q.shape
@@ -131,7 +131,7 @@ def causal_fwd(q: torch.Tensor, k: torch.Tensor, va: torch.Tensor) -> torch.Tens
     return y.sum(0) if nmb > 1 else y[0]
 
 
-def causal_bwd(q: torch.Tensor, k: torch.Tensor, va: torch.Tensor, ga: torch.Tensor):
+def linear_attention_causal_bwd(q: torch.Tensor, k: torch.Tensor, va: torch.Tensor, ga: torch.Tensor):
     """Gradients of ``tril(q k^T) va`` for the upstream ``ga`` -> (dq, dk, dva), fp32."""
     _check(q, k, va, ga)
     n, L, m = q.shape
@@ -146,3 +146,8 @@ def causal_bwd(q: torch.Tensor, k: torch.Tensor, va: torch.Tensor, ga: torch.Ten
     _bwd_dkdv_kernel[grid](q, k, va, ga, dk, dv, n, L, m, da, triton.cdiv(L, chunk),
                            CHUNK=chunk, BLOCK_M=bm, BLOCK_D=bd)
     return dq.sum(0), dk.sum(0), dv.sum(0)
+
+
+# Former names of the launchers.
+causal_fwd = linear_attention_causal_fwd
+causal_bwd = linear_attention_causal_bwd

@@ -232,7 +232,7 @@ def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for fp16/bf16 operands
 
 
-def lsh_chunk_fwd(
+def lsh_attention_chunk_fwd(
     qk: torch.Tensor,
     v: torch.Tensor,
     perm: torch.Tensor,
@@ -261,7 +261,7 @@ def lsh_chunk_fwd(
     return o_s, lse_s
 
 
-def lsh_chunk_bwd(
+def lsh_attention_chunk_bwd(
     g: torch.Tensor,
     qk: torch.Tensor,
     v: torch.Tensor,
@@ -305,3 +305,8 @@ def lsh_chunk_bwd(
         return x.gather(2, idx).view(B, H, NH, L, D).sum(2)
 
     return unsort(dq_s), unsort(dk_s[0] + dk_s[1]), unsort(dv_s[0] + dv_s[1])
+
+
+# Former names of the launchers.
+lsh_chunk_fwd = lsh_attention_chunk_fwd
+lsh_chunk_bwd = lsh_attention_chunk_bwd

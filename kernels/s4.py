@@ -67,7 +67,7 @@ def _check(*ts: torch.Tensor) -> None:
             raise ValueError("s4_kernel (triton): inputs must be contiguous fp32 matrices")
 
 
-def kernel_fwd(ar: torch.Tensor, ai: torch.Tensor, wr: torch.Tensor, wi: torch.Tensor, L: int) -> torch.Tensor:
+def s4_kernel_fwd(ar: torch.Tensor, ai: torch.Tensor, wr: torch.Tensor, wi: torch.Tensor, L: int) -> torch.Tensor:
     """(H, N) fp32 parts of dtA and coef -> K (H, L) fp32."""
     _check(ar, ai, wr, wi)
     H, N = ar.shape
@@ -78,7 +78,7 @@ def kernel_fwd(ar: torch.Tensor, ai: torch.Tensor, wr: torch.Tensor, wi: torch.T
     return k
 
 
-def kernel_bwd_sums(dk: torch.Tensor, ar: torch.Tensor, ai: torch.Tensor):
+def s4_kernel_bwd_sums(dk: torch.Tensor, ar: torch.Tensor, ai: torch.Tensor):
     """S0 = sum_l g_l z^l, S1 = sum_l g_l l z^l as (re, im) pairs, each (H, N) fp32."""
     _check(dk, ar, ai)
     H, N = ar.shape
@@ -88,3 +88,8 @@ def kernel_bwd_sums(dk: torch.Tensor, ar: torch.Tensor, ai: torch.Tensor):
     bn = max(16, min(64, triton.next_power_of_2(N)))
     _bwd_kernel[(H, triton.cdiv(N, bn))](dk, ar, ai, *outs, N, L, BLOCK_L=bl, BLOCK_N=bn)
     return tuple(outs)
+
+
+# Former names of the launchers.
+kernel_fwd = s4_kernel_fwd
+kernel_bwd_sums = s4_kernel_bwd_sums

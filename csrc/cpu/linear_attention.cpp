@@ -121,8 +121,10 @@ std::vector<torch::Tensor> causal_bwd(torch::Tensor q, torch::Tensor k, torch::T
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("causal_fwd", &causal_fwd, "chunked causal linear attention forward: tril(q k^T) va",
+  m.def("linear_attention_causal_fwd", &causal_fwd,
+        "chunked causal linear attention forward: tril(q k^T) va",
         py::arg("q"), py::arg("k"), py::arg("va"), py::arg("chunk") = 64);
-  m.def("causal_bwd", &causal_bwd, "chunked causal linear attention backward -> (dq, dk, dva)",
+  m.def("linear_attention_causal_bwd", &causal_bwd,
+        "chunked causal linear attention backward -> (dq, dk, dva)",
         py::arg("q"), py::arg("k"), py::arg("va"), py::arg("ga"), py::arg("chunk") = 64);
 }

@@ -1273,6 +1273,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lsh_hash", &lsh_hash, "buckets (B, H, NH, L): argmax(concat[xR, -xR]) per round", py::arg("qk"),
         py::arg("rot"), py::arg("generic") = false);
   m.def("lsh_sort", &lsh_sort, "stable counting sort of the hash rounds: (perm, inv)");
-  m.def("lsh_fwd", &lsh_fwd, "LSH attention forward: (out, lse)");
-  m.def("lsh_bwd", &lsh_bwd, "LSH attention backward: (dq, dkn, dv)");
+  m.def("lsh_attention_fwd", &lsh_fwd, "LSH attention forward: (out, lse)");
+  m.def("lsh_attention_bwd", &lsh_bwd, "LSH attention backward: (dq, dkn, dv)");
 }

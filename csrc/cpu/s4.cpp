@@ -155,8 +155,8 @@ std::vector<torch::Tensor> kernel_bwd_sums(torch::Tensor dk, torch::Tensor ar, t
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("kernel_fwd", &kernel_fwd, "S4D Vandermonde kernel K (H, L)", py::arg("ar"), py::arg("ai"),
+  m.def("s4_kernel_fwd", &kernel_fwd, "S4D Vandermonde kernel K (H, L)", py::arg("ar"), py::arg("ai"),
         py::arg("wr"), py::arg("wi"), py::arg("L"));
-  m.def("kernel_bwd_sums", &kernel_bwd_sums, "sums S0, S1 (re, im) for the S4D kernel backward",
+  m.def("s4_kernel_bwd_sums", &kernel_bwd_sums, "sums S0, S1 (re, im) for the S4D kernel backward",
         py::arg("dk"), py::arg("ar"), py::arg("ai"));
 }

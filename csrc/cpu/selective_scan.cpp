@@ -493,7 +493,8 @@ torch::Tensor state_update(torch::Tensor state, torch::Tensor x, torch::Tensor d
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastarch: selective scan (Mamba) and its decode step on CPU";
-  m.def("fwd", &scan_fwd, "selective scan forward -> (out, last_state, ckpt)");
-  m.def("bwd", &scan_bwd, "selective scan backward -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)");
-  m.def("state_update", &state_update, "selective_state_update (in place on state) -> out");
+  m.def("selective_scan_fwd", &scan_fwd, "selective scan forward -> (out, last_state, ckpt)");
+  m.def("selective_scan_bwd", &scan_bwd,
+        "selective scan backward -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)");
+  m.def("selective_state_update_fwd", &state_update, "selective_state_update (in place on state) -> out");
 }

@@ -242,6 +242,7 @@ std::vector<torch::Tensor> scan_bwd(torch::Tensor dout, c10::optional<torch::Ten
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastarch: selective scan (Mamba) on CUDA";
-  m.def("fwd", &scan_fwd, "selective scan forward -> (out, last_state, ckpt)");
-  m.def("bwd", &scan_bwd, "selective scan backward -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)");
+  m.def("selective_scan_fwd", &scan_fwd, "selective scan forward -> (out, last_state, ckpt)");
+  m.def("selective_scan_bwd", &scan_bwd,
+        "selective scan backward -> (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)");
 }

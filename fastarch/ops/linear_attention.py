@@ -235,10 +235,10 @@ class CppLinearAttention(CppImplementation):
     description = "C++ chunked kernel, OpenMP over (batch, head), BLAS chunk matmuls, fp32"
 
     def forward(self, q, k, va):
-        return self.lib.causal_fwd(q, k, va, 64)
+        return self.lib.linear_attention_causal_fwd(q, k, va, 64)
 
     def backward(self, q, k, va, ga):
-        return tuple(self.lib.causal_bwd(q, k, va, ga, 64))
+        return tuple(self.lib.linear_attention_causal_bwd(q, k, va, ga, 64))
 
 
 class TritonLinearAttention(TritonImplementation):
@@ -246,10 +246,10 @@ class TritonLinearAttention(TritonImplementation):
     description = "Triton chunked kernels; programs over (batch*head, m-block, D-block), fp32 accumulation"
 
     def forward(self, q, k, va):
-        return self.lib.causal_fwd(q, k, va)
+        return self.lib.linear_attention_causal_fwd(q, k, va)
 
     def backward(self, q, k, va, ga):
-        return self.lib.causal_bwd(q, k, va, ga)
+        return self.lib.linear_attention_causal_bwd(q, k, va, ga)
 
 
 for _impl in (TorchLinearAttention, CppLinearAttention, TritonLinearAttention):

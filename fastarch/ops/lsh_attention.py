@@ -496,7 +496,7 @@ class CppLSHAttention(CppImplementation):
 
     def forward(self, qk, v, perm, inv, kpm, causal, bucket_size, n_hashes):
         # the kernel normalises the keys itself (as F.normalize) while it packs them
-        out, lse = self.lib.lsh_fwd(
+        out, lse = self.lib.lsh_attention_fwd(
             qk.float().contiguous(),
             v.float().contiguous(),
             perm.contiguous(),
@@ -509,7 +509,7 @@ class CppLSHAttention(CppImplementation):
 
     def backward(self, dout, qk, v, out, lse, perm, inv, kpm, causal, bucket_size, n_hashes):
         q, vf = qk.float().contiguous(), v.float().contiguous()
-        dq, dkn, dv = self.lib.lsh_bwd(
+        dq, dkn, dv = self.lib.lsh_attention_bwd(
             dout.float().contiguous(),
             q,
             vf,
@@ -540,7 +540,7 @@ class TritonLSHAttention(TritonImplementation):
 
     def forward(self, qk, v, perm, inv, kpm, causal, bucket_size, n_hashes):
         # the kernels read qk/v in their own dtype and normalise the keys as they load them
-        o_s, lse_s = self.lib.lsh_chunk_fwd(qk, v, perm, kpm, causal, bucket_size)
+        o_s, lse_s = self.lib.lsh_attention_chunk_fwd(qk, v, perm, kpm, causal, bucket_size)
         B, H, L, D = qk.shape
         flat = inv.reshape(B, H, n_hashes * L)
         o_r = o_s.gather(2, flat[..., None].expand(B, H, n_hashes * L, D)).view(B, H, n_hashes, L, D)
@@ -551,7 +551,7 @@ class TritonLSHAttention(TritonImplementation):
     def backward(self, dout, qk, v, out, lse, perm, inv, kpm, causal, bucket_size, n_hashes):
         delta = (dout.float() * out.float()).sum(-1).contiguous()
         g = dout.to(qk.dtype).contiguous()
-        dq, dkn, dv = self.lib.lsh_chunk_bwd(
+        dq, dkn, dv = self.lib.lsh_attention_chunk_bwd(
             g, qk, v, lse.contiguous(), delta, perm, inv, kpm, causal, bucket_size
         )
         # every round fell back to the query's own value: out_i = v_i

@@ -9,6 +9,8 @@ token's position (``seqlen_offset + l``), the rest pass through, as in FlashAtte
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..backend import register
@@ -127,20 +129,23 @@ class TorchRotary(TorchImplementation):
         return rotary_embedding_ref(x, cos, -sin if conj else sin, interleaved, offset)
 
 
-class CppRotary(CppImplementation):
-    op, extension = OP, "norms"
+class _CompiledRotary:
+    """Shared glue: the C++ extension and the Triton module expose ``rotary_apply`` alike."""
+
+    lib: Any
+
+    def forward(self, x, cos, sin, interleaved, conj, offset):
+        return self.lib.rotary_apply(x, cos, sin, interleaved, conj, offset)
+
+
+class CppRotary(CppImplementation, _CompiledRotary):
+    op, extension = OP, "rotary"
     description = "fused C++ kernel"
 
-    def forward(self, x, cos, sin, interleaved, conj, offset):
-        return self.lib.rotary(x, cos, sin, interleaved, conj, offset)
 
-
-class TritonRotary(TritonImplementation):
-    op, kernel_module = OP, "norms"
+class TritonRotary(TritonImplementation, _CompiledRotary):
+    op, kernel_module = OP, "rotary"
     description = "Triton kernel, one program per (token, head)"
-
-    def forward(self, x, cos, sin, interleaved, conj, offset):
-        return self.lib.rotary(x, cos, sin, interleaved, conj, offset)
 
 
 for _impl in (TorchRotary, CppRotary, TritonRotary):

@@ -160,15 +160,16 @@ def _grads_from_sums(s0r, s0i, s1r, s1i, wr, wi):
 
 
 class _CompiledS4Kernel:
-    """Shared glue: the C++ extension and the Triton module expose ``kernel_fwd``/``kernel_bwd_sums`` alike."""
+    """Shared glue: the C++ extension and the Triton module expose ``s4_kernel_fwd``/``s4_kernel_bwd_sums``
+    alike."""
 
     lib: Any
 
     def forward(self, ar, ai, wr, wi, L):
-        return self.lib.kernel_fwd(ar, ai, wr, wi, L)
+        return self.lib.s4_kernel_fwd(ar, ai, wr, wi, L)
 
     def backward(self, dk, ar, ai, wr, wi):
-        s0r, s0i, s1r, s1i = self.lib.kernel_bwd_sums(dk, ar, ai)
+        s0r, s0i, s1r, s1i = self.lib.s4_kernel_bwd_sums(dk, ar, ai)
         return _grads_from_sums(s0r, s0i, s1r, s1i, wr, wi)
 
 

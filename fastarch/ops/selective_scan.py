@@ -431,7 +431,8 @@ def _opt32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class _CompiledScan:
-    """Shared glue for the C++ and CUDA extensions: both expose ``fwd``/``bwd`` with the same arguments."""
+    """Shared glue for the C++ and CUDA extensions: both expose ``selective_scan_fwd``/``selective_scan_bwd``
+    with the same arguments."""
 
     lib: Any
 
@@ -439,8 +440,8 @@ class _CompiledScan:
         dim = u.shape[1]
         Bk, gb = kernel_bc(B, dim)
         Ck, gc = kernel_bc(C, dim)
-        out, last, ckpt = self.lib.fwd(_c32(u), _c32(delta), _c32(A), Bk, gb, Ck, gc, _opt32(D), _opt32(z),
-                                       _opt32(delta_bias), softplus, need_ckpt, CHUNK)
+        out, last, ckpt = self.lib.selective_scan_fwd(_c32(u), _c32(delta), _c32(A), Bk, gb, Ck, gc, _opt32(D),
+                                                      _opt32(z), _opt32(delta_bias), softplus, need_ckpt, CHUNK)
         return out.to(u.dtype), last, ckpt
 
     def backward(self, dout, dlast, u, delta, A, B, C, D, z, delta_bias, ckpt, softplus):
@@ -449,7 +450,7 @@ class _CompiledScan:
         Ck, gc = kernel_bc(C, dim)
         if ckpt.numel() == 0:  # forward ran without checkpoints (e.g. under no_grad, then re-used)
             _, _, ckpt = self.forward(u, delta, A, B, C, D, z, delta_bias, softplus, True)
-        du, ddelta, dA, dB, dC, dD, dz, dbias = self.lib.bwd(
+        du, ddelta, dA, dB, dC, dD, dz, dbias = self.lib.selective_scan_bwd(
             _c32(dout), _opt32(dlast), _c32(u), _c32(delta), _c32(A), Bk, gb, Ck, gc, _opt32(D), _opt32(z),
             _opt32(delta_bias), ckpt.contiguous(), softplus, CHUNK)
         return (du, ddelta, dA, grad_bc_to_input(dB, B), grad_bc_to_input(dC, C),

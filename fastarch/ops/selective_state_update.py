@@ -200,14 +200,15 @@ def _heads_args(state, x, dt, A, B, C, D, z, dt_bias):
 
 class _CompiledStateUpdate:
     """Shared glue: heads form, fp32 working state written back when the caller's state is not fp32
-    contiguous; ``_kernel(work, *fp32 args, softplus, state_batch_indices)`` returns out (batch, nheads, dim)
-    fp32. Stride-0 expanded arguments are materialised (a few KB: A, D and dt_bias are per head x channel)."""
+    contiguous; the C++ extension and the Triton module expose ``selective_state_update_fwd(work, *fp32 args,
+    softplus, state_batch_indices)`` alike, returning out (batch, nheads, dim) fp32. Stride-0 expanded
+    arguments are materialised (a few KB: A, D and dt_bias are per head x channel)."""
 
     lib: Any
 
     def forward(self, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_batch_indices):
         st, work, args = _heads_args(state, x, dt, A, B, C, D, z, dt_bias)
-        out = self._kernel(work, *args, bool(dt_softplus), state_batch_indices)
+        out = self.lib.selective_state_update_fwd(work, *args, bool(dt_softplus), state_batch_indices)
         if work is not st:
             st.copy_(work)
         out = out.to(x.dtype)
@@ -218,17 +219,10 @@ class CppSelectiveStateUpdate(CppImplementation, _CompiledStateUpdate):
     op, extension = OP, "selective_scan"
     description = "C++: parallel over batch x heads x channels, vectorised over N (polynomial exp), in place"
 
-    def _kernel(self, work, x, dt, A, B, C, D, z, dt_bias, softplus, state_batch_indices):
-        return self.lib.state_update(work, x, dt, A, B, C, D, z, dt_bias, softplus, state_batch_indices)
-
 
 class TritonSelectiveStateUpdate(TritonImplementation, _CompiledStateUpdate):
     op, kernel_module = OP, "selective_scan"
     description = "Triton: a program per (batch, head, channel block), state tile in registers, in place"
-
-    def _kernel(self, work, x, dt, A, B, C, D, z, dt_bias, softplus, state_batch_indices):
-        return self.lib.selective_state_update_fwd(work, x, dt, A, B, C, D, z, dt_bias, softplus,
-                                                   state_batch_indices)
 
 
 for _impl in (TorchSelectiveStateUpdate, CppSelectiveStateUpdate, TritonSelectiveStateUpdate):

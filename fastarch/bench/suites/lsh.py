@@ -140,7 +140,7 @@ def phases_cases(cfg: BenchConfig) -> list[Case]:
                 "rotations": lambda: lsh_rotations(D, NH, nb, seed=0),
                 "hash": lambda: lib.lsh_hash(qk, rot),
                 "sort": lambda: lib.lsh_sort(buckets, BS, nb),
-                "attention": lambda: lib.lsh_fwd(qk, v, perm, inv, None, False, BS),
+                "attention": lambda: lib.lsh_attention_fwd(qk, v, perm, inv, None, False, BS),
                 "whole op": lambda: lsh_attention(qk, v, n_hashes=NH, bucket_size=BS, seed=0, backend="cpp"),
             }
             return timed_call(calls[name], (), False)

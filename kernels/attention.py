@@ -230,13 +230,14 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base
                kpm_base, stride_kpmn, offs_m, offs_d, start, end, Lq, Lk, D, off, left, right, qk_scale,
                dkey, thresh, drop_scale, softcap2, slope,
                MASK: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-               HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PREC: tl.constexpr):
+               HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               PREC: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(k_base, offs_n, stride_kn, offs_d, Lk, D, MASK, EVEN_D)
         s, tcap = _scores(q, k, offs_m, offs_n, qk_scale, bias_base, stride_biasm, stride_biasn, kpm_base,
-                    stride_kpmn, Lq, Lk, off, left, right, softcap2, slope, MASK, HAS_BIAS, HAS_KPM, HAS_SOFTCAP,
-                          HAS_ALIBI, PREC)
+                          stride_kpmn, Lq, Lk, off, left, right, softcap2, slope, MASK, HAS_BIAS, HAS_KPM,
+                          HAS_SOFTCAP, HAS_ALIBI, PREC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no visible key so far has m = -inf: subtract 0 instead so exp2 gives 0, not NaN.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -264,7 +265,8 @@ def _attn_fwd_kernel(
     stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn, stride_ab, stride_ah,
     H, G, Lq, Lk, D, left, right, qk_scale, seed, thresh, drop_scale, softcap2, split_len,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr,
+    PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (cdiv(Lq, BLOCK_M), B*H, n_splits). O is (B*H, n_splits, Lq, D) when SPLIT (fp32 partials,
@@ -303,15 +305,18 @@ def _attn_fwd_kernel(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn, kpm_base,
         stride_kpmn, offs_m, offs_d, n_lo, tl.minimum(full_lo, hi), Lq, Lk, D, off, left, right, qk_scale, dkey,
-        thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, PREC)
+        thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT, HAS_SOFTCAP,
+        HAS_ALIBI, PREC)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn, kpm_base,
         stride_kpmn, offs_m, offs_d, full_lo, full_hi, Lq, Lk, D, off, left, right, qk_scale, dkey,
-        thresh, drop_scale, softcap2, slope, False, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, PREC)
+        thresh, drop_scale, softcap2, slope, False, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT, HAS_SOFTCAP,
+        HAS_ALIBI, PREC)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn, kpm_base,
         stride_kpmn, offs_m, offs_d, tl.maximum(full_lo, full_hi), hi, Lq, Lk, D, off, left, right, qk_scale,
-        dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, PREC)
+        dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT,
+        HAS_SOFTCAP, HAS_ALIBI, PREC)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -365,15 +370,16 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm
                   bias_base, stride_biasm, stride_biasn, kpm_base, stride_kpmn, offs_n, offs_d, start, end,
                   Lq, Lk, D, off, left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope,
                   MASK: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PREC: tl.constexpr):
+                  HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  HAS_ALIBI: tl.constexpr, PREC: tl.constexpr):
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_rows(q_base, offs_m, stride_qm, offs_d, Lq, D, MASK, EVEN_D)
         do = _load_rows(do_base, offs_m, stride_dom, offs_d, Lq, D, MASK, EVEN_D)
         lse2, delta = _load_row_stats(lse_base, delta_base, offs_m, Lq, MASK)
         s, tcap = _scores(q, k, offs_m, offs_n, qk_scale, bias_base, stride_biasm, stride_biasn, kpm_base,
-                    stride_kpmn, Lq, Lk, off, left, right, softcap2, slope, MASK, HAS_BIAS, HAS_KPM, HAS_SOFTCAP,
-                          HAS_ALIBI, PREC)
+                          stride_kpmn, Lq, Lk, off, left, right, softcap2, slope, MASK, HAS_BIAS, HAS_KPM,
+                          HAS_SOFTCAP, HAS_ALIBI, PREC)
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if HAS_DROPOUT:
@@ -402,7 +408,8 @@ def _attn_bwd_kv_kernel(
     stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn, stride_ab, stride_ah,
     H, Hk, G, Lq, Lk, D, left, right, qk_scale, sm_scale, seed, thresh, drop_scale, softcap2,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (cdiv(Lk, BLOCK_N), B*Hk): dK, dV for one key block of one kv head, summed over its G query
     heads in registers (no GQA scratch buffer), looping only over the query blocks that meet the band."""
@@ -461,8 +468,8 @@ def _attn_bwd_kv_kernel(
         dk, dv = _bwd_kv_inner(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, bias_base, stride_biasm,
             stride_biasn, kpm_base, stride_kpmn, offs_n, offs_d, tl.maximum(full_lo, full_hi), i_hi, Lq, Lk, D,
-            off, left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_M, EVEN_D, HAS_BIAS, HAS_KPM,
-            HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, PREC)
+            off, left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_M, EVEN_D, HAS_BIAS,
+            HAS_KPM, HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, PREC)
 
     dk *= sm_scale
     dmask = (offs_n < Lk)[:, None] & (offs_d < D)[None, :]
@@ -478,15 +485,16 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, b
                  stride_biasn, kpm_base, stride_kpmn, dbias_base, stride_dbm, offs_m, offs_d, start, end,
                  Lq, Lk, D, off, left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope,
                  MASK: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, NEED_DBIAS: tl.constexpr,
+                 HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr, NEED_DBIAS: tl.constexpr,
                  PREC: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(k_base, offs_n, stride_kn, offs_d, Lk, D, MASK, EVEN_D)
         v = _load_rows(v_base, offs_n, stride_vn, offs_d, Lk, D, MASK, EVEN_D)
         s, tcap = _scores(q, k, offs_m, offs_n, qk_scale, bias_base, stride_biasm, stride_biasn, kpm_base,
-                    stride_kpmn, Lq, Lk, off, left, right, softcap2, slope, MASK, HAS_BIAS, HAS_KPM, HAS_SOFTCAP,
-                          HAS_ALIBI, PREC)
+                          stride_kpmn, Lq, Lk, off, left, right, softcap2, slope, MASK, HAS_BIAS, HAS_KPM,
+                          HAS_SOFTCAP, HAS_ALIBI, PREC)
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if HAS_DROPOUT:
@@ -517,7 +525,8 @@ def _attn_bwd_q_kernel(
     stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn, stride_ab, stride_ah,
     H, G, Lq, Lk, D, left, right, qk_scale, sm_scale, seed, thresh, drop_scale, softcap2,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, NEED_DBIAS: tl.constexpr, PREC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, NEED_DBIAS: tl.constexpr,
+    PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (cdiv(Lq, BLOCK_M), B*H): dQ for one query block (and dS into DBIAS, contiguous (B,H,Lq,Lk)
@@ -554,18 +563,18 @@ def _attn_bwd_q_kernel(
     dq = _bwd_q_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn,
         kpm_base, stride_kpmn, dbias_base, Lk, offs_m, offs_d, n_lo, tl.minimum(full_lo, hi), Lq, Lk, D, off,
-        left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT,
-        HAS_SOFTCAP, HAS_ALIBI, NEED_DBIAS, PREC)
+        left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM,
+        HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, NEED_DBIAS, PREC)
     dq = _bwd_q_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn,
         kpm_base, stride_kpmn, dbias_base, Lk, offs_m, offs_d, full_lo, full_hi, Lq, Lk, D, off,
-        left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, False, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT,
-        HAS_SOFTCAP, HAS_ALIBI, NEED_DBIAS, PREC)
+        left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, False, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM,
+        HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, NEED_DBIAS, PREC)
     dq = _bwd_q_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn,
         kpm_base, stride_kpmn, dbias_base, Lk, offs_m, offs_d, tl.maximum(full_lo, full_hi), hi, Lq, Lk, D, off,
-        left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT,
-        HAS_SOFTCAP, HAS_ALIBI, NEED_DBIAS, PREC)
+        left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM,
+        HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, NEED_DBIAS, PREC)
     dq *= sm_scale
     h64 = h.to(tl.int64)
     dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
@@ -626,8 +635,8 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: in
     if alibi_slopes is not None:
         if (alibi_slopes.dtype != torch.float32 or tuple(alibi_slopes.shape) != (B, H)
                 or alibi_slopes.device != q.device):
-            raise _err(f"argument 'alibi_slopes' must be a float32 tensor of shape ({B}, {H}) on {q.device}, got "
-                       f"{alibi_slopes.dtype} {tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
+            raise _err(f"argument 'alibi_slopes' must be a float32 tensor of shape ({B}, {H}) on {q.device}, "
+                       f"got {alibi_slopes.dtype} {tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

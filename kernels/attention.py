@@ -149,16 +149,30 @@ def _load_rows(base, offs, stride, offs_d, L, D, CHECK_L: tl.constexpr, EVEN_D: 
 
 
 @triton.jit
-def _scores(q, k, offs_m, offs_n, qk_scale, bias_base, stride_biasm, stride_biasn, kpm_base, stride_kpmn,
-            Lq, Lk, off, left, right,
-            MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, PREC: tl.constexpr):
-    """Scores in the log2 domain, (BLOCK_M, BLOCK_N) fp32, masked entries -inf.
+def _tanh(x):
+    # 1 - 2 / (e^2x + 1) saturates to +-1 for large |x| (no inf / inf).
+    return 1.0 - 2.0 / (tl.math.exp2(x * 2.8853900817779268) + 1.0)
 
+
+@triton.jit
+def _scores(q, k, offs_m, offs_n, qk_scale, bias_base, stride_biasm, stride_biasn, kpm_base, stride_kpmn,
+            Lq, Lk, off, left, right, softcap2, slope,
+            MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+            HAS_ALIBI: tl.constexpr, PREC: tl.constexpr):
+    """Scores in the log2 domain, (BLOCK_M, BLOCK_N) fp32, masked entries -inf; and the tanh of the
+    soft-capping (the backward's derivative ``1 - t^2``; the scaled scores themselves without softcap).
+
+    Soft-capping acts on the scaled scores (``softcap2 = softcap * log2(e)`` in this domain), before the bias
+    and ALiBi (``slope`` is the head's slope times log2(e); distance ``|i + Lk - Lq - j|``).
     MASK: apply the band and the tile edges (blocks straddling the band or the sequence ends); blocks wholly
     inside both skip it (their keys are < Lk; rows past Lq only occur in a forward/dQ tail tile, where q is
-    loaded as 0 and the row is never stored). Padding and bias are data, so they apply everywhere.
+    loaded as 0 and the row is never stored). Padding, bias and ALiBi are data, so they apply everywhere.
     """
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    tcap = s
+    if HAS_SOFTCAP:
+        tcap = _tanh(s / softcap2)
+        s = tcap * softcap2
     if HAS_BIAS:
         # int64 row offsets: Lq * Lk elements per head can pass 2**31 for long sequences.
         bptrs = bias_base + offs_m.to(tl.int64)[:, None] * stride_biasm + offs_n[None, :] * stride_biasn
@@ -168,6 +182,8 @@ def _scores(q, k, offs_m, offs_n, qk_scale, bias_base, stride_biasm, stride_bias
             # Unmasked blocks lie inside Lk, but a query tile may still run past Lq.
             bias = tl.load(bptrs, mask=(offs_m < Lq)[:, None], other=0.0)
         s += bias.to(tl.float32) * 1.4426950408889634
+    if HAS_ALIBI:
+        s -= slope * tl.abs((offs_m + off)[:, None] - offs_n[None, :]).to(tl.float32)
     if MASK:
         qpos = (offs_m + off)[:, None]
         j = offs_n[None, :]
@@ -176,7 +192,7 @@ def _scores(q, k, offs_m, offs_n, qk_scale, bias_base, stride_biasm, stride_bias
     if HAS_KPM:
         kp = tl.load(kpm_base + offs_n * stride_kpmn, mask=offs_n < Lk, other=0)
         s = tl.where((kp != 0)[None, :], s, float("-inf"))
-    return s
+    return s, tcap
 
 
 @triton.jit
@@ -199,18 +215,29 @@ def _band(m0, rows_end, Lk, off, left, right, lo_limit, hi_limit, BLOCK_N: tl.co
     return n_lo, full_lo, full_hi, hi
 
 
+@triton.jit
+def _alibi_slope(alibi, b, h, stride_ab, stride_ah, HAS_ALIBI: tl.constexpr):
+    """Head (b, h)'s ALiBi slope in the log2 domain (0 without ALiBi)."""
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(alibi + b * stride_ab + h.to(tl.int64) * stride_ah) * 1.4426950408889634
+    return slope
+
+
 # -- forward ----------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn,
                kpm_base, stride_kpmn, offs_m, offs_d, start, end, Lq, Lk, D, off, left, right, qk_scale,
-               dkey, thresh, drop_scale,
+               dkey, thresh, drop_scale, softcap2, slope,
                MASK: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-               HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, PREC: tl.constexpr):
+               HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+               PREC: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(k_base, offs_n, stride_kn, offs_d, Lk, D, MASK, EVEN_D)
-        s = _scores(q, k, offs_m, offs_n, qk_scale, bias_base, stride_biasm, stride_biasn, kpm_base,
-                    stride_kpmn, Lq, Lk, off, left, right, MASK, HAS_BIAS, HAS_KPM, PREC)
+        s, tcap = _scores(q, k, offs_m, offs_n, qk_scale, bias_base, stride_biasm, stride_biasn, kpm_base,
+                          stride_kpmn, Lq, Lk, off, left, right, softcap2, slope, MASK, HAS_BIAS, HAS_KPM,
+                          HAS_SOFTCAP, HAS_ALIBI, PREC)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no visible key so far has m = -inf: subtract 0 instead so exp2 gives 0, not NaN.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -227,17 +254,19 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "SPLIT"],
+@triton.autotune(configs=_FWD_CONFIGS,
+                 key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_ALIBI", "SPLIT"],
                  prune_configs_by={"early_config_prune": _prune_fwd})
 @triton.jit(do_not_specialize=["seed", "thresh"])
 def _attn_fwd_kernel(
-    Q, K, V, O, LSE, BIAS, KPM,
+    Q, K, V, O, LSE, BIAS, KPM, ALIBI,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_os, stride_om, stride_lb, stride_ls,
-    stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn,
-    H, G, Lq, Lk, D, left, right, qk_scale, seed, thresh, drop_scale, split_len,
+    stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn, stride_ab, stride_ah,
+    H, G, Lq, Lk, D, left, right, qk_scale, seed, thresh, drop_scale, softcap2, split_len,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr,
+    PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (cdiv(Lq, BLOCK_M), B*H, n_splits). O is (B*H, n_splits, Lq, D) when SPLIT (fp32 partials,
@@ -262,6 +291,7 @@ def _attn_fwd_kernel(
     dkey = 0
     if HAS_DROPOUT:
         dkey = _dropout_key(seed, b, h, H)
+    slope = _alibi_slope(ALIBI, b64, h, stride_ab, stride_ah, HAS_ALIBI)
 
     q = _load_rows(q_base, offs_m, stride_qm, offs_d, Lq, D, True, EVEN_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -275,15 +305,18 @@ def _attn_fwd_kernel(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn, kpm_base,
         stride_kpmn, offs_m, offs_d, n_lo, tl.minimum(full_lo, hi), Lq, Lk, D, off, left, right, qk_scale, dkey,
-        thresh, drop_scale, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT, PREC)
+        thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT, HAS_SOFTCAP,
+        HAS_ALIBI, PREC)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn, kpm_base,
         stride_kpmn, offs_m, offs_d, full_lo, full_hi, Lq, Lk, D, off, left, right, qk_scale, dkey,
-        thresh, drop_scale, False, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT, PREC)
+        thresh, drop_scale, softcap2, slope, False, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT, HAS_SOFTCAP,
+        HAS_ALIBI, PREC)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn, kpm_base,
         stride_kpmn, offs_m, offs_d, tl.maximum(full_lo, full_hi), hi, Lq, Lk, D, off, left, right, qk_scale,
-        dkey, thresh, drop_scale, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT, PREC)
+        dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT,
+        HAS_SOFTCAP, HAS_ALIBI, PREC)
 
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -335,16 +368,18 @@ def _load_row_stats(lse_base, delta_base, offs_m, Lq, CHECK_L: tl.constexpr):
 @triton.jit
 def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                   bias_base, stride_biasm, stride_biasn, kpm_base, stride_kpmn, offs_n, offs_d, start, end,
-                  Lq, Lk, D, off, left, right, qk_scale, dkey, thresh, drop_scale,
+                  Lq, Lk, D, off, left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope,
                   MASK: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, PREC: tl.constexpr):
+                  HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  HAS_ALIBI: tl.constexpr, PREC: tl.constexpr):
     for start_m in range(start, end, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_rows(q_base, offs_m, stride_qm, offs_d, Lq, D, MASK, EVEN_D)
         do = _load_rows(do_base, offs_m, stride_dom, offs_d, Lq, D, MASK, EVEN_D)
         lse2, delta = _load_row_stats(lse_base, delta_base, offs_m, Lq, MASK)
-        s = _scores(q, k, offs_m, offs_n, qk_scale, bias_base, stride_biasm, stride_biasn, kpm_base,
-                    stride_kpmn, Lq, Lk, off, left, right, MASK, HAS_BIAS, HAS_KPM, PREC)
+        s, tcap = _scores(q, k, offs_m, offs_n, qk_scale, bias_base, stride_biasm, stride_biasn, kpm_base,
+                          stride_kpmn, Lq, Lk, off, left, right, softcap2, slope, MASK, HAS_BIAS, HAS_KPM,
+                          HAS_SOFTCAP, HAS_ALIBI, PREC)
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if HAS_DROPOUT:
@@ -355,22 +390,26 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm
             pz = p
         dv = tl.dot(tl.trans(pz.to(do.dtype)), do, dv, input_precision=PREC)
         ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - tcap * tcap)
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PREC)
     return dk, dv
 
 
-@triton.autotune(configs=_BWD_KV_CONFIGS, key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT"],
+@triton.autotune(configs=_BWD_KV_CONFIGS,
+                 key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_ALIBI"],
                  prune_configs_by={"early_config_prune": _prune_bwd})
 @triton.jit(do_not_specialize=["seed", "thresh"])
 def _attn_bwd_kv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, KPM,
+    Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, KPM, ALIBI,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn,
-    H, Hk, G, Lq, Lk, D, left, right, qk_scale, sm_scale, seed, thresh, drop_scale,
+    stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn, stride_ab, stride_ah,
+    H, Hk, G, Lq, Lk, D, left, right, qk_scale, sm_scale, seed, thresh, drop_scale, softcap2,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (cdiv(Lk, BLOCK_N), B*Hk): dK, dV for one key block of one kv head, summed over its G query
     heads in registers (no GQA scratch buffer), looping only over the query blocks that meet the band."""
@@ -415,21 +454,22 @@ def _attn_bwd_kv_kernel(
         dkey = 0
         if HAS_DROPOUT:
             dkey = _dropout_key(seed, b, h, H)
+        slope = _alibi_slope(ALIBI, b64, h, stride_ab, stride_ah, HAS_ALIBI)
         dk, dv = _bwd_kv_inner(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, bias_base, stride_biasm,
             stride_biasn, kpm_base, stride_kpmn, offs_n, offs_d, m_lo, tl.minimum(full_lo, i_hi), Lq, Lk, D, off,
-            left, right, qk_scale, dkey, thresh, drop_scale, True, BLOCK_M, EVEN_D, HAS_BIAS, HAS_KPM,
-            HAS_DROPOUT, PREC)
+            left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_M, EVEN_D, HAS_BIAS, HAS_KPM,
+            HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, PREC)
         dk, dv = _bwd_kv_inner(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, bias_base, stride_biasm,
             stride_biasn, kpm_base, stride_kpmn, offs_n, offs_d, full_lo, full_hi, Lq, Lk, D, off,
-            left, right, qk_scale, dkey, thresh, drop_scale, False, BLOCK_M, EVEN_D, HAS_BIAS, HAS_KPM,
-            HAS_DROPOUT, PREC)
+            left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, False, BLOCK_M, EVEN_D, HAS_BIAS, HAS_KPM,
+            HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, PREC)
         dk, dv = _bwd_kv_inner(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, bias_base, stride_biasm,
             stride_biasn, kpm_base, stride_kpmn, offs_n, offs_d, tl.maximum(full_lo, full_hi), i_hi, Lq, Lk, D,
-            off, left, right, qk_scale, dkey, thresh, drop_scale, True, BLOCK_M, EVEN_D, HAS_BIAS, HAS_KPM,
-            HAS_DROPOUT, PREC)
+            off, left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_M, EVEN_D, HAS_BIAS,
+            HAS_KPM, HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, PREC)
 
     dk *= sm_scale
     dmask = (offs_n < Lk)[:, None] & (offs_d < D)[None, :]
@@ -443,16 +483,18 @@ def _attn_bwd_kv_kernel(
 @triton.jit
 def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm,
                  stride_biasn, kpm_base, stride_kpmn, dbias_base, stride_dbm, offs_m, offs_d, start, end,
-                 Lq, Lk, D, off, left, right, qk_scale, dkey, thresh, drop_scale,
+                 Lq, Lk, D, off, left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope,
                  MASK: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, NEED_DBIAS: tl.constexpr,
+                 HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                 HAS_ALIBI: tl.constexpr, NEED_DBIAS: tl.constexpr,
                  PREC: tl.constexpr):
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(k_base, offs_n, stride_kn, offs_d, Lk, D, MASK, EVEN_D)
         v = _load_rows(v_base, offs_n, stride_vn, offs_d, Lk, D, MASK, EVEN_D)
-        s = _scores(q, k, offs_m, offs_n, qk_scale, bias_base, stride_biasm, stride_biasn, kpm_base,
-                    stride_kpmn, Lq, Lk, off, left, right, MASK, HAS_BIAS, HAS_KPM, PREC)
+        s, tcap = _scores(q, k, offs_m, offs_n, qk_scale, bias_base, stride_biasm, stride_biasn, kpm_base,
+                          stride_kpmn, Lq, Lk, off, left, right, softcap2, slope, MASK, HAS_BIAS, HAS_KPM,
+                          HAS_SOFTCAP, HAS_ALIBI, PREC)
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if HAS_DROPOUT:
@@ -465,22 +507,26 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, b
                 tl.store(db_ptrs, ds, mask=(offs_m < Lq)[:, None] & (offs_n < Lk)[None, :])
             else:
                 tl.store(db_ptrs, ds, mask=(offs_m < Lq)[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - tcap * tcap)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
     return dq
 
 
 @triton.autotune(configs=_BWD_Q_CONFIGS,
-                 key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "NEED_DBIAS"],
+                 key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_ALIBI",
+                      "NEED_DBIAS"],
                  prune_configs_by={"early_config_prune": _prune_bwd})
 @triton.jit(do_not_specialize=["seed", "thresh"])
 def _attn_bwd_q_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, BIAS, KPM, DBIAS,
+    Q, K, V, DO, LSE, DELTA, DQ, BIAS, KPM, DBIAS, ALIBI,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
-    stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn,
-    H, G, Lq, Lk, D, left, right, qk_scale, sm_scale, seed, thresh, drop_scale,
+    stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn, stride_ab, stride_ah,
+    H, G, Lq, Lk, D, left, right, qk_scale, sm_scale, seed, thresh, drop_scale, softcap2,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, NEED_DBIAS: tl.constexpr, PREC: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, NEED_DBIAS: tl.constexpr,
+    PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (cdiv(Lq, BLOCK_M), B*H): dQ for one query block (and dS into DBIAS, contiguous (B,H,Lq,Lk)
@@ -509,6 +555,7 @@ def _attn_bwd_q_kernel(
     dkey = 0
     if HAS_DROPOUT:
         dkey = _dropout_key(seed, b, h, H)
+    slope = _alibi_slope(ALIBI, b64, h, stride_ab, stride_ah, HAS_ALIBI)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     rows_end = tl.minimum(m0 + BLOCK_M, Lq)
@@ -516,18 +563,18 @@ def _attn_bwd_q_kernel(
     dq = _bwd_q_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn,
         kpm_base, stride_kpmn, dbias_base, Lk, offs_m, offs_d, n_lo, tl.minimum(full_lo, hi), Lq, Lk, D, off,
-        left, right, qk_scale, dkey, thresh, drop_scale, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT,
-        NEED_DBIAS, PREC)
+        left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM,
+        HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, NEED_DBIAS, PREC)
     dq = _bwd_q_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn,
         kpm_base, stride_kpmn, dbias_base, Lk, offs_m, offs_d, full_lo, full_hi, Lq, Lk, D, off,
-        left, right, qk_scale, dkey, thresh, drop_scale, False, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT,
-        NEED_DBIAS, PREC)
+        left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, False, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM,
+        HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, NEED_DBIAS, PREC)
     dq = _bwd_q_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn,
         kpm_base, stride_kpmn, dbias_base, Lk, offs_m, offs_d, tl.maximum(full_lo, full_hi), hi, Lq, Lk, D, off,
-        left, right, qk_scale, dkey, thresh, drop_scale, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT,
-        NEED_DBIAS, PREC)
+        left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM,
+        HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, NEED_DBIAS, PREC)
     dq *= sm_scale
     h64 = h.to(tl.int64)
     dq_ptrs = DQ + b64 * stride_dqb + h64 * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :]
@@ -541,7 +588,7 @@ def _err(msg: str) -> ValueError:
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: int, window_right: int,
               key_padding_mask: torch.Tensor | None, attn_bias: torch.Tensor | None,
-              dropout_p: float) -> None:
+              dropout_p: float, softcap: float, alibi_slopes: torch.Tensor | None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -583,6 +630,13 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window_left: in
                        f"on {attn_bias.device}")
     if not 0.0 <= float(dropout_p) < 1.0:
         raise _err(f"argument 'dropout_p' must be in [0, 1), got {dropout_p}")
+    if not (math.isfinite(float(softcap)) and float(softcap) >= 0.0):
+        raise _err(f"argument 'softcap' must be a finite float >= 0 (0 = off), got {softcap}")
+    if alibi_slopes is not None:
+        if (alibi_slopes.dtype != torch.float32 or tuple(alibi_slopes.shape) != (B, H)
+                or alibi_slopes.device != q.device):
+            raise _err(f"argument 'alibi_slopes' must be a float32 tensor of shape ({B}, {H}) on {q.device}, "
+                       f"got {alibi_slopes.dtype} {tuple(alibi_slopes.shape)} on {alibi_slopes.device}")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -623,6 +677,17 @@ def _side_args(q: torch.Tensor, key_padding_mask: torch.Tensor | None, attn_bias
     return bias, bstr, kpm, kstr
 
 
+def _score_args(q: torch.Tensor, softcap: float, alibi_slopes: torch.Tensor | None):
+    """(softcap in the log2 domain, ALiBi tensor, its 2 strides, HAS_SOFTCAP, HAS_ALIBI); without ALiBi the
+    pointer is q's with zero strides (never read)."""
+    cap = float(softcap)
+    if alibi_slopes is None:
+        alibi, astr = q, (0, 0)
+    else:
+        alibi, astr = alibi_slopes, tuple(alibi_slopes.stride())
+    return cap * _LOG2E if cap > 0 else 1.0, alibi, astr, cap > 0, alibi_slopes is not None
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -642,22 +707,26 @@ def _auto_splits(q: torch.Tensor, B: int, H: int, Lq: int, Lk: int) -> int:
 
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window_left: int, window_right: int,
                   key_padding_mask: torch.Tensor | None, attn_bias: torch.Tensor | None, dropout_p: float,
-                  seed: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  seed: int, scale: float, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward. q (B,H,Lq,D), k/v (B,Hk,Lk,D) -> o (B,H,Lq,D) in q's dtype, lse (B,H,Lq) fp32.
 
     Windows are bottom-right aligned and already include causal (window_right=0); -1 = unlimited.
     key_padding_mask: (B,Lk) bool or None (True = real key); attn_bias: None or (B,H,Lq,Lk) (expanded views
-    with zero strides are read in place). Rows that see no key get o = 0 and lse = -inf.
+    with zero strides are read in place). softcap > 0 caps the scaled scores as softcap * tanh(s / softcap)
+    before the bias; alibi_slopes: None or fp32 (B,H) (any strides) adds -slope * |i + Lk - Lq - j|. Rows
+    that see no key get o = 0 and lse = -inf.
     """
     return _attention_fwd(q, k, v, window_left=window_left, window_right=window_right,
                           key_padding_mask=key_padding_mask, attn_bias=attn_bias, dropout_p=dropout_p,
-                          seed=seed, scale=scale, num_splits=None)
+                          seed=seed, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, num_splits=None)
 
 
 def _attention_fwd(q, k, v, *, window_left, window_right, key_padding_mask, attn_bias, dropout_p, seed, scale,
-                   num_splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_splits: int | None, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """attention_fwd with an explicit split-K factor (None = heuristic) so tests can force the decode path."""
-    _validate(q, k, v, window_left, window_right, key_padding_mask, attn_bias, dropout_p)
+    _validate(q, k, v, window_left, window_right, key_padding_mask, attn_bias, dropout_p, softcap, alibi_slopes)
     q, k, v = _rows(q), _rows(k), _rows(v)
     B, H, Lq, D = q.shape
     Hk, Lk = k.shape[1], k.shape[2]
@@ -671,6 +740,7 @@ def _attention_fwd(q, k, v, *, window_left, window_right, key_padding_mask, attn
     block_d = max(16, triton.next_power_of_2(D))
     has_drop, seed_u, thresh, drop_scale = _dropout_args(dropout_p, seed)
     bias, bstr, kpm, kstr = _side_args(q, key_padding_mask, attn_bias)
+    softcap2, alibi, astr, has_cap, has_alibi = _score_args(q, softcap, alibi_slopes)
     splits = _auto_splits(q, B, H, Lq, Lk) if num_splits is None else max(1, int(num_splits))
     split_len = triton.cdiv(triton.cdiv(Lk, splits), _SPLIT_ALIGN) * _SPLIT_ALIGN
     splits = triton.cdiv(Lk, split_len)
@@ -688,12 +758,13 @@ def _attention_fwd(q, k, v, *, window_left, window_right, key_padding_mask, attn
         return (triton.cdiv(Lq, meta["BLOCK_M"]), B * H, splits)
 
     _attn_fwd_kernel[grid](
-        q, k, v, o_buf, l_buf, bias, kpm,
+        q, k, v, o_buf, l_buf, bias, kpm, alibi,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), *ostr, *lstr, *bstr, *kstr,
-        H, H // Hk, Lq, Lk, D, left, right, float(scale) * _LOG2E, seed_u, thresh, drop_scale, split_len,
-        BLOCK_D=block_d, EVEN_D=block_d == D, HAS_BIAS=attn_bias is not None,
-        HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=has_drop, SPLIT=splits > 1, PREC=_prec(q.dtype),
+        v.stride(0), v.stride(1), v.stride(2), *ostr, *lstr, *bstr, *kstr, *astr,
+        H, H // Hk, Lq, Lk, D, left, right, float(scale) * _LOG2E, seed_u, thresh, drop_scale, softcap2,
+        split_len, BLOCK_D=block_d, EVEN_D=block_d == D, HAS_BIAS=attn_bias is not None,
+        HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=has_drop, HAS_SOFTCAP=has_cap, HAS_ALIBI=has_alibi,
+        SPLIT=splits > 1, PREC=_prec(q.dtype),
     )
     if splits > 1:
         # Merge the per-chunk softmaxes: o = sum_s exp(lse_s - lse) o_s with lse = logsumexp_s lse_s.
@@ -707,14 +778,16 @@ def _attention_fwd(q, k, v, *, window_left, window_right, key_padding_mask, attn
 def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                   lse: torch.Tensor, *, window_left: int, window_right: int,
                   key_padding_mask: torch.Tensor | None, attn_bias: torch.Tensor | None, dropout_p: float,
-                  seed: int, scale: float, need_dbias: bool
+                  seed: int, scale: float, need_dbias: bool, softcap: float = 0.0,
+                  alibi_slopes: torch.Tensor | None = None,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Backward (FlashAttention-2). do/o (B,H,Lq,D), lse (B,H,Lq) from attention_fwd with the same arguments.
 
     Returns dq (B,H,Lq,D), dk/dv (B,Hk,Lk,D) (GQA: summed over each kv head's group), and dbias
-    (B,H,Lq,Lk) fp32 = dS (dropout included) when need_dbias, else None.
+    (B,H,Lq,Lk) fp32 = dS (dropout included; the gradient of the scores after soft-capping) when need_dbias,
+    else None. The ALiBi slopes get no gradient.
     """
-    _validate(q, k, v, window_left, window_right, key_padding_mask, attn_bias, dropout_p)
+    _validate(q, k, v, window_left, window_right, key_padding_mask, attn_bias, dropout_p, softcap, alibi_slopes)
     if tuple(do.shape) != tuple(q.shape) or tuple(o.shape) != tuple(q.shape):
         raise _err(f"arguments 'do' and 'o' must have q's shape {tuple(q.shape)}, got {tuple(do.shape)} and "
                    f"{tuple(o.shape)}")
@@ -739,6 +812,7 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     even_d = block_d == D
     has_drop, seed_u, thresh, drop_scale = _dropout_args(dropout_p, seed)
     bias, bstr, kpm, kstr = _side_args(q, key_padding_mask, attn_bias)
+    softcap2, alibi, astr, has_cap, has_alibi = _score_args(q, softcap, alibi_slopes)
     prec = _prec(q.dtype)
     G = H // Hk
 
@@ -748,19 +822,20 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         H, Lq, D, BLOCK_M=pre_m, BLOCK_D=block_d, EVEN_D=even_d)
 
-    common = (left, right, float(scale) * _LOG2E, float(scale), seed_u, thresh, drop_scale)
+    common = (left, right, float(scale) * _LOG2E, float(scale), seed_u, thresh, drop_scale, softcap2)
     flags = dict(BLOCK_D=block_d, EVEN_D=even_d, HAS_BIAS=attn_bias is not None,
-                 HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=has_drop, PREC=prec)
+                 HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=has_drop, HAS_SOFTCAP=has_cap,
+                 HAS_ALIBI=has_alibi, PREC=prec)
     _attn_bwd_kv_kernel[lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]), B * Hk)](
-        q, k, v, do, lse, delta, dk, dv, bias, kpm,
+        q, k, v, do, lse, delta, dk, dv, bias, kpm, alibi,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *bstr, *kstr,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *bstr, *kstr, *astr,
         H, Hk, G, Lq, Lk, D, *common, **flags)
     _attn_bwd_q_kernel[lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, dq, bias, kpm, dbias if dbias is not None else q,
+        q, k, v, do, lse, delta, dq, bias, kpm, dbias if dbias is not None else q, alibi,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2), *bstr, *kstr,
+        dq.stride(0), dq.stride(1), dq.stride(2), *bstr, *kstr, *astr,
         H, G, Lq, Lk, D, *common, NEED_DBIAS=dbias is not None, **flags)
     return dq, dk, dv, dbias

@@ -808,6 +808,15 @@ def _segment_list(segments: torch.Tensor | None, Lq: int, Lk: int) -> list[tuple
     return [(i, *row) for i, row in enumerate(segments.tolist())]
 
 
+def _segment_slopes(alibi: torch.Tensor | None, segments: torch.Tensor | None, index: int
+                    ) -> torch.Tensor | None:
+    """The ALiBi slopes of sequence ``index``: all ``(B, H)`` when plain, ``(1, H)`` of a packed batch (whose
+    sequences are computed as batches of one)."""
+    if alibi is None or segments is None:
+        return alibi
+    return alibi[index:index + 1]
+
+
 class TorchAttention(TorchImplementation):
     op = OP
     supports_dropout = supports_bias_grad = supports_varlen = True
@@ -820,7 +829,7 @@ class TorchAttention(TorchImplementation):
         for s_i, qs, qe, ks, ke in _segment_list(segs, Lq, k.shape[2]):
             if qe == qs:
                 continue
-            al = None if alibi is None else (alibi if segs is None else alibi[s_i:s_i + 1])
+            al = _segment_slopes(alibi, segs, s_i)
             oi, li = self._forward_one(q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], kpm, bias, al, wl, wr, p,
                                        seed, scale, softcap, qs, ks)
             o[:, :, qs:qe] = oi
@@ -851,7 +860,7 @@ class TorchAttention(TorchImplementation):
         for s_i, qs, qe, ks, ke in _segment_list(segs, Lq, Lk):
             if qe == qs or ke == ks:
                 continue
-            al = None if alibi is None else (alibi if segs is None else alibi[s_i:s_i + 1])
+            al = _segment_slopes(alibi, segs, s_i)
             dqi, dki, dvi, dbi = self._backward_one(
                 do[:, :, qs:qe], q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], o[:, :, qs:qe], kpm, bias, al,
                 wl, wr, p, seed, scale, softcap, need_dbias, qs, ks)
@@ -1029,10 +1038,6 @@ class TritonAttention(TritonImplementation):
 
     def check(self, call):
         reasons = []
-        if call.get("softcap"):
-            reasons.append("softcap (not in the Triton kernels)")
-        if call.get("alibi"):
-            reasons.append("ALiBi (not in the Triton kernels)")
         if call.get("varlen") and call.get("dropout"):
             reasons.append("dropout with a variable-length batch (the kernels hash per-sequence indices)")
         return reasons
@@ -1049,18 +1054,20 @@ class TritonAttention(TritonImplementation):
         if segs is None:
             o, lse = self.lib.attention_fwd(
                 q, k, v, window_left=wl, window_right=wr, key_padding_mask=kpm,
-                attn_bias=self._bias_full(bias, q, k), dropout_p=p, seed=seed, scale=scale,
+                attn_bias=self._bias_full(bias, q, k), dropout_p=p, seed=seed, scale=scale, softcap=softcap,
+                alibi_slopes=alibi,
             )
             return o, lse
         B, H, Lq, _ = q.shape
         o = torch.zeros_like(q)
         lse = torch.full((B, H, Lq), float("-inf"), dtype=torch.float32, device=q.device)
-        for _, qs, qe, ks, ke in _segment_list(segs, Lq, k.shape[2]):
+        for s_i, qs, qe, ks, ke in _segment_list(segs, Lq, k.shape[2]):
             if qe == qs:
                 continue
             oi, li = self.lib.attention_fwd(q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], window_left=wl,
                                             window_right=wr, key_padding_mask=None, attn_bias=None,
-                                            dropout_p=p, seed=seed, scale=scale)
+                                            dropout_p=p, seed=seed, scale=scale, softcap=softcap,
+                                            alibi_slopes=_segment_slopes(alibi, segs, s_i))
             o[:, :, qs:qe] = oi
             lse[:, :, qs:qe] = li
         return o, lse
@@ -1072,16 +1079,17 @@ class TritonAttention(TritonImplementation):
             return self.lib.attention_bwd(
                 do, q, k, v, o, lse, window_left=wl, window_right=wr, key_padding_mask=kpm,
                 attn_bias=self._bias_full(bias, q, k), dropout_p=p, seed=seed, scale=scale,
-                need_dbias=need_dbias,
+                need_dbias=need_dbias, softcap=softcap, alibi_slopes=alibi,
             )
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for _, qs, qe, ks, ke in _segment_list(segs, q.shape[2], k.shape[2]):
+        for s_i, qs, qe, ks, ke in _segment_list(segs, q.shape[2], k.shape[2]):
             if qe == qs or ke == ks:
                 continue
             dqi, dki, dvi, _ = self.lib.attention_bwd(
                 do[:, :, qs:qe], q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], o[:, :, qs:qe],
                 lse[:, :, qs:qe].contiguous(), window_left=wl, window_right=wr, key_padding_mask=None,
-                attn_bias=None, dropout_p=p, seed=seed, scale=scale, need_dbias=False)
+                attn_bias=None, dropout_p=p, seed=seed, scale=scale, need_dbias=False, softcap=softcap,
+                alibi_slopes=_segment_slopes(alibi, segs, s_i))
             dq[:, :, qs:qe] = dqi
             dk[:, :, ks:ke] += dki
             dv[:, :, ks:ke] += dvi

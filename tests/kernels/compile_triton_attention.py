@@ -9,8 +9,8 @@ when one exceeds the architecture's per-block limit (the launch would fail on th
 Usage: ``python tests/kernels/compile_triton_attention.py [fp16|bf16|fp32] [--arch 90] [--ones] [--d256]
 [--quick]`` (``--ones`` makes size-like arguments the constant 1, as Triton specialises them for e.g. G=1
 or Lq=1; ``--d256`` compiles every pruned autotune config at head dim 256; ``--quick`` compiles the forward
-and both backward kernels once, head dim 64 with bias, padding mask and dropout). Takes minutes on a small
-CPU, seconds with ``--quick``.
+and both backward kernels once, head dim 64 with bias, padding mask, dropout, softcap and ALiBi). Takes
+minutes on a small CPU, seconds with ``--quick``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 from fastarch.kernels import attention as A  # noqa: E402
 
-FLOATS = ("qk_scale", "sm_scale", "drop_scale")
+FLOATS = ("qk_scale", "sm_scale", "drop_scale", "softcap2")
 # opt-in shared memory per block (bytes): A100 163 KiB, H100 227 KiB
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
@@ -79,22 +79,26 @@ def main() -> int:
     prec = "ieee" if dt == "fp32" else "tf32"
     ptrs = {"Q": f"*{dt}", "K": f"*{dt}", "V": f"*{dt}", "O": f"*{dt}", "LSE": "*fp32", "BIAS": "*fp32",
             "KPM": "*u8", "DO": f"*{dt}", "DELTA": "*fp32", "DK": f"*{dt}", "DV": f"*{dt}", "DQ": f"*{dt}",
-            "DBIAS": "*fp32"}
+            "DBIAS": "*fp32", "ALIBI": "*fp32"}
     if args.d256:
-        flags = dict(BLOCK_D=256, EVEN_D=True, HAS_BIAS=False, HAS_KPM=False, HAS_DROPOUT=False, PREC=prec)
+        flags = dict(BLOCK_D=256, EVEN_D=True, HAS_BIAS=False, HAS_KPM=False, HAS_DROPOUT=False, HAS_SOFTCAP=False,
+                     HAS_ALIBI=False, PREC=prec)
         for kern, cfgs, extra in ((A._attn_fwd_kernel, A._FWD_CONFIGS, dict(SPLIT=False)),
                                   (A._attn_bwd_kv_kernel, A._BWD_KV_CONFIGS, {}),
                                   (A._attn_bwd_q_kernel, A._BWD_Q_CONFIGS, dict(NEED_DBIAS=False))):
             for c in (c for c in cfgs if A._fits(c, 256)):
                 compile_one(kern, ptrs, dict(flags, **extra, **c.kwargs), target, ones, c.num_warps, c.num_stages)
         return 0
-    configs = [(128, 64, 64, False, False, False, False, True),
-               (64, 64, 128, True, True, True, False, False),
-               (16, 128, 128, False, False, False, True, True)]
+    # (BLOCK_M, BLOCK_N, BLOCK_D, dropout, bias, padding, softcap, ALiBi, split, even D)
+    configs = [(128, 64, 64, False, False, False, False, False, False, True),
+               (64, 64, 128, True, True, True, False, False, False, False),
+               (128, 64, 128, False, False, False, True, True, False, True),
+               (16, 128, 128, False, False, False, True, True, True, True)]
     if args.quick:
-        configs = [(64, 64, 64, True, True, True, False, True)]
-    for bm, bn, bd, drop, bias, kpm, split, even in configs:
-        flags = dict(BLOCK_D=bd, EVEN_D=even, HAS_BIAS=bias, HAS_KPM=kpm, HAS_DROPOUT=drop, PREC=prec)
+        configs = [(64, 64, 64, True, True, True, True, True, False, True)]
+    for bm, bn, bd, drop, bias, kpm, cap, alibi, split, even in configs:
+        flags = dict(BLOCK_D=bd, EVEN_D=even, HAS_BIAS=bias, HAS_KPM=kpm, HAS_DROPOUT=drop, HAS_SOFTCAP=cap,
+                     HAS_ALIBI=alibi, PREC=prec)
         compile_one(A._attn_fwd_kernel, dict(ptrs, O="*fp32" if split else f"*{dt}"),
                     dict(flags, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn), target, ones)
         compile_one(A._attn_bwd_kv_kernel, ptrs, dict(flags, BLOCK_M=32, BLOCK_N=64), target, ones)

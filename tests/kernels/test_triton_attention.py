@@ -247,6 +247,10 @@ def test_dropout_threshold_is_exact():
     (dict(attn_bias=torch.zeros(1, 2, 4, 4)), "attn_bias"),
     (dict(v=torch.zeros(1, 2, 5, 16, dtype=torch.float16)), "'v' must have q's dtype"),
     (dict(dropout_p=1.0), "dropout_p"),
+    (dict(softcap=-1.0), "softcap"),
+    (dict(softcap=float("inf")), "softcap"),
+    (dict(alibi_slopes=torch.rand(2)), "alibi_slopes"),
+    (dict(alibi_slopes=torch.rand(1, 2, dtype=torch.float64)), "alibi_slopes"),
 ])
 def test_bad_inputs(bad, match):
     args = dict(q=torch.zeros(1, 2, 4, 16), k=torch.zeros(1, 2, 5, 16), v=torch.zeros(1, 2, 5, 16),

@@ -19,7 +19,33 @@ __all__ = ["UnsupportedStageError", "check_stage", "decode_tokens", "normalize",
 
 Stage = dict[str, Any] | None
 
-_WHITESPACE_WORDS = re.compile(r"\w+|[^\w\s]+")
+_WORD_CATEGORIES = {"Mn", "Mc", "Me", "Nd", "Pc"}
+
+
+def _char_class(ch: str) -> int:
+    """0: whitespace, 1: a word character as Rust's Unicode ``\\w`` defines it (letters, marks, digits,
+    connector punctuation, joiners), 2: anything else."""
+    if ch.isspace():
+        return 0
+    if ch.isalpha() or unicodedata.category(ch) in _WORD_CATEGORIES or ch in "\u200c\u200d":
+        return 1
+    return 2
+
+
+def _whitespace_words(text: str) -> list[str]:
+    """The ``Whitespace`` pre-tokenizer: runs of word characters and runs of other non-space characters
+    (the pattern ``\\w+|[^\\w\\s]+`` with Unicode classes)."""
+    out: list[str] = []
+    start, cur = 0, 0
+    for i, ch in enumerate(text):
+        c = _char_class(ch)
+        if c != cur:
+            if cur:
+                out.append(text[start:i])
+            start, cur = i, c
+    if cur:
+        out.append(text[start:])
+    return out
 
 
 class UnsupportedStageError(ValueError):
@@ -93,7 +119,7 @@ def pre_tokenize(stage: Stage, text: str) -> list[str]:
     if kind == "WhitespaceSplit":
         return text.split()
     if kind == "Whitespace":
-        return _WHITESPACE_WORDS.findall(text)
+        return _whitespace_words(text)
     if kind == "BertPreTokenizer":
         return [w for word in text.split() for w in BasicTokenizer.split_on_punctuation(word)]
     if kind == "Metaspace":

@@ -234,7 +234,8 @@ class BPETokenizer(BaseTokenizer):
 
     # ---- persistence ------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        return {"vocab_size": self.vocab_size, "lowercase": self.lowercase, "merges": [list(p) for p in self.merges]}
+        return {"vocab_size": self.vocab_size, "lowercase": self.lowercase, "merges": [list(p) for p in self.merges],
+                "end_of_word_suffix": self.end_of_word_suffix, "fuse_unk": self.fuse_unk}
 
     @classmethod
     def _from_state(cls, path: str, data: dict[str, Any]) -> BPETokenizer:
@@ -252,4 +253,8 @@ class BPETokenizer(BaseTokenizer):
             out.append((m[0], m[1]))
         tok.merges = out
         tok._ranks = {p: r for r, p in enumerate(out)}
+        tok.end_of_word_suffix = data.get("end_of_word_suffix", EOW)
+        tok.fuse_unk = data.get("fuse_unk", False)
+        if not isinstance(tok.end_of_word_suffix, str) or not isinstance(tok.fuse_unk, bool):
+            raise TokenizerFileError(f"{path}: 'end_of_word_suffix' must be a string and 'fuse_unk' a bool")
         return tok

@@ -10,7 +10,7 @@ from typing import Any
 
 from .._files import atomic_write
 from .batch import Encoding, batch_encode
-from .pipeline import clean_up_tokenization, decode_tokens, normalize, pre_tokenize
+from .pipeline import check_stage, clean_up_tokenization, decode_tokens, normalize, pre_tokenize
 
 __all__ = ["BaseTokenizer", "TokenizerFileError", "atomic_write_text", "load_tokenizer"]
 
@@ -310,7 +310,9 @@ class BaseTokenizer:
     def _common_state(self) -> dict[str, Any]:
         return {"type": type(self).__name__, "version": FORMAT_VERSION, "vocab": list(self._id_to_token),
                 "special_tokens": dict(self.special_tokens),
-                "additional_special_tokens": list(self.additional_special_tokens)}
+                "additional_special_tokens": list(self.additional_special_tokens),
+                "pipeline": {"normalizer": self.normalizer, "pre_tokenizer": self.pre_tokenizer, "decoder": self.decoder,
+                             "templates": self.templates, "model_max_length": self.model_max_length}}
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the tokenizer as JSON, atomically (a crash never leaves a half-written file)."""
@@ -346,6 +348,20 @@ class BaseTokenizer:
             if not isinstance(tok, str) or tok not in vocab:
                 raise _fail(p, f"additional special token {tok!r} is not a token of the vocabulary")
         tok = target._from_state(p, data)
+        pipeline = data.get("pipeline")
+        if pipeline is not None:  # files written before the pipeline was saved keep the class defaults
+            if not isinstance(pipeline, dict):
+                raise _fail(p, f"field 'pipeline' must be an object, got {type(pipeline).__name__}")
+            try:
+                for role in ("normalizer", "pre_tokenizer", "decoder"):
+                    check_stage(pipeline.get(role), role)
+                    setattr(tok, role, pipeline.get(role))
+            except ValueError as e:
+                raise _fail(p, str(e)) from None
+            templates = pipeline.get("templates")
+            if templates is not None:
+                tok.templates = {k: [(str(item), int(t)) for item, t in templates[k]] for k in ("single", "pair")}
+            tok.model_max_length = pipeline.get("model_max_length")
         tok.special_tokens = dict(specials)
         tok.additional_special_tokens = list(extra)
         tok._set_vocab(vocab)

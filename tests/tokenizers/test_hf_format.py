@@ -10,6 +10,7 @@ from fastarch.tokenizers import (
     TokenizerFileError,
     UnigramTokenizer,
     WordPieceTokenizer,
+    load_tokenizer,
     load_tokenizer_json,
     save_tokenizer_json,
 )
@@ -106,6 +107,11 @@ def test_load_files_written_by_tokenizers(tmp_path, name):
     assert tok.encode_pair(PROBE[0], PROBE[5]) == pair.ids
     enc = tok(PROBE[0], PROBE[5])
     assert enc["input_ids"] == pair.ids and enc["token_type_ids"] == pair.type_ids
+    # fastarch's own format keeps the pipeline
+    tok.save(tmp_path / "fastarch.json")
+    native = load_tokenizer(tmp_path / "fastarch.json")
+    assert [native.encode(t) for t in PROBE] == [tok.encode(t) for t in PROBE]
+    assert native.decode(pair.ids, skip_special_tokens=False) == tok.decode(pair.ids, skip_special_tokens=False)
     # writing it back gives a file the library reads to the same ids
     save_tokenizer_json(tok, tmp_path / "again.json")
     hf2 = tk.Tokenizer.from_file(str(tmp_path / "again.json"))

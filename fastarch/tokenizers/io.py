@@ -60,6 +60,11 @@ def require(path: str, data: dict[str, Any], key: str, kind: type | tuple[type, 
     return val
 
 
+def _role_id_property(role: str) -> property:
+    """``<role>_id``: the id of the special token with that role, or None (as transformers' tokenizers)."""
+    return property(lambda self: self._role_id(role))
+
+
 class BaseTokenizer:
     """Vocabulary, ids and special tokens shared by the BPE, WordPiece and Unigram tokenizers.
 
@@ -124,33 +129,13 @@ class BaseTokenizer:
         tok = self.special_tokens.get(role)
         return self.vocab.get(tok) if tok else None
 
-    @property
-    def pad_token_id(self) -> int | None:
-        return self._role_id("pad_token")
-
-    @property
-    def unk_token_id(self) -> int | None:
-        return self._role_id("unk_token")
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._role_id("bos_token")
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self._role_id("eos_token")
-
-    @property
-    def cls_token_id(self) -> int | None:
-        return self._role_id("cls_token")
-
-    @property
-    def sep_token_id(self) -> int | None:
-        return self._role_id("sep_token")
-
-    @property
-    def mask_token_id(self) -> int | None:
-        return self._role_id("mask_token")
+    pad_token_id = _role_id_property("pad_token")
+    unk_token_id = _role_id_property("unk_token")
+    bos_token_id = _role_id_property("bos_token")
+    eos_token_id = _role_id_property("eos_token")
+    cls_token_id = _role_id_property("cls_token")
+    sep_token_id = _role_id_property("sep_token")
+    mask_token_id = _role_id_property("mask_token")
 
     def __len__(self) -> int:
         return len(self._id_to_token)

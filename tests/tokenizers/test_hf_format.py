@@ -146,20 +146,24 @@ def test_tokenizers_library_reads_fastarch_files(tmp_path, kind):
     assert [back.encode(t) for t in PROBE] == [tok.encode(t) for t in PROBE]
 
 
-def test_batch_call_matches_transformers(tmp_path):
+@pytest.mark.parametrize("source", ["wordpiece_from_tokenizers", "unigram_from_fastarch", "bpe_from_fastarch"])
+def test_batch_call_matches_transformers(tmp_path, source):
     transformers = pytest.importorskip("transformers")
-    hf = _wordpiece_hf()
-    hf.save(str(tmp_path / "tokenizer.json"))
-    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), pad_token="[PAD]",
-                                               unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
-                                               mask_token="[MASK]")
-    tok = load_tokenizer_json(tmp_path / "tokenizer.json")
+    if source == "wordpiece_from_tokenizers":
+        _wordpiece_hf().save(str(tmp_path / "tokenizer.json"))
+        tok = load_tokenizer_json(tmp_path / "tokenizer.json")
+    else:
+        tok = _native(source.split("_")[0])
+        save_tokenizer_json(tok, tmp_path / "tokenizer.json")
+    names = {r: t for r, t in tok.special_tokens.items()}
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), **names)
     assert tok.mask_token_id == ref.mask_token_id and tok.pad_token_id == ref.pad_token_id
+    assert sorted(tok.all_special_ids) == sorted(ref.all_special_ids)
     texts = [PROBE[0], PROBE[1], PROBE[5], "short", PROBE[2]]
     pairs = [PROBE[3], "b", PROBE[2], PROBE[4], "tiny"]
     for kwargs in ({"padding": True}, {"padding": True, "truncation": True, "max_length": 9},
                    {"padding": "max_length", "truncation": True, "max_length": 12},
-                   {"padding": True, "truncation": "only_first", "max_length": 30}):
+                   {"padding": True, "truncation": "only_first", "max_length": 64}):
         for pair in (None, pairs):
             if pair is None and kwargs.get("truncation") == "only_first":
                 continue

@@ -78,6 +78,9 @@ def batch_encode(tok: Any, text: str | Sequence[str], text_pair: str | Sequence[
     limit = max_length if max_length is not None else tok.model_max_length
     if pad_mode == "max_length" and max_length is None:
         raise ValueError("tokenizer call: padding='max_length' needs argument 'max_length'")
+    if tok.padding_side not in ("left", "right"):
+        raise ValueError(f"{type(tok).__name__}: attribute 'padding_side' must be 'left' or 'right', "
+                         f"got {tok.padding_side!r}")
     if return_tensors not in (None, "pt"):
         raise ValueError(f"tokenizer call: argument 'return_tensors' must be None or 'pt', got {return_tensors!r}")
 
@@ -116,9 +119,15 @@ def batch_encode(tok: Any, text: str | Sequence[str], text_pair: str | Sequence[
         n_pad = max(0, target - len(ids)) if target is not None else 0
         if n_pad and tok.pad_token_id is None:
             raise ValueError(f"{type(tok).__name__}: padding needs a pad_token, and this tokenizer has none")
-        input_ids.append(ids + [tok.pad_token_id] * n_pad)
-        type_ids.append(types + [0] * n_pad)
-        masks.append([1] * len(ids) + [0] * n_pad)
+        pad_ids, pad_zeros, ones = [tok.pad_token_id] * n_pad, [0] * n_pad, [1] * len(ids)
+        if tok.padding_side == "left":
+            input_ids.append(pad_ids + ids)
+            type_ids.append(pad_zeros + types)
+            masks.append(pad_zeros + ones)
+        else:
+            input_ids.append(ids + pad_ids)
+            type_ids.append(types + pad_zeros)
+            masks.append(ones + pad_zeros)
     out = Encoding(input_ids=input_ids, token_type_ids=type_ids, attention_mask=masks)
     if return_tensors == "pt":
         if len({len(r) for r in input_ids}) > 1:

@@ -93,6 +93,7 @@ class BaseTokenizer:
         # Post-processing templates: lists of ("$A" | "$B" | special token, type id); None: the default.
         self.templates: dict[str, list[tuple[str, int]]] | None = None
         self.model_max_length: int | None = None
+        self.padding_side = "right"  # "left" for batched generation with decoder-only models
 
     def _configure(self, vocab_size: int, lowercase: bool, **roles: str | None) -> None:
         """Check and set the options every tokenizer has; ``roles`` maps special-token roles to tokens."""
@@ -277,7 +278,7 @@ class BaseTokenizer:
         """Encode a text or a batch as transformers does: ``input_ids``, ``token_type_ids``, ``attention_mask``.
 
         ``padding``: ``True``/``"longest"`` (to the longest of the batch), ``"max_length"`` or ``False``; pads
-        on the right with ``pad_token`` (type id 0, mask 0). ``truncation``: ``True``/``"longest_first"``,
+        with ``pad_token`` (type id 0, mask 0) on ``padding_side`` (``"right"`` unless set to ``"left"``). ``truncation``: ``True``/``"longest_first"``,
         ``"only_first"``, ``"only_second"`` or ``False``, to ``max_length`` (or ``model_max_length``) tokens
         special tokens included. ``return_tensors="pt"`` gives (B, L) long tensors (a single text: B = 1).
         """

@@ -14,6 +14,7 @@ from fastarch.tokenizers import (
     load_tokenizer_json,
     save_tokenizer_json,
 )
+from fastarch.tokenizers.batch import truncated_lengths
 
 tk = pytest.importorskip("tokenizers")
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
@@ -171,11 +172,28 @@ def test_batch_call_matches_transformers(tmp_path, source):
             want = ref(texts, pair, return_tensors="pt", return_token_type_ids=True, **kwargs)
             for key in ("input_ids", "attention_mask", "token_type_ids"):
                 assert torch.equal(got[key], want[key]), (kwargs, pair is not None, key)
+    ref.padding_side = tok.padding_side = "left"
+    got, want = tok(texts, padding=True, return_tensors="pt"), ref(texts, padding=True, return_tensors="pt")
+    assert torch.equal(got["input_ids"], want["input_ids"])
+    assert torch.equal(got["attention_mask"], want["attention_mask"])
+    tok.padding_side = "right"
     with pytest.raises(ValueError, match="cannot fit"):  # as the library: "sequence to truncate too short"
         tok(texts, pairs, truncation="only_first", max_length=6)
     for ids in ref(texts)["input_ids"]:
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
         assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids)
+
+
+def test_longest_first_lengths_match_the_library():
+    t = tk.Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    for budget in range(1, 10):
+        t.enable_truncation(budget, strategy="longest_first")
+        for n1 in range(0, 9):
+            for n2 in range(0, 9):
+                enc = t.encode(" ".join("a" * n1), " ".join("b" * n2))
+                want = (enc.ids.count(0), enc.ids.count(1))
+                assert truncated_lengths(n1, n2, budget) == want, (n1, n2, budget)
 
 
 def test_batch_call_shapes_and_errors():

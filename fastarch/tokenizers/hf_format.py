@@ -16,7 +16,7 @@ from typing import Any
 
 from .bpe import BPETokenizer
 from .io import BaseTokenizer, TokenizerFileError, atomic_write_text, read_json, require
-from .pipeline import UnsupportedStageError, check_stage
+from .pipeline import UnsupportedStageError, check_stage, lowercases
 from .unigram import UnigramTokenizer
 from .wordpiece import WordPieceTokenizer
 
@@ -232,8 +232,7 @@ def load_tokenizer_json(path: str | os.PathLike[str]) -> BaseTokenizer:
     tok.pre_tokenizer = data.get("pre_tokenizer")
     tok.decoder = data.get("decoder")
     tok.templates = _templates(p, data.get("post_processor"), tok.vocab)
-    lowercase = json.dumps(tok.normalizer).find('"Lowercase"') >= 0 or bool((tok.normalizer or {}).get("lowercase"))
-    tok.lowercase = lowercase
+    tok.lowercase = lowercases(tok.normalizer)
     trunc = data.get("truncation")
     if isinstance(trunc, dict) and isinstance(trunc.get("max_length"), int):
         tok.model_max_length = trunc["max_length"]

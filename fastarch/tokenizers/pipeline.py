@@ -15,7 +15,7 @@ from typing import Any
 
 from .bert_basic import BasicTokenizer, is_control, is_whitespace
 
-__all__ = ["UnsupportedStageError", "check_stage", "decode_tokens", "normalize", "pre_tokenize"]
+__all__ = ["UnsupportedStageError", "check_stage", "decode_tokens", "lowercases", "normalize", "pre_tokenize"]
 
 Stage = dict[str, Any] | None
 
@@ -170,14 +170,28 @@ def decode_tokens(stage: Stage, tokens: list[str]) -> str:
 
 def check_stage(stage: Stage, role: str) -> None:
     """Raise :class:`UnsupportedStageError` now if ``stage`` (a normalizer, pre_tokenizer or decoder) is not
-    supported, instead of at the first encode."""
+    supported or malformed, instead of at the first encode."""
     if stage is None:
         return
     if not isinstance(stage, dict) or not isinstance(stage.get("type"), str):
         raise UnsupportedStageError(f"{role} must be null or an object with a 'type', got {stage!r}")
-    if role == "normalizer":
-        normalize(stage, "Ab")
-    elif role == "pre_tokenizer":
-        pre_tokenize(stage, "a b")
-    else:
-        decode_tokens(stage, ["a", "b"])
+    try:
+        if role == "normalizer":
+            normalize(stage, "Ab")
+        elif role == "pre_tokenizer":
+            pre_tokenize(stage, "a b")
+        else:
+            decode_tokens(stage, ["a", "b"])
+    except UnsupportedStageError:
+        raise
+    except (KeyError, TypeError, AttributeError, re.error) as e:
+        raise UnsupportedStageError(f"{role} {stage.get('type')!r} is malformed ({type(e).__name__}: {e})") from None
+
+
+def lowercases(stage: Stage) -> bool:
+    """Whether a normalizer lowercases the text."""
+    if stage is None:
+        return False
+    if stage.get("type") == "Sequence":
+        return any(lowercases(s) for s in stage.get("normalizers", []))
+    return stage.get("type") == "Lowercase" or (stage.get("type") == "BertNormalizer" and stage.get("lowercase", True))

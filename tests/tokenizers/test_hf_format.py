@@ -235,6 +235,8 @@ def test_bad_files_are_refused(tmp_path):
 
     refused(lambda d: d.update(pre_tokenizer={"type": "ByteLevel"}), "pre-tokenizer 'ByteLevel'")
     refused(lambda d: d["model"].update(type="WordLevel"), "model type 'WordLevel'")
+    refused(lambda d: d.update(normalizer={"type": "Replace", "pattern": {"Regex": "("}, "content": ""}), "malformed")
+    refused(lambda d: d.update(normalizer={"type": "Precompiled"}), "normalizer 'Precompiled'")
     refused(lambda d: d["model"].update(byte_fallback=True), "byte_fallback")
     refused(lambda d: d["added_tokens"][0].update(special=False), "not special")
     refused(lambda d: d["model"]["vocab"].pop("e"), "without gaps")

@@ -186,24 +186,25 @@ class BaseTokenizer:
                 parts.append((piece, i % 2 == 1))
         return parts
 
-    def _words(self, text: str) -> list[str]:
-        """Normalization and pre-tokenization: ``text`` as the words that :meth:`_segment` splits."""
-        return pre_tokenize(self.pre_tokenizer, normalize(self.normalizer, text))
+    def _words(self, text: str, at_start: bool = True) -> list[str]:
+        """Normalization and pre-tokenization: ``text`` as the words that :meth:`_segment` splits.
+        ``at_start``: the text begins the input (not after a special token), for Metaspace's "first"."""
+        return pre_tokenize(self.pre_tokenizer, normalize(self.normalizer, text), at_start)
 
     def _segment(self, word: str) -> list[str]:
         """One word as token strings."""
         raise NotImplementedError
 
-    def tokenize(self, text: str) -> list[str]:
+    def tokenize(self, text: str, at_start: bool = True) -> list[str]:
         """Token strings of ``text`` (ordinary text, no special tokens)."""
         self._require_vocab()
-        return [t for w in self._words(text) for t in self._segment(w)]
+        return [t for w in self._words(text, at_start) for t in self._segment(w)]
 
     def tokenize_with_specials(self, text: str) -> list[str]:
         self._require_vocab()
         out: list[str] = []
-        for piece, special in self._split_on_specials(text):
-            out.extend([piece] if special else self.tokenize(piece))
+        for i, (piece, special) in enumerate(self._split_on_specials(text)):
+            out.extend([piece] if special else self.tokenize(piece, at_start=i == 0))
         return out
 
     def _default_template(self, pair: bool) -> list[tuple[str, int]]:

@@ -96,25 +96,36 @@ def normalize(stage: Stage, text: str) -> str:
     raise UnsupportedStageError(f"normalizer {kind!r} is not supported")
 
 
-def _metaspace(stage: dict[str, Any], text: str) -> list[str]:
+def _prepend_scheme(stage: dict[str, Any]) -> str:
+    # files from before prepend_scheme existed say add_prefix_space
+    if "prepend_scheme" in stage:
+        return stage["prepend_scheme"]
+    return "always" if stage.get("add_prefix_space", True) else "never"
+
+
+def _metaspace(stage: dict[str, Any], text: str, at_start: bool) -> list[str]:
     rep = stage.get("replacement", "\u2581")
     text = text.replace(" ", rep)
-    if stage.get("prepend_scheme", "always") in ("always", "first") and text and not text.startswith(rep):
+    scheme = _prepend_scheme(stage)
+    if scheme not in ("always", "first", "never"):
+        raise UnsupportedStageError(f"Metaspace prepend_scheme {scheme!r} is not supported")
+    if (scheme == "always" or (scheme == "first" and at_start)) and text and not text.startswith(rep):
         text = rep + text
     if not stage.get("split", True):
         return [text] if text else []
     return [p for p in re.split(f"(?={re.escape(rep)})", text) if p]
 
 
-def pre_tokenize(stage: Stage, text: str) -> list[str]:
-    """Split normalized text into words with a pre-tokenizer described by its ``tokenizer.json`` object."""
+def pre_tokenize(stage: Stage, text: str, at_start: bool = True) -> list[str]:
+    """Split normalized text into words with a pre-tokenizer described by its ``tokenizer.json`` object;
+    ``at_start``: the text begins the input (Metaspace's "first" scheme prepends only there)."""
     if stage is None:
         return [text] if text else []
     kind = stage.get("type")
     if kind == "Sequence":
         words = [text]
         for sub in stage["pretokenizers"]:
-            words = [w for word in words for w in pre_tokenize(sub, word)]
+            words = [w for j, word in enumerate(words) for w in pre_tokenize(sub, word, at_start and j == 0)]
         return words
     if kind == "WhitespaceSplit":
         return text.split()
@@ -123,7 +134,7 @@ def pre_tokenize(stage: Stage, text: str) -> list[str]:
     if kind == "BertPreTokenizer":
         return [w for word in text.split() for w in BasicTokenizer.split_on_punctuation(word)]
     if kind == "Metaspace":
-        return _metaspace(stage, text)
+        return _metaspace(stage, text, at_start)
     raise UnsupportedStageError(f"pre-tokenizer {kind!r} is not supported")
 
 
@@ -157,7 +168,7 @@ def decode_tokens(stage: Stage, tokens: list[str]) -> str:
         return "".join(t.replace(suffix, "" if i == n - 1 else " ") for i, t in enumerate(tokens))
     if kind == "Metaspace":
         rep = stage.get("replacement", "\u2581")
-        strip_first = stage.get("prepend_scheme", "always") != "never"
+        strip_first = _prepend_scheme(stage) != "never"
         out = []
         for i, tok in enumerate(tokens):
             tok = tok.replace(rep, " ")

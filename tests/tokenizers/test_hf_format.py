@@ -38,6 +38,7 @@ PROBE = [
     "東京タワー 🙂🙃 ok",
     "it's, they're, we've; don't!",
     "[CLS] inline [MASK] specials <unk> <pad>",
+    "glued<unk>to<pad>specials[SEP]here",
     "",
     "xyzzy qqqq zzz",
     "e\u0301 combining accent",
@@ -78,18 +79,18 @@ def _bpe_hf(suffix: bool):
     return t
 
 
-def _unigram_hf():
+def _unigram_hf(scheme="always"):
     t = tk.Tokenizer(models.Unigram())
     t.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
-    t.pre_tokenizer = pre_tokenizers.Metaspace()
-    t.decoder = decoders.Metaspace()
+    t.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+    t.decoder = decoders.Metaspace(prepend_scheme=scheme)
     t.train_from_iterator(TRAIN, trainers.UnigramTrainer(
         vocab_size=150, unk_token="<unk>", special_tokens=["<pad>", "<unk>", "<s>", "</s>"]))
     return t
 
 
 HF_BUILDERS = {"wordpiece": _wordpiece_hf, "bpe_suffix": lambda: _bpe_hf(True), "bpe_plain": lambda: _bpe_hf(False),
-               "unigram": _unigram_hf}
+               "unigram": _unigram_hf, "unigram_first": lambda: _unigram_hf("first")}
 
 
 @pytest.mark.parametrize("name", sorted(HF_BUILDERS))

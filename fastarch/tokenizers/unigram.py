@@ -101,7 +101,17 @@ class UnigramTokenizer(BaseTokenizer):
     def piece_scores(self) -> dict[str, float]:
         """Scores of every piece of the vocabulary, as the lattice sees them: learned log-probabilities, and
         0.0 for the special tokens (they are split out of the text before segmentation)."""
-        return {**{t: 0.0 for t in self._id_to_token}, **self._logp}
+        return dict(self._lattice_scores()[0])
+
+    def _lattice_scores(self) -> tuple[dict[str, float], float]:
+        """:meth:`piece_scores` (not to be modified) and the unknown-character score, the lowest minus 10."""
+        key = (id(self._logp), len(self._logp), id(self._id_to_token), len(self._id_to_token))
+        cached = getattr(self, "_scores_cache", None)
+        if cached is None or cached[0] != key:  # rebuilt only when the vocabulary or the model changes
+            scores = {**{t: 0.0 for t in self._id_to_token}, **self._logp}
+            cached = (key, scores, min(scores.values(), default=0.0) - 10.0)
+            self._scores_cache = cached
+        return cached[1], cached[2]
 
     def viterbi_segment(self, word: str, vocab_probs: dict[str, float] | None = None) -> list[str]:
         """Guide API: best segmentation of ``word``. A position that no single-character piece covers may be
@@ -109,10 +119,9 @@ class UnigramTokenizer(BaseTokenizer):
         (the ``tokenizers`` library's Unigram rules)."""
         if vocab_probs is not None:
             logp = {t: math.log(p) for t, p in vocab_probs.items() if p > 0}
+            unk_score = min(logp.values(), default=0.0) - 10.0
         else:
-            logp = self.piece_scores()
-            logp.pop(self.unk_token, None)
-        unk_score = min(logp.values(), default=0.0) - 10.0
+            logp, unk_score = self._lattice_scores()
         n, L = len(word), self.max_piece_length
         best = [-math.inf] * (n + 1)
         back: list[tuple[int, bool]] = [(0, False)] * (n + 1)

@@ -47,14 +47,16 @@ class BPETokenizer(BaseTokenizer):
         self._configure(vocab_size, lowercase, pad_token=pad_token, unk_token=unk_token, bos_token=bos_token,
                         eos_token=eos_token)
         self.additional_special_tokens = list(additional_special_tokens)
+        self.normalizer = {"type": "Lowercase"} if lowercase else None
+        self.pre_tokenizer = {"type": "WhitespaceSplit"}
+        self.decoder = {"type": "BPEDecoder", "suffix": EOW}
+        self.end_of_word_suffix = EOW
+        self.fuse_unk = False
         self.merges: list[tuple[str, str]] = []
         self._ranks: dict[tuple[str, str], int] = {}
         self._cache: dict[str, list[str]] = {}
 
     # ---- guide helpers ----------------------------------------------------------------------------------
-    def _words(self, text: str) -> list[str]:
-        return (text.lower() if self.lowercase else text).split()
-
     def get_word_frequencies(self, texts: Iterable[str]) -> dict[str, int]:
         """``{word + '</w>': count}`` as in the guide."""
         freq: Counter[str] = Counter()
@@ -62,9 +64,9 @@ class BPETokenizer(BaseTokenizer):
             freq.update(self._words(text))
         return {w + EOW: c for w, c in freq.items()}
 
-    @staticmethod
-    def _symbols(word: str) -> list[str]:
-        return list(word[:-1]) + [word[-1] + EOW]
+    def _symbols(self, word: str) -> list[str]:
+        """The initial symbols of a word: its characters, the last one carrying the end-of-word suffix."""
+        return list(word[:-1]) + [word[-1] + self.end_of_word_suffix]
 
     def get_character_vocab(self, word_freq: dict[str, int]) -> set[str]:
         """Initial symbols of the guide-format words (``'low</w>'`` gives ``l``, ``o``, ``w</w>``)."""
@@ -217,14 +219,23 @@ class BPETokenizer(BaseTokenizer):
         return syms
 
     def _segment(self, word: str) -> list[str]:
-        return self._bpe(word)
-
-    def _decode_tokens(self, tokens: list[str]) -> str:
-        return "".join(tokens).replace(EOW, " ").strip()
+        pieces = self._bpe(word)
+        if not self.fuse_unk:
+            return pieces
+        unk = self.special_tokens.get("unk_token")
+        out: list[str] = []
+        for p in pieces:
+            if p not in self.vocab:
+                p = unk or p
+                if out and out[-1] == p:
+                    continue  # consecutive unknown symbols become one unk
+            out.append(p)
+        return out
 
     # ---- persistence ------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
-        return {"vocab_size": self.vocab_size, "lowercase": self.lowercase, "merges": [list(p) for p in self.merges]}
+        return {"vocab_size": self.vocab_size, "lowercase": self.lowercase, "merges": [list(p) for p in self.merges],
+                "end_of_word_suffix": self.end_of_word_suffix, "fuse_unk": self.fuse_unk}
 
     @classmethod
     def _from_state(cls, path: str, data: dict[str, Any]) -> BPETokenizer:
@@ -242,4 +253,8 @@ class BPETokenizer(BaseTokenizer):
             out.append((m[0], m[1]))
         tok.merges = out
         tok._ranks = {p: r for r, p in enumerate(out)}
+        tok.end_of_word_suffix = data.get("end_of_word_suffix", EOW)
+        tok.fuse_unk = data.get("fuse_unk", False)
+        if not isinstance(tok.end_of_word_suffix, str) or not isinstance(tok.fuse_unk, bool):
+            raise TokenizerFileError(f"{path}: 'end_of_word_suffix' must be a string and 'fuse_unk' a bool")
         return tok

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .._files import atomic_write
+from .batch import Encoding, batch_encode
+from .pipeline import check_stage, clean_up_tokenization, decode_tokens, normalize, pre_tokenize
 
 __all__ = ["BaseTokenizer", "TokenizerFileError", "atomic_write_text", "load_tokenizer"]
 
@@ -58,6 +60,11 @@ def require(path: str, data: dict[str, Any], key: str, kind: type | tuple[type, 
     return val
 
 
+def _role_id_property(role: str) -> property:
+    """``<role>_id``: the id of the special token with that role, or None (as transformers' tokenizers)."""
+    return property(lambda self: self._role_id(role))
+
+
 class BaseTokenizer:
     """Vocabulary, ids and special tokens shared by the BPE, WordPiece and Unigram tokenizers.
 
@@ -79,6 +86,14 @@ class BaseTokenizer:
         self.special_tokens: dict[str, str] = {}
         self.additional_special_tokens: list[str] = []
         self._special_re: re.Pattern[str] | None = None
+        # The text pipeline as tokenizer.json stages (see pipeline.py); subclasses set their defaults.
+        self.normalizer: dict[str, Any] | None = None
+        self.pre_tokenizer: dict[str, Any] | None = None
+        self.decoder: dict[str, Any] | None = None
+        # Post-processing templates: lists of ("$A" | "$B" | special token, type id); None: the default.
+        self.templates: dict[str, list[tuple[str, int]]] | None = None
+        self.model_max_length: int | None = None
+        self.padding_side = "right"  # "left" for batched generation with decoder-only models
 
     def _configure(self, vocab_size: int, lowercase: bool, **roles: str | None) -> None:
         """Check and set the options every tokenizer has; ``roles`` maps special-token roles to tokens."""
@@ -110,6 +125,18 @@ class BaseTokenizer:
     @property
     def all_special_ids(self) -> list[int]:
         return [self.vocab[t] for t in self._specials_in_order() if t in self.vocab]
+
+    def _role_id(self, role: str) -> int | None:
+        tok = self.special_tokens.get(role)
+        return self.vocab.get(tok) if tok else None
+
+    pad_token_id = _role_id_property("pad_token")
+    unk_token_id = _role_id_property("unk_token")
+    bos_token_id = _role_id_property("bos_token")
+    eos_token_id = _role_id_property("eos_token")
+    cls_token_id = _role_id_property("cls_token")
+    sep_token_id = _role_id_property("sep_token")
+    mask_token_id = _role_id_property("mask_token")
 
     def __len__(self) -> int:
         return len(self._id_to_token)
@@ -159,30 +186,57 @@ class BaseTokenizer:
                 parts.append((piece, i % 2 == 1))
         return parts
 
-    def _words(self, text: str) -> list[str]:
-        """Pre-tokenization: ``text`` as the words that :meth:`_segment` splits."""
-        raise NotImplementedError
+    def _words(self, text: str, at_start: bool = True) -> list[str]:
+        """Normalization and pre-tokenization: ``text`` as the words that :meth:`_segment` splits.
+        ``at_start``: the text begins the input (not after a special token), for Metaspace's "first"."""
+        return pre_tokenize(self.pre_tokenizer, normalize(self.normalizer, text), at_start)
 
     def _segment(self, word: str) -> list[str]:
         """One word as token strings."""
         raise NotImplementedError
 
-    def tokenize(self, text: str) -> list[str]:
+    def tokenize(self, text: str, at_start: bool = True) -> list[str]:
         """Token strings of ``text`` (ordinary text, no special tokens)."""
         self._require_vocab()
-        return [t for w in self._words(text) for t in self._segment(w)]
+        return [t for w in self._words(text, at_start) for t in self._segment(w)]
 
     def tokenize_with_specials(self, text: str) -> list[str]:
         self._require_vocab()
         out: list[str] = []
-        for piece, special in self._split_on_specials(text):
-            out.extend([piece] if special else self.tokenize(piece))
+        for i, (piece, special) in enumerate(self._split_on_specials(text)):
+            out.extend([piece] if special else self.tokenize(piece, at_start=i == 0))
         return out
 
-    def _wrap_special(self, ids: list[int]) -> list[int]:
-        """Add the model's special tokens around one sequence (default: bos/eos when defined)."""
+    def _default_template(self, pair: bool) -> list[tuple[str, int]]:
+        """``<bos> $A <eos>`` (and ``<bos> $B <eos>`` with type id 1 for pairs), with the specials defined."""
         bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
-        return ([self.vocab[bos]] if bos else []) + ids + ([self.vocab[eos]] if eos else [])
+        out: list[tuple[str, int]] = []
+        for seq, type_id in (("$A", 0), ("$B", 1))[: 2 if pair else 1]:
+            out += ([(bos, type_id)] if bos else []) + [(seq, type_id)] + ([(eos, type_id)] if eos else [])
+        return out
+
+    def template(self, pair: bool = False) -> list[tuple[str, int]]:
+        """The post-processing template for one sequence or a pair: ``("$A" | "$B" | token, type id)``."""
+        if self.templates is not None:
+            return self.templates["pair" if pair else "single"]
+        return self._default_template(pair)
+
+    def num_special_tokens_to_add(self, pair: bool = False) -> int:
+        return sum(1 for item, _ in self.template(pair) if item not in ("$A", "$B"))
+
+    def post_process(self, ids: list[int], pair_ids: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """Add the special tokens of the template: ``(ids, token type ids)``."""
+        out: list[int] = []
+        types: list[int] = []
+        for item, type_id in self.template(pair_ids is not None):
+            part = ids if item == "$A" else pair_ids if item == "$B" else [self.vocab[item]]
+            out += part or []
+            types += [type_id] * len(part or [])
+        return out, types
+
+    def _wrap_special(self, ids: list[int]) -> list[int]:
+        """Add the model's special tokens around one sequence."""
+        return self.post_process(ids)[0]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of ``text`` (special tokens written in the text map to their ids)."""
@@ -191,30 +245,46 @@ class BaseTokenizer:
         ids = self.convert_tokens_to_ids(self.tokenize_with_specials(text))
         return self._wrap_special(ids) if add_special_tokens else ids
 
+    def encode_pair(self, text: str, text_pair: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of a sequence pair (``[CLS] a [SEP] b [SEP]`` for BERT)."""
+        a = self.encode(text, add_special_tokens=False)
+        b = self.encode(text_pair, add_special_tokens=False)
+        return self.post_process(a, b)[0] if add_special_tokens else a + b
+
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         return [self.encode(t, add_special_tokens) for t in texts]
 
     def _decode_tokens(self, tokens: list[str]) -> str:
-        raise NotImplementedError
+        return decode_tokens(self.decoder, tokens)
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``; special tokens are dropped (``skip_special_tokens``) or kept as words."""
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True,
+               clean_up_tokenization_spaces: bool = False) -> str:
+        """Text of ``ids``, joined by the tokenizer's decoder as transformers does; special tokens are dropped
+        (``skip_special_tokens``) or kept. ``clean_up_tokenization_spaces`` also removes the spaces before
+        ``. , ! ?`` and inside contractions (transformers' default is off; the WordPiece decoder does it)."""
         self._require_vocab()
         specials = set(self._specials_in_order())
-        out: list[str] = []
-        run: list[str] = []
-        for tok in self.convert_ids_to_tokens(ids):
-            if tok in specials:
-                if run:
-                    out.append(self._decode_tokens(run))
-                    run = []
-                if not skip_special_tokens:
-                    out.append(tok)
-            else:
-                run.append(tok)
-        if run:
-            out.append(self._decode_tokens(run))
-        return " ".join(s for s in out if s)
+        tokens = [t for t in self.convert_ids_to_tokens(ids) if not (skip_special_tokens and t in specials)]
+        text = self._decode_tokens(tokens)
+        return clean_up_tokenization(text) if clean_up_tokenization_spaces else text
+
+    def batch_decode(self, sequences: Iterable[Iterable[int]], skip_special_tokens: bool = True,
+                     clean_up_tokenization_spaces: bool = False) -> list[str]:
+        return [self.decode(s, skip_special_tokens, clean_up_tokenization_spaces) for s in sequences]
+
+    # ---- batch calls ------------------------------------------------------------------------------------
+    def __call__(self, text: str | Sequence[str], text_pair: str | Sequence[str] | None = None, *,
+                 add_special_tokens: bool = True, padding: bool | str = False, truncation: bool | str = False,
+                 max_length: int | None = None, return_tensors: str | None = None) -> Encoding:
+        """Encode a text or a batch as transformers does: ``input_ids``, ``token_type_ids``, ``attention_mask``.
+
+        ``padding``: ``True``/``"longest"`` (to the longest of the batch), ``"max_length"`` or ``False``; pads
+        with ``pad_token`` (type id 0, mask 0) on ``padding_side`` (``"right"`` unless set to ``"left"``). ``truncation``: ``True``/``"longest_first"``,
+        ``"only_first"``, ``"only_second"`` or ``False``, to ``max_length`` (or ``model_max_length``) tokens
+        special tokens included. ``return_tensors="pt"`` gives (B, L) long tensors (a single text: B = 1).
+        """
+        return batch_encode(self, text, text_pair, add_special_tokens=add_special_tokens, padding=padding,
+                            truncation=truncation, max_length=max_length, return_tensors=return_tensors)
 
     # ---- persistence ------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -227,7 +297,9 @@ class BaseTokenizer:
     def _common_state(self) -> dict[str, Any]:
         return {"type": type(self).__name__, "version": FORMAT_VERSION, "vocab": list(self._id_to_token),
                 "special_tokens": dict(self.special_tokens),
-                "additional_special_tokens": list(self.additional_special_tokens)}
+                "additional_special_tokens": list(self.additional_special_tokens),
+                "pipeline": {"normalizer": self.normalizer, "pre_tokenizer": self.pre_tokenizer, "decoder": self.decoder,
+                             "templates": self.templates, "model_max_length": self.model_max_length}}
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the tokenizer as JSON, atomically (a crash never leaves a half-written file)."""
@@ -263,6 +335,20 @@ class BaseTokenizer:
             if not isinstance(tok, str) or tok not in vocab:
                 raise _fail(p, f"additional special token {tok!r} is not a token of the vocabulary")
         tok = target._from_state(p, data)
+        pipeline = data.get("pipeline")
+        if pipeline is not None:  # files written before the pipeline was saved keep the class defaults
+            if not isinstance(pipeline, dict):
+                raise _fail(p, f"field 'pipeline' must be an object, got {type(pipeline).__name__}")
+            try:
+                for role in ("normalizer", "pre_tokenizer", "decoder"):
+                    check_stage(pipeline.get(role), role)
+                    setattr(tok, role, pipeline.get(role))
+            except ValueError as e:
+                raise _fail(p, str(e)) from None
+            templates = pipeline.get("templates")
+            if templates is not None:
+                tok.templates = {k: [(str(item), int(t)) for item, t in templates[k]] for k in ("single", "pair")}
+            tok.model_max_length = pipeline.get("model_max_length")
         tok.special_tokens = dict(specials)
         tok.additional_special_tokens = list(extra)
         tok._set_vocab(vocab)

@@ -59,9 +59,12 @@ class UnigramTokenizer(BaseTokenizer):
         self.em_iterations = em_iterations
         self.token_probs: dict[str, float] = {}
         self._logp: dict[str, float] = {}
-
-    def _words(self, text: str) -> list[str]:
-        return [SPACE + w for w in (text.lower() if self.lowercase else text).split()]
+        # Whitespace runs collapse and every word starts with the boundary marker.
+        self.normalizer = {"type": "Sequence", "normalizers": [
+            {"type": "Replace", "pattern": {"Regex": r"\s+"}, "content": " "},
+            {"type": "Strip", "strip_left": True, "strip_right": True}] + ([{"type": "Lowercase"}] if lowercase else [])}
+        self.pre_tokenizer = {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": "always", "split": True}
+        self.decoder = {"type": "Metaspace", "replacement": SPACE, "prepend_scheme": "always", "split": True}
 
     def get_initial_vocab(self, texts: Iterable[str]) -> dict[str, int]:
         """Guide API: every substring (up to ``max_piece_length``) of every word, with its count."""
@@ -95,26 +98,55 @@ class UnigramTokenizer(BaseTokenizer):
             i = back[i]
         return pieces[::-1], best[n]
 
+    def piece_scores(self) -> dict[str, float]:
+        """Scores of every piece of the vocabulary, as the lattice sees them: learned log-probabilities, and
+        0.0 for the special tokens (they are split out of the text before segmentation)."""
+        return dict(self._lattice_scores()[0])
+
+    def _lattice_scores(self) -> tuple[dict[str, float], float]:
+        """:meth:`piece_scores` (not to be modified) and the unknown-character score, the lowest minus 10."""
+        key = (id(self._logp), len(self._logp), id(self._id_to_token), len(self._id_to_token))
+        cached = getattr(self, "_scores_cache", None)
+        if cached is None or cached[0] != key:  # rebuilt only when the vocabulary or the model changes
+            scores = {**{t: 0.0 for t in self._id_to_token}, **self._logp}
+            cached = (key, scores, min(scores.values(), default=0.0) - 10.0)
+            self._scores_cache = cached
+        return cached[1], cached[2]
+
     def viterbi_segment(self, word: str, vocab_probs: dict[str, float] | None = None) -> list[str]:
-        """Guide API: best segmentation of ``word``; characters that no piece covers become ``unk_token``."""
-        logp = self._logp if vocab_probs is None else {t: math.log(p) for t, p in vocab_probs.items() if p > 0}
-        pieces, _ = self._viterbi(word, logp)
-        if pieces or not word:
-            return pieces
-        # Some characters are unknown: segment around them, one unk per unknown character.
-        out: list[str] = []
-        start = 0
-        for i, ch in enumerate(word):
-            if ch not in logp:
-                if start < i:
-                    seg, _ = self._viterbi(word[start:i], logp)
-                    out.extend(seg if seg else [self.unk_token])
-                out.append(self.unk_token)
-                start = i + 1
-        if start < len(word):
-            seg, _ = self._viterbi(word[start:], logp)
-            out.extend(seg if seg else [self.unk_token])
-        return out
+        """Guide API: best segmentation of ``word``. A position that no single-character piece covers may be
+        taken by ``unk_token`` at the lowest score minus 10; consecutive unknowns fuse into one unk
+        (the ``tokenizers`` library's Unigram rules)."""
+        if vocab_probs is not None:
+            logp = {t: math.log(p) for t, p in vocab_probs.items() if p > 0}
+            unk_score = min(logp.values(), default=0.0) - 10.0
+        else:
+            logp, unk_score = self._lattice_scores()
+        n, L = len(word), self.max_piece_length
+        best = [-math.inf] * (n + 1)
+        back: list[tuple[int, bool]] = [(0, False)] * (n + 1)
+        best[0] = 0.0
+        for i in range(n):
+            if best[i] == -math.inf:
+                continue
+            single = False
+            for j in range(i + 1, min(n, i + L) + 1):
+                lp = logp.get(word[i:j])
+                if lp is None:
+                    continue
+                single |= j == i + 1
+                if best[i] + lp > best[j]:
+                    best[j], back[j] = best[i] + lp, (i, False)
+            if not single and best[i] + unk_score > best[i + 1]:
+                best[i + 1], back[i + 1] = best[i] + unk_score, (i, True)
+        pieces: list[str] = []
+        i = n
+        while i > 0:
+            j, unknown = back[i]
+            if not (unknown and pieces and pieces[-1] is None):
+                pieces.append(None if unknown else word[j:i])  # type: ignore[arg-type]
+            i = j
+        return [self.unk_token if p is None else p for p in reversed(pieces)]
 
     def _expected_counts(self, word_freq: dict[str, int], logp: dict[str, float]) -> tuple[Counter[str], float]:
         """E-step: expected piece counts (forward-backward) and the corpus log-likelihood."""
@@ -225,9 +257,6 @@ class UnigramTokenizer(BaseTokenizer):
     # ---- encoding ---------------------------------------------------------------------------------------
     def _segment(self, word: str) -> list[str]:
         return self.viterbi_segment(word)
-
-    def _decode_tokens(self, tokens: list[str]) -> str:
-        return "".join(tokens).replace(SPACE, " ").strip()
 
     def calculate_loss(self, texts: Iterable[str], vocab_probs: dict[str, float] | None = None) -> float:
         """Guide API: negative log-likelihood of the Viterbi segmentations of ``texts``."""

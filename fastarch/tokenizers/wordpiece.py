@@ -58,6 +58,10 @@ class WordPieceTokenizer(BaseTokenizer):
         self.max_input_chars_per_word = max_input_chars_per_word
         self.prefix = prefix
         self._basic_cache: BasicTokenizer | None = None
+        self.normalizer = {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": tokenize_chinese_chars,
+                           "strip_accents": strip_accents, "lowercase": lowercase}
+        self.pre_tokenizer = {"type": "BertPreTokenizer"}
+        self.decoder = {"type": "WordPiece", "prefix": prefix, "cleanup": True}
 
     # ---- pre-tokenization -------------------------------------------------------------------------------
     @property
@@ -71,7 +75,7 @@ class WordPieceTokenizer(BaseTokenizer):
     def get_word_frequencies(self, texts: Iterable[str]) -> dict[str, int]:
         freq: Counter[str] = Counter()
         for text in texts:
-            freq.update(self.basic.tokenize(text))
+            freq.update(self._words(text))
         return dict(freq)
 
     def get_initial_vocab(self, word_freq: dict[str, int]) -> set[str]:
@@ -218,38 +222,16 @@ class WordPieceTokenizer(BaseTokenizer):
         self._require_vocab()
         return self._segment(word)
 
-    def _words(self, text: str) -> list[str]:
-        return self.basic.tokenize(text)
-
     def _segment(self, word: str) -> list[str]:
         return wordpiece_tokenize(word, self.vocab, self.unk_token, self.max_input_chars_per_word, self.prefix)
 
-    def _wrap_special(self, ids: list[int]) -> list[int]:
+    def _default_template(self, pair: bool) -> list[tuple[str, int]]:
+        """``[CLS] $A [SEP]`` and ``[CLS] $A [SEP] $B [SEP]`` (type id 1 from ``$B`` on), as BERT."""
         cls_t, sep_t = self.special_tokens.get("cls_token"), self.special_tokens.get("sep_token")
-        return ([self.vocab[cls_t]] if cls_t else []) + ids + ([self.vocab[sep_t]] if sep_t else [])
-
-    def encode_pair(self, text: str, text_pair: str, add_special_tokens: bool = True) -> list[int]:
-        """``[CLS] a [SEP] b [SEP]`` as BERT builds sentence pairs."""
-        a = self.encode(text, add_special_tokens=False)
-        b = self.encode(text_pair, add_special_tokens=False)
-        if not add_special_tokens:
-            return a + b
-        sep = self.special_tokens.get("sep_token")
-        return self._wrap_special(a) + b + ([self.vocab[sep]] if sep else [])
-
-    def _decode_tokens(self, tokens: list[str]) -> str:
-        return " ".join(tokens).replace(" " + self.prefix, "").strip()
-
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True,
-               clean_up_tokenization_spaces: bool = False) -> str:
-        """Join the pieces (``##`` continuations glued to their word). With ``clean_up_tokenization_spaces``
-        the spaces before ``. , ! ?`` and around apostrophes in contractions are removed."""
-        text = super().decode(ids, skip_special_tokens)
-        if clean_up_tokenization_spaces:
-            for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                         (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
-                text = text.replace(a, b)
-        return text
+        out = ([(cls_t, 0)] if cls_t else []) + [("$A", 0)] + ([(sep_t, 0)] if sep_t else [])
+        if pair:
+            out += [("$B", 1)] + ([(sep_t, 1)] if sep_t else [])
+        return out
 
     # ---- persistence ------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -263,9 +245,7 @@ class WordPieceTokenizer(BaseTokenizer):
                   lowercase=require(path, data, "lowercase", bool, "a bool"),
                   tokenize_chinese_chars=require(path, data, "tokenize_chinese_chars", bool, "a bool"),
                   max_input_chars_per_word=require(path, data, "max_input_chars_per_word", int, "an int"),
-                  prefix=require(path, data, "prefix", str, "a string"))
-        sa = data.get("strip_accents")
-        if sa is not None and not isinstance(sa, bool):
+                  prefix=require(path, data, "prefix", str, "a string"), strip_accents=data.get("strip_accents"))
+        if tok.strip_accents is not None and not isinstance(tok.strip_accents, bool):
             raise TokenizerFileError(f"{path}: field 'strip_accents' must be a bool or null")
-        tok.strip_accents = sa
         return tok

@@ -95,6 +95,9 @@ def test_basic_tokenizer_rules():
 def test_decode_inverts_encode(vocab_file):
     tok = WordPieceTokenizer.from_vocab_file(vocab_file)
     ids = tok.encode("The quick brown fox jumps over the lazy dog.")
+    # the WordPiece decoder removes the space before punctuation, as transformers' BERT tokenizer does
+    assert tok.decode(ids) == "the quick brown fox jumps over the lazy dog."
+    tok.decoder = {**tok.decoder, "cleanup": False}
     assert tok.decode(ids) == "the quick brown fox jumps over the lazy dog ."
     assert tok.decode(ids, clean_up_tokenization_spaces=True) == "the quick brown fox jumps over the lazy dog."
     assert tok.decode(ids, skip_special_tokens=False).startswith("[CLS] the")

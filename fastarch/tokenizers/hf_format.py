@@ -1,0 +1,239 @@
+"""Reading and writing the ``tokenizer.json`` format of the ``tokenizers`` library (what transformers'
+fast tokenizers load): ``model`` (BPE, WordPiece or Unigram), ``normalizer``, ``pre_tokenizer``,
+``post_processor``, ``decoder`` and ``added_tokens``. The file is plain JSON; nothing is unpickled.
+
+Supported stages are listed in :mod:`fastarch.tokenizers.pipeline`; post-processors ``TemplateProcessing``,
+``BertProcessing`` or none. Added tokens must be special and matched on the raw text (``normalized``,
+``lstrip``, ``rstrip`` and ``single_word`` false). Anything else raises :class:`TokenizerFileError` naming it.
+The file's ``truncation`` sets ``model_max_length``; its ``padding`` is ignored (padding is per call).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from .bpe import BPETokenizer
+from .io import BaseTokenizer, TokenizerFileError, atomic_write_text, read_json, require
+from .pipeline import UnsupportedStageError, check_stage, lowercases
+from .unigram import UnigramTokenizer
+from .wordpiece import WordPieceTokenizer
+
+__all__ = ["load_tokenizer_json", "save_tokenizer_json", "to_tokenizer_json"]
+
+# Special tokens are given roles by their usual spellings; the others become additional special tokens.
+_ROLE_SPELLINGS = {
+    "pad_token": ("[PAD]", "<pad>"), "cls_token": ("[CLS]",), "sep_token": ("[SEP]",),
+    "mask_token": ("[MASK]", "<mask>"), "bos_token": ("<s>", "<bos>", "[BOS]"), "eos_token": ("</s>", "<eos>", "[EOS]"),
+}
+
+
+# ---- writing ------------------------------------------------------------------------------------------------
+def _template_json(tok: BaseTokenizer) -> dict[str, Any]:
+    def items(pair: bool) -> list[dict[str, Any]]:
+        out = []
+        for item, type_id in tok.template(pair):
+            if item in ("$A", "$B"):
+                out.append({"Sequence": {"id": item[1], "type_id": type_id}})
+            else:
+                out.append({"SpecialToken": {"id": item, "type_id": type_id}})
+        return out
+
+    specials = {item for pair in (False, True) for item, _ in tok.template(pair) if item not in ("$A", "$B")}
+    return {"type": "TemplateProcessing", "single": items(False), "pair": items(True),
+            "special_tokens": {t: {"id": t, "ids": [tok.vocab[t]], "tokens": [t]} for t in sorted(specials)}}
+
+
+def _model_json(tok: BaseTokenizer) -> dict[str, Any]:
+    if isinstance(tok, BPETokenizer):
+        return {"type": "BPE", "dropout": None, "unk_token": tok.special_tokens.get("unk_token"),
+                "continuing_subword_prefix": None, "end_of_word_suffix": tok.end_of_word_suffix or None,
+                "fuse_unk": tok.fuse_unk, "byte_fallback": False, "ignore_merges": False,
+                "vocab": dict(tok.vocab), "merges": [list(m) for m in tok.merges]}
+    if isinstance(tok, WordPieceTokenizer):
+        return {"type": "WordPiece", "unk_token": tok.unk_token, "continuing_subword_prefix": tok.prefix,
+                "max_input_chars_per_word": tok.max_input_chars_per_word, "vocab": dict(tok.vocab)}
+    if isinstance(tok, UnigramTokenizer):
+        scores = tok.piece_scores()
+        return {"type": "Unigram", "unk_id": tok.vocab[tok.unk_token],
+                "vocab": [[t, scores[t]] for t in tok.convert_ids_to_tokens(range(len(tok)))], "byte_fallback": False}
+    raise TypeError(f"to_tokenizer_json: argument 'tok' must be a BPE, WordPiece or Unigram tokenizer, "
+                    f"got {type(tok).__name__}")
+
+
+def to_tokenizer_json(tok: BaseTokenizer) -> dict[str, Any]:
+    """The ``tokenizer.json`` object of ``tok``."""
+    tok._require_vocab()
+    added = [{"id": tok.vocab[t], "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": True} for t in tok.all_special_tokens if t in tok.vocab]
+    truncation = None
+    if tok.model_max_length is not None:
+        truncation = {"direction": "Right", "max_length": tok.model_max_length, "strategy": "LongestFirst",
+                      "stride": 0}
+    return {"version": "1.0", "truncation": truncation, "padding": None,
+            "added_tokens": sorted(added, key=lambda a: a["id"]), "normalizer": tok.normalizer,
+            "pre_tokenizer": tok.pre_tokenizer, "model": _model_json(tok), "post_processor": _template_json(tok),
+            "decoder": tok.decoder}
+
+
+def save_tokenizer_json(tok: BaseTokenizer, path: str | os.PathLike[str]) -> None:
+    """Write ``tok`` as a ``tokenizer.json`` file, atomically. A folder gets ``tokenizer.json`` inside it."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        p = os.path.join(p, "tokenizer.json")
+    atomic_write_text(p, json.dumps(to_tokenizer_json(tok), ensure_ascii=False, indent=2))
+
+
+# ---- reading ------------------------------------------------------------------------------------------------
+def _added_tokens(p: str, data: dict[str, Any]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for i, a in enumerate(require(p, data, "added_tokens", list, "a list of added tokens")):
+        if not isinstance(a, dict) or not isinstance(a.get("content"), str) or not isinstance(a.get("id"), int):
+            raise TokenizerFileError(f"{p}: added token {i} must have an int 'id' and a str 'content', got {a!r}")
+        if not a.get("special", False):
+            raise TokenizerFileError(f"{p}: added token {a['content']!r} is not special; only special added "
+                                     "tokens are supported")
+        for flag in ("normalized", "lstrip", "rstrip", "single_word"):
+            if a.get(flag, False):
+                raise TokenizerFileError(f"{p}: added token {a['content']!r} has {flag}=true, which is not supported")
+        out[a["id"]] = a["content"]
+    return out
+
+
+def _vocab_list(p: str, model_vocab: dict[str, int], added: dict[int, str]) -> list[str]:
+    by_id = {i: t for t, i in model_vocab.items()}
+    if len(by_id) != len(model_vocab):
+        raise TokenizerFileError(f"{p}: the model vocabulary gives one id to several tokens")
+    for i, t in added.items():
+        if by_id.setdefault(i, t) != t:
+            raise TokenizerFileError(f"{p}: id {i} is {by_id[i]!r} in the model but added token {t!r}")
+    n = len(by_id)
+    if sorted(by_id) != list(range(n)):
+        raise TokenizerFileError(f"{p}: token ids must be 0..{n - 1} without gaps")
+    return [by_id[i] for i in range(n)]
+
+
+def _templates(p: str, post: Any, vocab: dict[str, int]) -> dict[str, list[tuple[str, int]]]:
+    if post is None:
+        return {"single": [("$A", 0)], "pair": [("$A", 0), ("$B", 1)]}
+    kind = post.get("type") if isinstance(post, dict) else None
+    if kind == "BertProcessing":
+        cls_t, sep_t = post["cls"][0], post["sep"][0]
+        return {"single": [(cls_t, 0), ("$A", 0), (sep_t, 0)],
+                "pair": [(cls_t, 0), ("$A", 0), (sep_t, 0), ("$B", 1), (sep_t, 1)]}
+    if kind != "TemplateProcessing":
+        raise TokenizerFileError(f"{p}: post_processor {kind!r} is not supported")
+    names = post.get("special_tokens", {})
+
+    def parse(items: list[dict[str, Any]]) -> list[tuple[str, int]]:
+        out = []
+        for it in items:
+            if "Sequence" in it:
+                out.append(("$" + it["Sequence"]["id"], int(it["Sequence"].get("type_id", 0))))
+                continue
+            name = it["SpecialToken"]["id"]
+            tokens = names.get(name, {}).get("tokens", [name])
+            if len(tokens) != 1 or tokens[0] not in vocab:
+                raise TokenizerFileError(f"{p}: template special token {name!r} must map to one token of the "
+                                         f"vocabulary, got {tokens!r}")
+            out.append((tokens[0], int(it["SpecialToken"].get("type_id", 0))))
+        return out
+
+    return {"single": parse(post["single"]), "pair": parse(post["pair"])}
+
+
+def _build(p: str, model: dict[str, Any], kind: str, tokens: list[str]) -> BaseTokenizer:
+    n = len(tokens)
+    if kind == "BPE":
+        for key in ("dropout", "continuing_subword_prefix"):
+            if model.get(key) not in (None, ""):
+                raise TokenizerFileError(f"{p}: BPE {key}={model[key]!r} is not supported")
+        for key in ("byte_fallback", "ignore_merges"):
+            if model.get(key):
+                raise TokenizerFileError(f"{p}: BPE {key}=true is not supported")
+        bpe = BPETokenizer(n, lowercase=False, unk_token=None, pad_token=None)
+        bpe.end_of_word_suffix = model.get("end_of_word_suffix") or ""
+        bpe.fuse_unk = bool(model.get("fuse_unk", False))
+        merges = []
+        for i, m in enumerate(require(p, model, "merges", list, "a list of merges")):
+            pair = m.split(" ") if isinstance(m, str) else m
+            if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
+                raise TokenizerFileError(f"{p}: merge {i} must be a pair of strings, got {m!r}")
+            merges.append((pair[0], pair[1]))
+        bpe.merges = merges
+        bpe._ranks = {m: r for r, m in enumerate(merges)}
+        return bpe
+    if kind == "WordPiece":
+        return WordPieceTokenizer(n, require(p, model, "unk_token", str, "a string"), pad_token=None, cls_token=None,
+                                  sep_token=None, mask_token=None, lowercase=False,
+                                  max_input_chars_per_word=model.get("max_input_chars_per_word", 100),
+                                  prefix=model.get("continuing_subword_prefix", "##"))
+    if kind == "Unigram":
+        if model.get("byte_fallback"):
+            raise TokenizerFileError(f"{p}: Unigram byte_fallback=true is not supported")
+        unk_id = model.get("unk_id")
+        if not isinstance(unk_id, int) or not 0 <= unk_id < n:
+            raise TokenizerFileError(f"{p}: Unigram needs an 'unk_id' in [0, {n}), got {unk_id!r}")
+        scores = {t: float(s) for t, s in model["vocab"]}
+        uni = UnigramTokenizer(n, tokens[unk_id], lowercase=False, pad_token=None,
+                               max_piece_length=max(len(t) for t in tokens))
+        uni._logp = scores
+        uni.token_probs = {}
+        return uni
+    raise TokenizerFileError(f"{p}: model type {kind!r} is not supported (expected BPE, WordPiece or Unigram)")
+
+
+def load_tokenizer_json(path: str | os.PathLike[str]) -> BaseTokenizer:
+    """Load a ``tokenizer.json`` file (or a folder holding one) as a fastarch tokenizer."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        p = os.path.join(p, "tokenizer.json")
+    data = read_json(p)
+    model = require(p, data, "model", dict, "the tokenization model")
+    kind = model.get("type") or ("BPE" if "merges" in model else "Unigram" if isinstance(model.get("vocab"), list)
+                                 else "WordPiece")
+    try:
+        for role in ("normalizer", "pre_tokenizer", "decoder"):
+            check_stage(data.get(role), role)
+    except UnsupportedStageError as e:
+        raise TokenizerFileError(f"{p}: {e}") from None
+    if kind == "Unigram":
+        vocab = model.get("vocab")
+        if not isinstance(vocab, list) or not all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], str)
+                                                  and isinstance(v[1], (int, float)) for v in vocab):
+            raise TokenizerFileError(f"{p}: Unigram 'vocab' must be a list of [piece, score] pairs")
+        model_vocab = {t: i for i, (t, _) in enumerate(vocab)}
+    else:
+        model_vocab = require(p, model, "vocab", dict, "an object mapping tokens to ids")
+        if not all(isinstance(i, int) for i in model_vocab.values()):
+            raise TokenizerFileError(f"{p}: model 'vocab' ids must be ints")
+    added = _added_tokens(p, data)
+    tokens = _vocab_list(p, model_vocab, added)
+    tok = _build(p, model, kind, tokens)
+    tok._set_vocab(tokens)
+    unk = tokens[model["unk_id"]] if kind == "Unigram" else model.get("unk_token")
+    if unk is not None and unk not in tok.vocab:
+        raise TokenizerFileError(f"{p}: the unknown token {unk!r} is not in the vocabulary")
+    roles: dict[str, str] = {"unk_token": unk} if unk else {}
+    extra: list[str] = []
+    for i in sorted(added):
+        t = added[i]
+        role = next((r for r, names in _ROLE_SPELLINGS.items() if t in names and r in type(tok).SPECIAL_ROLES
+                     and r not in roles), None)
+        if role is not None:
+            roles[role] = t
+        elif t != unk:
+            extra.append(t)
+    tok.special_tokens = roles
+    tok.additional_special_tokens = extra
+    tok._special_re = None
+    tok.normalizer = data.get("normalizer")
+    tok.pre_tokenizer = data.get("pre_tokenizer")
+    tok.decoder = data.get("decoder")
+    tok.templates = _templates(p, data.get("post_processor"), tok.vocab)
+    tok.lowercase = lowercases(tok.normalizer)
+    trunc = data.get("truncation")
+    if isinstance(trunc, dict) and isinstance(trunc.get("max_length"), int):
+        tok.model_max_length = trunc["max_length"]
+    return tok

@@ -1,0 +1,208 @@
+"""Text pipeline stages in the ``tokenizer.json`` vocabulary: normalizers, pre-tokenizers and decoders.
+
+Each stage is described by the JSON object the ``tokenizers`` library writes (``{"type": "Lowercase"}``,
+``{"type": "Metaspace", "replacement": "▁", ...}``), so a tokenizer's pipeline is saved and loaded as is.
+Supported: normalizers ``BertNormalizer Lowercase NFC NFD NFKC NFKD Strip Replace Prepend Sequence``;
+pre-tokenizers ``BertPreTokenizer Whitespace WhitespaceSplit Metaspace Sequence``; decoders ``WordPiece
+BPEDecoder Metaspace``. Any other stage raises :class:`UnsupportedStageError` naming it.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from typing import Any
+
+from .bert_basic import BasicTokenizer, is_control, is_whitespace
+
+__all__ = ["UnsupportedStageError", "check_stage", "decode_tokens", "lowercases", "normalize", "pre_tokenize"]
+
+Stage = dict[str, Any] | None
+
+_WORD_CATEGORIES = {"Mn", "Mc", "Me", "Nd", "Pc"}
+
+
+def _char_class(ch: str) -> int:
+    """0: whitespace, 1: a word character as Rust's Unicode ``\\w`` defines it (letters, marks, digits,
+    connector punctuation, joiners), 2: anything else."""
+    if ch.isspace():
+        return 0
+    if ch.isalpha() or unicodedata.category(ch) in _WORD_CATEGORIES or ch in "\u200c\u200d":
+        return 1
+    return 2
+
+
+def _whitespace_words(text: str) -> list[str]:
+    """The ``Whitespace`` pre-tokenizer: runs of word characters and runs of other non-space characters
+    (the pattern ``\\w+|[^\\w\\s]+`` with Unicode classes)."""
+    out: list[str] = []
+    start, cur = 0, 0
+    for i, ch in enumerate(text):
+        c = _char_class(ch)
+        if c != cur:
+            if cur:
+                out.append(text[start:i])
+            start, cur = i, c
+    if cur:
+        out.append(text[start:])
+    return out
+
+
+class UnsupportedStageError(ValueError):
+    """A ``tokenizer.json`` pipeline stage that fastarch does not implement."""
+
+
+def _regex(pattern: Any, where: str) -> re.Pattern[str]:
+    if isinstance(pattern, dict) and "String" in pattern:
+        return re.compile(re.escape(pattern["String"]))
+    if isinstance(pattern, dict) and "Regex" in pattern:
+        return re.compile(pattern["Regex"])
+    raise UnsupportedStageError(f"{where}: pattern must be {{'String': ...}} or {{'Regex': ...}}, got {pattern!r}")
+
+
+def normalize(stage: Stage, text: str) -> str:
+    """Apply a normalizer described by its ``tokenizer.json`` object (``None``: identity)."""
+    if stage is None:
+        return text
+    kind = stage.get("type")
+    if kind == "Sequence":
+        for sub in stage["normalizers"]:
+            text = normalize(sub, text)
+        return text
+    if kind == "Lowercase":
+        return text.lower()
+    if kind in ("NFC", "NFD", "NFKC", "NFKD"):
+        return unicodedata.normalize(kind, text)
+    if kind == "Strip":
+        if stage.get("strip_left", True):
+            text = text.lstrip()
+        return text.rstrip() if stage.get("strip_right", True) else text
+    if kind == "Replace":
+        content = stage["content"]
+        return _regex(stage["pattern"], "Replace normalizer").sub(lambda _: content, text)
+    if kind == "Prepend":
+        return stage["prepend"] + text if text else text
+    if kind == "BertNormalizer":
+        if stage.get("clean_text", True):
+            text = "".join(" " if is_whitespace(c) else c for c in text
+                           if c not in ("\0", "\ufffd") and not is_control(c))
+        if stage.get("handle_chinese_chars", True):
+            text = BasicTokenizer.space_chinese_chars(text)
+        lowercase = stage.get("lowercase", True)
+        strip = stage.get("strip_accents")
+        if strip or (strip is None and lowercase):
+            text = BasicTokenizer.strip_accents_of(text)
+        return text.lower() if lowercase else text
+    raise UnsupportedStageError(f"normalizer {kind!r} is not supported")
+
+
+def _prepend_scheme(stage: dict[str, Any]) -> str:
+    # files from before prepend_scheme existed say add_prefix_space
+    if "prepend_scheme" in stage:
+        return stage["prepend_scheme"]
+    return "always" if stage.get("add_prefix_space", True) else "never"
+
+
+def _metaspace(stage: dict[str, Any], text: str, at_start: bool) -> list[str]:
+    rep = stage.get("replacement", "\u2581")
+    text = text.replace(" ", rep)
+    scheme = _prepend_scheme(stage)
+    if scheme not in ("always", "first", "never"):
+        raise UnsupportedStageError(f"Metaspace prepend_scheme {scheme!r} is not supported")
+    if (scheme == "always" or (scheme == "first" and at_start)) and text and not text.startswith(rep):
+        text = rep + text
+    if not stage.get("split", True):
+        return [text] if text else []
+    return [p for p in re.split(f"(?={re.escape(rep)})", text) if p]
+
+
+def pre_tokenize(stage: Stage, text: str, at_start: bool = True) -> list[str]:
+    """Split normalized text into words with a pre-tokenizer described by its ``tokenizer.json`` object;
+    ``at_start``: the text begins the input (Metaspace's "first" scheme prepends only there)."""
+    if stage is None:
+        return [text] if text else []
+    kind = stage.get("type")
+    if kind == "Sequence":
+        words = [text]
+        for sub in stage["pretokenizers"]:
+            words = [w for j, word in enumerate(words) for w in pre_tokenize(sub, word, at_start and j == 0)]
+        return words
+    if kind == "WhitespaceSplit":
+        return text.split()
+    if kind == "Whitespace":
+        return _whitespace_words(text)
+    if kind == "BertPreTokenizer":
+        return [w for word in text.split() for w in BasicTokenizer.split_on_punctuation(word)]
+    if kind == "Metaspace":
+        return _metaspace(stage, text, at_start)
+    raise UnsupportedStageError(f"pre-tokenizer {kind!r} is not supported")
+
+
+_CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+            (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def clean_up_tokenization(text: str) -> str:
+    """Remove the spaces before punctuation and inside English contractions (transformers' clean-up)."""
+    for a, b in _CLEANUP:
+        text = text.replace(a, b)
+    return text
+
+
+def decode_tokens(stage: Stage, tokens: list[str]) -> str:
+    """Join token strings into text with a decoder described by its ``tokenizer.json`` object."""
+    if stage is None:
+        return " ".join(tokens)
+    kind = stage.get("type")
+    if kind == "WordPiece":
+        prefix, cleanup = stage.get("prefix", "##"), stage.get("cleanup", True)
+        out = []
+        for i, tok in enumerate(tokens):
+            if i:
+                tok = tok[len(prefix):] if tok.startswith(prefix) else " " + tok
+            out.append(clean_up_tokenization(tok) if cleanup else tok)
+        return "".join(out)
+    if kind == "BPEDecoder":
+        suffix = stage.get("suffix", "</w>")
+        n = len(tokens)
+        return "".join(t.replace(suffix, "" if i == n - 1 else " ") for i, t in enumerate(tokens))
+    if kind == "Metaspace":
+        rep = stage.get("replacement", "\u2581")
+        strip_first = _prepend_scheme(stage) != "never"
+        out = []
+        for i, tok in enumerate(tokens):
+            tok = tok.replace(rep, " ")
+            if i == 0 and strip_first and tok.startswith(" "):
+                tok = tok[1:]
+            out.append(tok)
+        return "".join(out)
+    raise UnsupportedStageError(f"decoder {kind!r} is not supported")
+
+
+def check_stage(stage: Stage, role: str) -> None:
+    """Raise :class:`UnsupportedStageError` now if ``stage`` (a normalizer, pre_tokenizer or decoder) is not
+    supported or malformed, instead of at the first encode."""
+    if stage is None:
+        return
+    if not isinstance(stage, dict) or not isinstance(stage.get("type"), str):
+        raise UnsupportedStageError(f"{role} must be null or an object with a 'type', got {stage!r}")
+    try:
+        if role == "normalizer":
+            normalize(stage, "Ab")
+        elif role == "pre_tokenizer":
+            pre_tokenize(stage, "a b")
+        else:
+            decode_tokens(stage, ["a", "b"])
+    except UnsupportedStageError:
+        raise
+    except (KeyError, TypeError, AttributeError, re.error) as e:
+        raise UnsupportedStageError(f"{role} {stage.get('type')!r} is malformed ({type(e).__name__}: {e})") from None
+
+
+def lowercases(stage: Stage) -> bool:
+    """Whether a normalizer lowercases the text."""
+    if stage is None:
+        return False
+    if stage.get("type") == "Sequence":
+        return any(lowercases(s) for s in stage.get("normalizers", []))
+    return stage.get("type") == "Lowercase" or (stage.get("type") == "BertNormalizer" and stage.get("lowercase", True))

@@ -1,0 +1,280 @@
+"""``fastarch.models.from_hf`` / ``to_hf`` against small Hugging Face models built from configs (random
+weights, nothing downloaded): logits, greedy generation with padding, round trips and refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from fastarch.models import bert_from_hf, from_hf, to_hf  # noqa: E402
+from fastarch.nn import BERT, GPTModel, MambaLM  # noqa: E402
+
+ATOL = 1e-5
+
+
+def _init(model, seed=0):
+    """Random weights large enough that greedy decoding varies with the input (HF's 0.02 init is near-uniform)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "A_log" in name:
+                p.copy_(torch.log(torch.rand_like(p) * 4 + 1))
+            elif name.endswith("bias"):
+                p.normal_(0, 0.02)
+            elif name.endswith("D") or "norm" in name.lower() or "ln_" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.3)
+    return model.eval()
+
+
+def _gpt2(**kw):
+    cfg = transformers.GPT2Config(vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                  bos_token_id=0, eos_token_id=0, **kw)
+    return _init(transformers.GPT2LMHeadModel(cfg))
+
+
+def _bert(**kw):
+    cfg = transformers.BertConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, max_position_embeddings=40, **kw)
+    return _init(transformers.BertModel(cfg))
+
+
+def _mamba(**kw):
+    cfg = transformers.MambaConfig(vocab_size=97, hidden_size=32, state_size=8, num_hidden_layers=2,
+                                   layer_norm_epsilon=1e-3, **kw)
+    return _init(transformers.MambaForCausalLM(cfg))
+
+
+def _ids(b=2, n=11, vocab=97, seed=1):
+    return torch.randint(0, vocab, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _left_pad_mask(b, n, pads):
+    mask = torch.ones(b, n, dtype=torch.long)
+    for row, p in enumerate(pads):
+        mask[row, :p] = 0
+    return mask
+
+
+# ------------------------------------------------------------------------------------------- GPT-2
+def test_gpt2_logits_match_hf():
+    hf = _gpt2()
+    model = from_hf(hf)
+    assert isinstance(model, GPTModel) and model.activation == "gelu_new"
+    ids = _ids()
+    with torch.no_grad():
+        ref = hf(ids).logits
+        out = model(ids)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(model(ids, logits_to_keep=3), out[:, -3:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_gpt2_padded_logits_match_hf(side):
+    hf, ids = _gpt2(), _ids(3, 9)
+    model = from_hf(hf)
+    mask = _left_pad_mask(3, 9, [0, 3, 5]) if side == "left" else _left_pad_mask(3, 9, [0, 3, 5]).flip(1)
+    pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, position_ids=pos).logits
+        out = model(ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpt2_greedy_generation_matches_hf(padded):
+    hf, ids = _gpt2(), _ids(3, 7)
+    model = from_hf(hf)
+    mask = _left_pad_mask(3, 7, [0, 2, 4] if padded else [0, 0, 0])
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    kw = {"attention_mask": mask} if padded else {}
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, **kw)
+    assert torch.equal(out, ref)
+    assert len(set(out[:, 7:].flatten().tolist())) > 4  # the weights do not collapse to one token
+    if padded:  # the mask changes what is generated
+        assert not torch.equal(out, model.generate(ids, max_new_tokens=8, do_sample=False))
+
+
+def test_gpt2_cached_steps_with_mask_match_full_forward():
+    model = from_hf(_gpt2())
+    ids, mask = _ids(2, 10), _left_pad_mask(2, 10, [0, 4])
+    full = model(ids, mask)
+    cache = model.allocate_kv_cache(2, 10)
+    first = model(ids[:, :6], mask[:, :6], kv_cache=cache)
+    rest = model(ids[:, 6:], kv_cache=cache)
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat([first, rest], 1)[real], full[real], atol=ATOL, rtol=0)
+
+
+def test_gpt2_round_trip_exact(tmp_path):
+    hf = _gpt2()
+    model = from_hf(hf)
+    to_hf(model, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    back = from_hf(tmp_path)
+    for (k, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, hf(ids).logits)
+
+
+def test_gpt2_pytorch_model_bin(tmp_path):
+    hf = _gpt2()
+    hf.config.save_pretrained(tmp_path)
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(from_hf(tmp_path)(ids), hf(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_gpt2_exact_gelu_activation():
+    hf = _gpt2(activation_function="gelu")
+    model = from_hf(hf)
+    assert model.activation == "gelu"
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(activation_function="relu"), "activation_function='relu'"),
+    (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx"),
+    (dict(tie_word_embeddings=False), "tie_word_embeddings"),
+])
+def test_gpt2_config_refusals(kw, match):
+    with pytest.raises(ValueError, match=match):
+        from_hf(_gpt2(**kw))
+
+
+def test_gpt2_extra_key_refused(tmp_path):
+    hf = _gpt2()
+    hf.save_pretrained(tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(tmp_path / "model.safetensors")
+    sd["transformer.h.0.attn.extra.weight"] = torch.zeros(2)
+    save_file(sd, tmp_path / "model.safetensors")
+    with pytest.raises(KeyError, match=r"h\.0\.attn\.extra\.weight"):
+        from_hf(tmp_path)
+
+
+def test_gpt2_missing_layer_refused(tmp_path):
+    hf = _gpt2()
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["n_layer"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(KeyError, match="blocks.2"):
+        from_hf(tmp_path)
+
+
+# ------------------------------------------------------------------------------------------- BERT
+def test_bert_hidden_states_match_hf(tmp_path):
+    hf = _bert()
+    ids = _ids(3, 9)
+    mask = _left_pad_mask(3, 9, [0, 0, 0])
+    mask[1, 6:] = 0
+    hf.save_pretrained(tmp_path)
+    model = from_hf(tmp_path)
+    assert isinstance(model, BERT)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask)
+        out = model(ids, mask)
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref.last_hidden_state[real], atol=ATOL, rtol=0)
+    torch.testing.assert_close(model.pooled(out), ref.pooler_output, atol=ATOL, rtol=0)
+
+
+def test_bert_round_trip_exact(tmp_path):
+    hf = _bert()
+    model = from_hf(hf)
+    to_hf(model, tmp_path)
+    back = from_hf(tmp_path)
+    for (k, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k
+    reloaded = transformers.BertModel.from_pretrained(tmp_path).eval()
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).last_hidden_state, hf(ids).last_hidden_state)
+
+
+def test_roberta_refused(tmp_path):
+    cfg = transformers.RobertaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=64, max_position_embeddings=40)
+    hf = transformers.RobertaModel(cfg)
+    with pytest.raises(ValueError, match="'roberta'"):
+        from_hf(hf)
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="'roberta'"):
+        from_hf(tmp_path)
+    with pytest.raises(ValueError, match="'roberta'"):
+        bert_from_hf(tmp_path)
+
+
+def test_distilbert_refused(tmp_path):
+    cfg = transformers.DistilBertConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                        max_position_embeddings=40)
+    hf = transformers.DistilBertModel(cfg)
+    with pytest.raises(ValueError, match="'distilbert'"):
+        from_hf(hf)
+    hf.save_pretrained(tmp_path)
+    with pytest.raises((ValueError, KeyError), match="distilbert"):
+        bert_from_hf(tmp_path)
+    # Without a config, the keys alone give it away.
+    with pytest.raises(KeyError, match="map to no BERT parameter"):
+        bert_from_hf(hf.state_dict())
+
+
+def test_bert_unsupported_activation_refused():
+    with pytest.raises(ValueError, match="hidden_act='relu'"):
+        from_hf(_bert(hidden_act="relu"))
+
+
+# ------------------------------------------------------------------------------------------- Mamba
+def test_mamba_logits_match_hf():
+    hf = _mamba()
+    model = from_hf(hf)
+    assert isinstance(model, MambaLM) and model.norm_f.eps == 1e-3
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, atol=ATOL, rtol=0)
+
+
+def test_mamba_round_trip_exact(tmp_path):
+    hf = _mamba(tie_word_embeddings=False)
+    model = from_hf(hf)
+    assert model.lm_head.weight is not model.embedding.weight
+    to_hf(model, tmp_path)
+    back = from_hf(tmp_path)
+    for (k, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k
+    reloaded = transformers.MambaForCausalLM.from_pretrained(tmp_path).eval()
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, hf(ids).logits)
+
+
+def test_mamba_config_refusals():
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        from_hf(_mamba(hidden_act="gelu"))
+
+
+# ------------------------------------------------------------------------------------------- inputs
+def test_bad_inputs(tmp_path):
+    with pytest.raises(TypeError, match="path_or_model"):
+        from_hf(3)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        from_hf(tmp_path)
+    with pytest.raises(TypeError, match="argument 'model'"):
+        to_hf(torch.nn.Linear(2, 2), tmp_path)

@@ -2,7 +2,8 @@
 ``to_hf`` writes one that transformers loads. Neither needs ``transformers`` (``safetensors`` is used).
 
 Supported ``model_type``: ``bert`` (``fastarch.nn.BERT``), ``gpt2`` (``fastarch.nn.GPTModel`` with
-``activation="gelu_new"``) and ``mamba`` (``fastarch.nn.MambaLM``). Every checkpoint key maps to a parameter
+``activation="gelu_new"``), ``mamba`` (``fastarch.nn.MambaLM``) and, for ``from_hf`` only, ``vit``
+(``fastarch.nn.PreNormViT``). Every checkpoint key maps to a parameter
 or the load fails, and a config value the fastarch model cannot honour raises: no partial loads.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +22,7 @@ import torch.nn as nn
 from ..nn.bert import BERT
 from ..nn.gpt import GPTModel
 from ..nn.mamba import MambaLM
+from ..nn.vision import PreNormViT
 from .hf_bert import bert_from_hf
 
 __all__ = ["from_hf", "to_hf"]
@@ -253,6 +256,65 @@ def _mamba_to_hf(model: MambaLM) -> tuple[dict[str, torch.Tensor], dict[str, Any
     return sd, config
 
 
+# ---------------------------------------------------------------------------------------------- ViT
+# Layer names on disk (``encoder.layer.N.``) and in transformers 5's modules (``layers.N.``).
+_VIT_LAYER = {"layernorm_before": "norm1", "attention.output.dense": "attention.out_proj",
+              "intermediate.dense": "ffn.0", "output.dense": "ffn.3", "layernorm_after": "norm2",
+              "attention.o_proj": "attention.out_proj", "mlp.fc1": "ffn.0", "mlp.fc2": "ffn.3"}
+_VIT_QKV = {"attention.attention.query": "q", "attention.attention.key": "k", "attention.attention.value": "v",
+            "attention.q_proj": "q", "attention.k_proj": "k", "attention.v_proj": "v"}
+_VIT_TOP = {"embeddings.cls_token": "cls_token", "embeddings.position_embeddings": "pos_embed",
+            "embeddings.patch_embeddings.projection.weight": "patch_embed.projection.weight",
+            "embeddings.patch_embeddings.projection.bias": "patch_embed.projection.bias",
+            "layernorm.weight": "norm.weight", "layernorm.bias": "norm.bias",
+            "classifier.weight": "head.weight", "classifier.bias": "head.bias"}
+
+
+def _vit(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[str, Any]) -> PreNormViT:
+    t = "vit"
+    _require(config, "hidden_act", ("gelu", "gelu_new"), t, "gelu")
+    _require(config, "qkv_bias", (True,), t, True)
+    drops = {config.get(k, 0.0) for k in ("hidden_dropout_prob", "attention_probs_dropout_prob")}
+    if len(drops) > 1 and "dropout" not in overrides:
+        raise ValueError(f"from_hf: vit config has different dropouts {sorted(drops)}; fastarch's PreNormViT has "
+                         "one (pass dropout=...)")
+    sd = {k: v for k, v in _strip(sd, "vit.").items()}
+    has_head = "classifier.weight" in sd
+    kw: dict[str, Any] = dict(image_size=config.get("image_size", 224), patch_size=config.get("patch_size", 16),
+                              in_channels=config.get("num_channels", 3),
+                              num_classes=sd["classifier.weight"].shape[0] if has_head else 0,
+                              embed_dim=config.get("hidden_size", 768), num_heads=config.get("num_attention_heads", 12),
+                              num_layers=config.get("num_hidden_layers", 12),
+                              ff_dim=config.get("intermediate_size", 3072), dropout=drops.pop(),
+                              layer_norm_eps=config.get("layer_norm_eps", 1e-12),
+                              activation=config.get("hidden_act", "gelu"))
+    kw.update(overrides)
+    mapped: dict[str, torch.Tensor] = {}
+    qkv: dict[tuple[str, str, str], torch.Tensor] = {}
+    unmapped: list[str] = []
+    for k, v in sd.items():
+        if k in _VIT_TOP:
+            mapped[_VIT_TOP[k]] = v
+            continue
+        m = re.match(r"^(?:encoder\.layer|layers)\.(\d+)\.(.+)\.(weight|bias)$", k)
+        if m:
+            i, base, leaf = m.groups()
+            if base in _VIT_QKV:
+                qkv[(i, _VIT_QKV[base], leaf)] = v
+                continue
+            if base in _VIT_LAYER:
+                mapped[f"blocks.{i}.{_VIT_LAYER[base]}.{leaf}"] = v
+                continue
+        unmapped.append(k)
+    _fail_unmapped(unmapped, t)
+    for i, _, leaf in list(qkv):
+        try:
+            mapped[f"blocks.{i}.attention.qkv.{leaf}"] = torch.cat([qkv[(i, n, leaf)] for n in "qkv"])
+        except KeyError as e:
+            raise KeyError(f"from_hf: vit layer {i} lacks its {e.args[0][1]} projection's {leaf}") from None
+    return _load(PreNormViT(**kw), mapped, t)
+
+
 # ---------------------------------------------------------------------------------------------- BERT
 def _bert(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[str, Any]) -> BERT:
     return bert_from_hf(sd, config=config, **overrides)
@@ -288,7 +350,7 @@ def _bert_to_hf(model: BERT) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 _FROM: dict[str, Callable[[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]], nn.Module]] = {
-    "bert": _bert, "gpt2": _gpt2, "mamba": _mamba}
+    "bert": _bert, "gpt2": _gpt2, "mamba": _mamba, "vit": _vit}
 
 
 def from_hf(path_or_model: Any, **overrides: Any) -> nn.Module:
@@ -299,7 +361,8 @@ def from_hf(path_or_model: Any, **overrides: Any) -> nn.Module:
             read with ``torch.load(weights_only=True)``), or an in-memory transformers model.
         overrides: constructor arguments of the fastarch class, over the ones the config gives.
 
-    Returns: ``BERT`` (``model_type`` ``bert``), ``GPTModel`` (``gpt2``) or ``MambaLM`` (``mamba``).
+    Returns: ``BERT`` (``model_type`` ``bert``), ``GPTModel`` (``gpt2``), ``MambaLM`` (``mamba``) or
+    ``PreNormViT`` (``vit``; ``ViTForImageClassification`` with its classifier, ``ViTModel`` without a pooler).
 
     Raises ``ValueError`` for another ``model_type`` or a config value fastarch cannot honour, ``KeyError``
     for a checkpoint key that maps to no parameter or a parameter the checkpoint lacks.

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from fastarch.models import bert_from_hf, from_hf, to_hf  # noqa: E402
-from fastarch.nn import BERT, GPTModel, MambaLM  # noqa: E402
+from fastarch.nn import BERT, GPTModel, MambaLM, PreNormViT  # noqa: E402
 
 ATOL = 1e-5
 
@@ -268,6 +268,41 @@ def test_mamba_round_trip_exact(tmp_path):
 def test_mamba_config_refusals():
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
         from_hf(_mamba(hidden_act="gelu"))
+
+
+# ------------------------------------------------------------------------------------------- ViT
+def _vit(**kw):
+    cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=64, num_labels=5, **kw)
+    return _init(transformers.ViTForImageClassification(cfg))
+
+
+@pytest.mark.parametrize("eps", [1e-12, 1e-3])
+def test_vit_logits_match_hf(tmp_path, eps):
+    hf = _vit(layer_norm_eps=eps)
+    hf.save_pretrained(tmp_path)
+    model = from_hf(tmp_path)
+    assert isinstance(model, PreNormViT) and model.norm.eps == eps
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf(x).logits, atol=ATOL, rtol=0)
+        big = torch.randn(2, 3, 24, 20, generator=torch.Generator().manual_seed(1))
+        ref = hf(big, interpolate_pos_encoding=True).logits
+        torch.testing.assert_close(model(big, interpolate_pos_encoding=True), ref, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="interpolate_pos_encoding"):
+        model(big)
+    in_memory = from_hf(hf)  # transformers' module names, not the checkpoint's
+    for (k, a), (_, b) in zip(model.state_dict().items(), in_memory.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_vit_refusals():
+    with pytest.raises(ValueError, match="qkv_bias=False"):
+        from_hf(_vit(qkv_bias=False))
+    hf = transformers.ViTModel(transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=1,
+                                                      num_attention_heads=4, intermediate_size=64))
+    with pytest.raises(KeyError, match="pooler.dense.weight"):
+        from_hf(hf)
 
 
 # ------------------------------------------------------------------------------------------- inputs

@@ -115,20 +115,6 @@ def test_gpt2_cached_steps_with_mask_match_full_forward():
     torch.testing.assert_close(torch.cat([first, rest], 1)[real], full[real], atol=ATOL, rtol=0)
 
 
-def test_gpt2_round_trip_exact(tmp_path):
-    hf = _gpt2()
-    model = from_hf(hf)
-    to_hf(model, tmp_path)
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
-    back = from_hf(tmp_path)
-    for (k, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
-        assert torch.equal(a, b), k
-    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
-    ids = _ids()
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, hf(ids).logits)
-
-
 def test_gpt2_pytorch_model_bin(tmp_path):
     hf = _gpt2()
     hf.config.save_pretrained(tmp_path)
@@ -196,19 +182,6 @@ def test_bert_hidden_states_match_hf(tmp_path):
     torch.testing.assert_close(model.pooled(out), ref.pooler_output, atol=ATOL, rtol=0)
 
 
-def test_bert_round_trip_exact(tmp_path):
-    hf = _bert()
-    model = from_hf(hf)
-    to_hf(model, tmp_path)
-    back = from_hf(tmp_path)
-    for (k, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
-        assert torch.equal(a, b), k
-    reloaded = transformers.BertModel.from_pretrained(tmp_path).eval()
-    ids = _ids()
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).last_hidden_state, hf(ids).last_hidden_state)
-
-
 def test_roberta_refused(tmp_path):
     cfg = transformers.RobertaConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=64, max_position_embeddings=40)
@@ -251,23 +224,29 @@ def test_mamba_logits_match_hf():
         torch.testing.assert_close(model(ids), hf(ids).logits, atol=ATOL, rtol=0)
 
 
-def test_mamba_round_trip_exact(tmp_path):
-    hf = _mamba(tie_word_embeddings=False)
-    model = from_hf(hf)
-    assert model.lm_head.weight is not model.embedding.weight
-    to_hf(model, tmp_path)
-    back = from_hf(tmp_path)
-    for (k, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
-        assert torch.equal(a, b), k
-    reloaded = transformers.MambaForCausalLM.from_pretrained(tmp_path).eval()
-    ids = _ids()
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, hf(ids).logits)
-
-
 def test_mamba_config_refusals():
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
         from_hf(_mamba(hidden_act="gelu"))
+
+
+# ------------------------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("build, cls, kw", [
+    (_gpt2, "GPT2LMHeadModel", {}), (_bert, "BertModel", {}), (_mamba, "MambaForCausalLM", {}),
+    (_mamba, "MambaForCausalLM", {"tie_word_embeddings": False}),
+], ids=["gpt2", "bert", "mamba", "mamba-untied"])
+def test_round_trip_exact(tmp_path, build, cls, kw):
+    hf = build(**kw)
+    model = from_hf(hf)
+    to_hf(model, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    back = from_hf(tmp_path)
+    assert type(back) is type(model)
+    for (k, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k
+    reloaded = getattr(transformers, cls).from_pretrained(tmp_path).eval()
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids)[0], hf(ids)[0])
 
 
 # ------------------------------------------------------------------------------------------- ViT

@@ -342,7 +342,7 @@ def _bert_to_hf(model: BERT) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
                   hidden_size=model.hidden_size, num_hidden_layers=len(model.encoder),
                   num_attention_heads=first.attention.num_heads if first is not None else 12,
                   intermediate_size=first.ffn[0].out_features if first is not None else 4 * model.hidden_size,
-                  hidden_act="gelu", max_position_embeddings=model.max_len,
+                  hidden_act=model.hidden_act, max_position_embeddings=model.max_len,
                   type_vocab_size=model.segment_embedding.num_embeddings, layer_norm_eps=model.norm.eps,
                   hidden_dropout_prob=model.dropout.p, attention_probs_dropout_prob=model.dropout.p,
                   position_embedding_type="absolute")

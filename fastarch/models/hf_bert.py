@@ -138,7 +138,7 @@ def check_bert_config(cfg: dict[str, Any]) -> None:
     if model_type != "bert":
         raise ValueError(f"bert_from_hf: config model_type {model_type!r} is not 'bert' (only BERT checkpoints "
                          "load into fastarch's BERT)")
-    checks = {"hidden_act": ("gelu",), "position_embedding_type": ("absolute",), "is_decoder": (False,),
+    checks = {"hidden_act": ("gelu", "gelu_new"), "position_embedding_type": ("absolute",), "is_decoder": (False,),
               "add_cross_attention": (False,)}
     for key, allowed in checks.items():
         if key in cfg and cfg[key] not in allowed:
@@ -171,6 +171,7 @@ def bert_from_hf(path_or_state_dict: Any, config: dict[str, Any] | None = None, 
                                 if "segment_embedding.weight" in mapped else 2),
         dropout=cfg.get("hidden_dropout_prob", 0.1),
         layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
+        hidden_act=cfg.get("hidden_act", "gelu"),
     )
     kw.update(overrides)
     model = BERT(**kw)

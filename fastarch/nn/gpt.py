@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._models_common import check_input, layer_norm
+from ._models_common import check_input, gelu_module, layer_norm
 from .attention import FusedQKVAttention
 from .kv_cache import KVCache
 from .transformer import TransformerEncoderLayer
@@ -174,15 +174,6 @@ class GPTTransformer(_GPTBase):
         return self.lm_head(layer_norm(_keep_logits(x, logits_to_keep), self.norm))
 
 
-_ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh"}  # name -> nn.GELU's ``approximate``
-
-
-def _gelu(activation: str) -> nn.GELU:
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"argument 'activation' must be one of {sorted(_ACTIVATIONS)}, got {activation!r}")
-    return nn.GELU(approximate=_ACTIVATIONS[activation])
-
-
 class GPTBlock(nn.Module):
     """Guide 001 pre-norm GPT block: x += attn(norm1(x)); x += ffn(norm2(x)). Keys ``attention.qkv``,
     ``attention.out_proj``, ``norm1``, ``ffn.{0,3}``, ``norm2``. ``activation``: ``"gelu"`` (exact) or
@@ -193,7 +184,7 @@ class GPTBlock(nn.Module):
         super().__init__()
         self.attention = FusedQKVAttention(embed_dim, num_heads, dropout)
         self.norm1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
-        self.ffn = nn.Sequential(nn.Linear(embed_dim, ff_dim), _gelu(activation), nn.Dropout(dropout),
+        self.ffn = nn.Sequential(nn.Linear(embed_dim, ff_dim), gelu_module(activation), nn.Dropout(dropout),
                                  nn.Linear(ff_dim, embed_dim), nn.Dropout(dropout))
         self.norm2 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
         self.activation = activation

@@ -166,8 +166,9 @@ def test_gpt2_missing_layer_refused(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- BERT
-def test_bert_hidden_states_match_hf(tmp_path):
-    hf = _bert()
+@pytest.mark.parametrize("act", ["gelu", "gelu_new"])
+def test_bert_hidden_states_match_hf(tmp_path, act):
+    hf = _bert(hidden_act=act)
     ids = _ids(3, 9)
     mask = _left_pad_mask(3, 9, [0, 0, 0])
     mask[1, 6:] = 0
@@ -231,9 +232,9 @@ def test_mamba_config_refusals():
 
 # ------------------------------------------------------------------------------------------- round trips
 @pytest.mark.parametrize("build, cls, kw", [
-    (_gpt2, "GPT2LMHeadModel", {}), (_bert, "BertModel", {}), (_mamba, "MambaForCausalLM", {}),
-    (_mamba, "MambaForCausalLM", {"tie_word_embeddings": False}),
-], ids=["gpt2", "bert", "mamba", "mamba-untied"])
+    (_gpt2, "GPT2LMHeadModel", {}), (_bert, "BertModel", {}), (_bert, "BertModel", {"hidden_act": "gelu_new"}),
+    (_mamba, "MambaForCausalLM", {}), (_mamba, "MambaForCausalLM", {"tie_word_embeddings": False}),
+], ids=["gpt2", "bert", "bert-gelu_new", "mamba", "mamba-untied"])
 def test_round_trip_exact(tmp_path, build, cls, kw):
     hf = build(**kw)
     model = from_hf(hf)

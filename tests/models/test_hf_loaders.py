@@ -293,3 +293,41 @@ def test_bad_inputs(tmp_path):
         from_hf(tmp_path)
     with pytest.raises(TypeError, match="argument 'model'"):
         to_hf(torch.nn.Linear(2, 2), tmp_path)
+
+
+def test_gpt_padding_reaches_the_op_as_key_padding_mask(monkeypatch):
+    import fastarch.nn.attention as attention_module
+
+    seen = []
+    real = attention_module.attention
+
+    def spy(q, k, v, **kw):
+        seen.append((kw.get("key_padding_mask"), kw.get("attn_bias")))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(attention_module, "attention", spy)
+    model = from_hf(_gpt2())
+    ids, mask = _ids(2, 6), _left_pad_mask(2, 6, [0, 2])
+    model.generate(ids, max_new_tokens=3, do_sample=False, attention_mask=mask)
+    assert seen and all(bias is None for _, bias in seen)
+    assert all(kpm is not None and kpm.dim() == 2 and kpm.shape[0] == 2 for kpm, _ in seen)
+    seen.clear()
+    model(ids, torch.ones_like(ids))  # nothing padded: the unmasked path
+    assert all(kpm is None and bias is None for kpm, bias in seen)
+
+
+def test_gpt_argument_errors():
+    model = from_hf(_gpt2())
+    ids = _ids(2, 6)
+    with pytest.raises(ValueError, match="'attention_mask' must have shape"):
+        model(ids, torch.ones(2, 5))
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, logits_to_keep=-1)
+    with pytest.raises(ValueError, match="'attention_mask' must have the shape of 'input_ids'"):
+        model.generate(ids, max_new_tokens=2, attention_mask=torch.ones(2, 5))
+    with pytest.raises(ValueError, match="'activation'"):
+        GPTModel(97, 32, 4, 1, 64, activation="relu")
+    cache = model.allocate_kv_cache(2, 8)
+    with pytest.raises(ValueError, match="'attention_mask' must have shape"):
+        model(ids, torch.ones(2, 3), kv_cache=cache)
+    assert cache.seq_len == 0  # a rejected call leaves the cache untouched

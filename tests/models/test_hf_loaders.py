@@ -113,6 +113,11 @@ def test_gpt2_cached_steps_with_mask_match_full_forward():
     rest = model(ids[:, 6:], kv_cache=cache)
     real = mask.bool()
     torch.testing.assert_close(torch.cat([first, rest], 1)[real], full[real], atol=ATOL, rtol=0)
+    # Hugging Face's convention: the mask covers every token so far.
+    cache = model.allocate_kv_cache(2, 10)
+    first = model(ids[:, :6], mask[:, :6], kv_cache=cache)
+    rest = model(ids[:, 6:], mask, kv_cache=cache)
+    torch.testing.assert_close(torch.cat([first, rest], 1)[real], full[real], atol=ATOL, rtol=0)
 
 
 def test_gpt2_pytorch_model_bin(tmp_path):

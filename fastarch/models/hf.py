@@ -278,7 +278,7 @@ def _vit(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[st
     if len(drops) > 1 and "dropout" not in overrides:
         raise ValueError(f"from_hf: vit config has different dropouts {sorted(drops)}; fastarch's PreNormViT has "
                          "one (pass dropout=...)")
-    sd = {k: v for k, v in _strip(sd, "vit.").items()}
+    sd = _strip(sd, "vit.")
     has_head = "classifier.weight" in sd
     kw: dict[str, Any] = dict(image_size=config.get("image_size", 224), patch_size=config.get("patch_size", 16),
                               in_channels=config.get("num_channels", 3),

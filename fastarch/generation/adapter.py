@@ -103,7 +103,9 @@ class LMAdapter:
         B = input_ids.shape[0]
         if self.kind == "kv":
             self.cache = self.model.allocate_kv_cache(B, max_len, dtype=self._dtype(), device=input_ids.device)
-            return _as_logits(self.model(input_ids, kv_cache=self.cache))[:, -1]
+            # Only the last position's logits are needed: models that can skip the rest are told so.
+            last = {"logits_to_keep": 1} if _accepts_kwarg(self.model.forward, "logits_to_keep") else {}
+            return _as_logits(self.model(input_ids, kv_cache=self.cache, **last))[:, -1]
         if self.kind == "recurrent":
             self.cache = self.model.allocate_inference_cache(B, dtype=self._dtype(), device=input_ids.device)
             if _accepts_kwarg(self.model.forward, "cache"):

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from . import efficient, graph, hf_bert, mamba, reformer, text, vision, zoo
+from . import efficient, graph, hf, hf_bert, mamba, reformer, text, vision, zoo
 from .registry import create_model, list_models, register_configs, register_model
 
 __all__ = ["create_model", "list_models", "register_model", "register_configs"]
-for _module in (efficient, graph, hf_bert, mamba, reformer, text, vision, zoo):
+for _module in (efficient, graph, hf, hf_bert, mamba, reformer, text, vision, zoo):
     globals().update({name: getattr(_module, name) for name in _module.__all__})
     __all__ += _module.__all__

@@ -2,8 +2,10 @@
 
 ``bert_from_hf(path_or_state_dict)`` accepts a state dict, a ``.safetensors`` / ``.bin`` / ``.pt`` file, or a
 directory holding ``config.json`` and ``model.safetensors`` (or ``pytorch_model.bin``). Keys of ``BertModel``
-and of the heads-wrapping classes (``bert.`` prefix, e.g. ``BertForPreTraining``) are understood; head weights
-are ignored. Without a config the sizes are read off the tensors (heads default to hidden / 64).
+and of the heads-wrapping classes (``bert.`` prefix, e.g. ``BertForPreTraining``) are understood; the heads'
+weights (``cls.*``) have no place in the encoder and are left out with a warning. Any other key that does not
+map, a config of another ``model_type`` (RoBERTa, DistilBERT, ...) or a config value the encoder cannot
+honour raises. Without a config the sizes are read off the tensors (heads default to hidden / 64).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -73,31 +76,51 @@ def _read(path_or_state_dict: Any) -> tuple[dict[str, torch.Tensor], dict[str, A
     return _load_file(path), config
 
 
+_DERIVED = ("embeddings.position_ids",)  # buffers the encoder recomputes
+
+
 def hf_bert_state_dict_to_fastarch(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename (and fuse q/k/v of) a Hugging Face ``BertModel`` state dict into ``fastarch.nn.BERT`` keys."""
+    """Rename (and fuse q/k/v of) a Hugging Face ``BertModel`` state dict into ``fastarch.nn.BERT`` keys.
+    Raises ``KeyError`` naming every key that maps nowhere (heads' ``cls.*`` keys are dropped with a warning)."""
     src: dict[str, torch.Tensor] = {}
     for k, v in sd.items():
         k = k[len("bert."):] if k.startswith("bert.") else k
         k = k.replace(".gamma", ".weight").replace(".beta", ".bias")  # very old checkpoints
         src[k] = v
+    if "embeddings.word_embeddings.weight" not in src:
+        raise KeyError("bert_from_hf: no embeddings.word_embeddings.weight: not a BERT checkpoint")
     out: dict[str, torch.Tensor] = {}
     qkv: dict[tuple[int, str, str], torch.Tensor] = {}
+    unmapped: list[str] = []
+    heads: list[str] = []
     for k, v in src.items():
         m = _LAYER.match(k)
         if m:
             i, rest = int(m.group(1)), m.group(2)
             parts = rest.split(".")
-            if rest.startswith("attention.self.") and parts[2] in ("query", "key", "value"):
+            if len(parts) == 4 and rest.startswith("attention.self.") and parts[2] in ("query", "key", "value"):
                 qkv[(i, parts[2], parts[3])] = v
                 continue
             base, leaf = rest.rsplit(".", 1)
-            if base in _LAYER_MAP:
+            if base in _LAYER_MAP and leaf in ("weight", "bias"):
                 out[f"encoder.{i}.{_LAYER_MAP[base]}.{leaf}"] = v
+            else:
+                unmapped.append(k)
             continue
-        if "." in k:
-            base, leaf = k.rsplit(".", 1)
-            if base in _TOP_MAP:
-                out[f"{_TOP_MAP[base]}.{leaf}"] = v
+        base, _, leaf = k.rpartition(".")
+        if base in _TOP_MAP and leaf in ("weight", "bias"):
+            out[f"{_TOP_MAP[base]}.{leaf}"] = v
+        elif k.startswith("cls."):
+            heads.append(k)
+        elif k not in _DERIVED:
+            unmapped.append(k)
+    if unmapped:
+        shown = ", ".join(unmapped[:8]) + (f", ... ({len(unmapped)} in all)" if len(unmapped) > 8 else "")
+        raise KeyError(f"bert_from_hf: checkpoint keys that map to no BERT parameter: {shown}; this is not a "
+                       "BERT checkpoint (RoBERTa, DistilBERT, ... are not supported)")
+    if heads:
+        warnings.warn(f"bert_from_hf: {len(heads)} head weights (cls.*) are not part of the encoder and were "
+                      "left out", stacklevel=3)
     layers = sorted({i for i, _, _ in qkv})
     for i in layers:
         for leaf in ("weight", "bias"):
@@ -109,6 +132,20 @@ def hf_bert_state_dict_to_fastarch(sd: dict[str, torch.Tensor]) -> dict[str, tor
     return out
 
 
+def check_bert_config(cfg: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for a config (HF ``config.json`` as a dict) that fastarch's ``BERT`` cannot honour."""
+    model_type = cfg.get("model_type", "bert")
+    if model_type != "bert":
+        raise ValueError(f"bert_from_hf: config model_type {model_type!r} is not 'bert' (only BERT checkpoints "
+                         "load into fastarch's BERT)")
+    checks = {"hidden_act": ("gelu", "gelu_new"), "position_embedding_type": ("absolute",), "is_decoder": (False,),
+              "add_cross_attention": (False,)}
+    for key, allowed in checks.items():
+        if key in cfg and cfg[key] not in allowed:
+            raise ValueError(f"bert_from_hf: config {key}={cfg[key]!r} is not supported (fastarch's BERT takes "
+                             f"{' or '.join(repr(a) for a in allowed)})")
+
+
 def bert_from_hf(path_or_state_dict: Any, config: dict[str, Any] | None = None, **overrides: Any) -> BERT:
     """Build ``fastarch.nn.BERT`` from a Hugging Face BERT checkpoint (eval mode).
 
@@ -118,12 +155,8 @@ def bert_from_hf(path_or_state_dict: Any, config: dict[str, Any] | None = None, 
     sd, found = _read(path_or_state_dict)
     cfg = dict(found)
     cfg.update(config or {})
+    check_bert_config(cfg)
     mapped = hf_bert_state_dict_to_fastarch(sd)
-    if "token_embedding.weight" not in mapped:
-        raise KeyError("bert_from_hf: no embeddings.word_embeddings.weight: not a BERT checkpoint")
-    act = cfg.get("hidden_act", "gelu")
-    if act != "gelu":
-        raise ValueError(f"bert_from_hf: hidden_act {act!r} is not supported (fastarch's BERT uses exact GELU)")
     vocab, hidden = mapped["token_embedding.weight"].shape
     n_layers = len({k.split(".")[1] for k in mapped if k.startswith("encoder.")})
     kw = dict(
@@ -138,6 +171,7 @@ def bert_from_hf(path_or_state_dict: Any, config: dict[str, Any] | None = None, 
                                 if "segment_embedding.weight" in mapped else 2),
         dropout=cfg.get("hidden_dropout_prob", 0.1),
         layer_norm_eps=cfg.get("layer_norm_eps", 1e-12),
+        hidden_act=cfg.get("hidden_act", "gelu"),
     )
     kw.update(overrides)
     model = BERT(**kw)

@@ -13,6 +13,16 @@ def layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     return _layer_norm_op(x, norm.weight, norm.bias, norm.eps)
 
 
+_GELU_APPROXIMATE = {"gelu": "none", "gelu_new": "tanh"}  # activation name -> nn.GELU's ``approximate``
+
+
+def gelu_module(activation: str) -> nn.GELU:
+    """``nn.GELU`` for ``"gelu"`` (exact) or ``"gelu_new"`` (the tanh approximation of GPT-2 checkpoints)."""
+    if activation not in _GELU_APPROXIMATE:
+        raise ValueError(f"argument 'activation' must be one of {sorted(_GELU_APPROXIMATE)}, got {activation!r}")
+    return nn.GELU(approximate=_GELU_APPROXIMATE[activation])
+
+
 def check_input(name: str, t: object, *, ndim: int | tuple[int, ...] | None = None, last: int | None = None,
                 integer: bool = False, owner: str = "") -> torch.Tensor:
     """Clear errors for bad module inputs: the argument, what was expected and what came."""

@@ -245,8 +245,12 @@ class Attention(nn.Module):
                mask: torch.Tensor | None = None, *, causal: bool = False,
                key_padding_mask: torch.Tensor | None = None, attn_bias: torch.Tensor | None = None,
                kv_cache: KVCache | None = None, layer_idx: int = 0, need_weights: bool = False,
-               dropout_p: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Projections and attention, before the output projection: ``((B, Lq, E), weights or None)``."""
+               dropout_p: float | None = None, kv_valid: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Projections and attention, before the output projection: ``((B, Lq, E), weights or None)``.
+        ``kv_valid`` (B, Lq) bool marks the real tokens among the new ones stored in ``kv_cache``."""
+        if kv_valid is not None and kv_cache is None:
+            raise ValueError("argument 'kv_valid' needs a 'kv_cache' (use 'key_padding_mask' without one)")
         key = query if key is None else key
         value = key if value is None else value
         q, k, v = self.project(query, key, value)
@@ -256,7 +260,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         window = None if self.window is None else (self.window, 0 if causal else self.window)
         if kv_cache is not None:
-            k, v = kv_cache.update(layer_idx, k, v)
+            k, v = kv_cache.update(layer_idx, k, v, valid=kv_valid)
             if causal:
                 kw = kv_cache.attention_kwargs(layer_idx, window=self.window)
                 causal = kw.get("causal", False)

@@ -114,12 +114,13 @@ class BERT(nn.Module):
 
     forward(input_ids (B, L), attention_mask (B, L) 1 = real or None, token_type_ids (B, L) or None)
     -> last hidden states (B, L, hidden_size). ``pooled(hidden)`` gives tanh(W h_[CLS] + b).
+    ``hidden_act``: ``"gelu"`` (exact) or ``"gelu_new"`` (tanh approximation).
     ``bert_base`` (vocab 30522) has 109,482,240 parameters, as ``bert-base-uncased``.
     """
 
     def __init__(self, vocab_size: int = 30522, hidden_size: int = 768, num_heads: int = 12, num_layers: int = 12,
                  intermediate_size: int = 3072, max_position_embeddings: int = 512, type_vocab_size: int = 2,
-                 dropout: float = 0.1, layer_norm_eps: float = 1e-12):
+                 dropout: float = 0.1, layer_norm_eps: float = 1e-12, hidden_act: str = "gelu"):
         super().__init__()
         self.token_embedding = nn.Embedding(vocab_size, hidden_size)
         self.position_embedding = nn.Embedding(max_position_embeddings, hidden_size)
@@ -127,7 +128,9 @@ class BERT(nn.Module):
         self.norm = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
         self.dropout = nn.Dropout(dropout)
         self.encoder = nn.ModuleList(TransformerBlock(hidden_size, num_heads, intermediate_size, dropout,
-                                                      layer_norm_eps=layer_norm_eps) for _ in range(num_layers))
+                                                      layer_norm_eps=layer_norm_eps, activation=hidden_act)
+                                     for _ in range(num_layers))
+        self.hidden_act = hidden_act
         self.pooler = nn.Linear(hidden_size, hidden_size)
         self.hidden_size = hidden_size
         self.max_len = max_position_embeddings

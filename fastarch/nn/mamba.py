@@ -212,9 +212,9 @@ class Mamba(_SelectiveSSMLayer):
 
 
 class _ResidualMamba(nn.Module):
-    def __init__(self, d_model: int, **kw):
+    def __init__(self, d_model: int, norm_eps: float = 1e-5, **kw):
         super().__init__()
-        self.norm = RMSNorm(d_model, eps=1e-5)
+        self.norm = RMSNorm(d_model, eps=norm_eps)
         self.mixer = Mamba(d_model, **kw)
 
 
@@ -228,7 +228,8 @@ class MambaCache:
 
 
 class MambaLM(nn.Module):
-    """A small Mamba language model: embedding, ``n_layers`` x (x + Mamba(RMSNorm(x))), RMSNorm, tied head.
+    """A small Mamba language model: embedding, ``n_layers`` x (x + Mamba(RMSNorm(x))), RMSNorm, tied head
+    (untied with ``tie_embeddings=False``); ``norm_eps`` is every RMSNorm's epsilon.
 
     ``forward(input_ids (B, L)) -> logits (B, L, V)``; ``allocate_inference_cache(batch_size)`` and
     ``step(input_ids (B,) or (B, 1), cache) -> logits (B, V)`` decode one token at a time in O(1) memory;
@@ -236,14 +237,15 @@ class MambaLM(nn.Module):
     """
 
     def __init__(self, vocab_size: int, d_model: int, n_layers: int, d_state: int = 16, d_conv: int = 4,
-                 expand: int = 2, dt_rank: int | str = "auto", tie_embeddings: bool = True, **mamba_kw):
+                 expand: int = 2, dt_rank: int | str = "auto", tie_embeddings: bool = True, norm_eps: float = 1e-5,
+                 **mamba_kw):
         super().__init__()
         self.vocab_size, self.d_model, self.n_layers = vocab_size, d_model, n_layers
         self.embedding = nn.Embedding(vocab_size, d_model)
         self.layers = nn.ModuleList(
-            _ResidualMamba(d_model, d_state=d_state, d_conv=d_conv, expand=expand, dt_rank=dt_rank, layer_idx=i,
-                           **mamba_kw) for i in range(n_layers))
-        self.norm_f = RMSNorm(d_model, eps=1e-5)
+            _ResidualMamba(d_model, norm_eps, d_state=d_state, d_conv=d_conv, expand=expand, dt_rank=dt_rank,
+                           layer_idx=i, **mamba_kw) for i in range(n_layers))
+        self.norm_f = RMSNorm(d_model, eps=norm_eps)
         self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.embedding.weight

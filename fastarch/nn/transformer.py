@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._models_common import check_input, layer_norm
+from ._models_common import check_input, gelu_module, layer_norm
 from .attention import FusedQKVAttention, MultiHeadAttention, MultiHeadAttention004, RotarySelfAttention
 from .norms import BatchNorm, FusedLayerNorm, LayerNorm
 from .positional import LearnedPositionalEncoding003, PositionalEncoding, SinusoidalPositionalEncoding
@@ -267,17 +267,17 @@ class TransformerBlock(nn.Module):
     Keys: ``attention.qkv``, ``attention.out_proj``, ``norm1``, ``ffn.{0,3}``, ``norm2``.
     forward(x (B, L, E), mask (B, 1, 1, L) or broadcastable, 0 = masked, *, causal=False,
     key_padding_mask=None) -> (B, L, E). ``layer_norm_eps`` (extension, default PyTorch's 1e-5) lets Hugging
-    Face BERT (1e-12) load exactly.
+    Face BERT (1e-12) load exactly; ``activation`` (extension) is ``"gelu"`` or ``"gelu_new"``.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, ff_dim: int, dropout: float = 0.1,
-                 layer_norm_eps: float = 1e-5):
+                 layer_norm_eps: float = 1e-5, activation: str = "gelu"):
         super().__init__()
         self.embed_dim = embed_dim
         self.attention = FusedQKVAttention(embed_dim, num_heads, dropout)
         self.norm1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
         self.dropout1 = nn.Dropout(dropout)
-        self.ffn = nn.Sequential(nn.Linear(embed_dim, ff_dim), nn.GELU(), nn.Dropout(dropout),
+        self.ffn = nn.Sequential(nn.Linear(embed_dim, ff_dim), gelu_module(activation), nn.Dropout(dropout),
                                  nn.Linear(ff_dim, embed_dim))
         self.norm2 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
         self.dropout2 = nn.Dropout(dropout)

@@ -1,8 +1,9 @@
 """Vision Transformers, drop-in: guide 000's ``PatchEmbedding``/``VisionTransformer`` (blocks are guide 000's
 ``TransformerEncoderLayer``) and ``ViT``/``ViTPatchEmbedding`` (guide 001's ``VisionTransformer`` and
 ``PatchEmbedding``, aliases ``VisionTransformer001``/``PatchEmbedding001``: blocks are guide 001's
-``TransformerBlock``). ``vit_b_16`` is ``ViT`` at ViT-B/16, 86,567,656 parameters as torchvision's. Attention
-runs on ``fastarch.ops.attention``.
+``TransformerBlock``). ``vit_b_16`` is ``ViT`` at ViT-B/16, 86,567,656 parameters as torchvision's.
+``PreNormViT`` is Hugging Face's ViT (pre-norm blocks, configurable epsilon, ``interpolate_pos_encoding``).
+Attention runs on ``fastarch.ops.attention``.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import torch
 import torch.nn as nn
 
 from ._models_common import check_input, layer_norm
+from .gpt import GPTBlock
 from .transformer import TransformerBlock, TransformerEncoderLayer
 
-__all__ = ["PatchEmbedding", "VisionTransformer", "ViTPatchEmbedding", "ViT", "PatchEmbedding001",
+__all__ = ["PatchEmbedding", "VisionTransformer", "ViTPatchEmbedding", "ViT", "PreNormViT", "PatchEmbedding001",
            "VisionTransformer001"]
 
 
@@ -112,6 +114,62 @@ class ViT(_ClassTokenViT):
         self.image_size = image_size
         nn.init.normal_(self.cls_token)
         nn.init.normal_(self.pos_embed)
+
+
+class PreNormViT(_ClassTokenViT):
+    """Hugging Face's ``ViTForImageClassification`` layout: pre-norm blocks (``GPTBlock`` run bidirectionally:
+    x += attn(norm1(x)); x += ffn(norm2(x))), every LayerNorm at ``layer_norm_eps``, a final norm and a head on
+    [CLS] (``num_classes=0``: no head, forward returns the normalised [CLS] state).
+
+    forward(x (B, C, H, W), interpolate_pos_encoding=False) -> (B, num_classes). Without interpolation H = W =
+    ``image_size``; with it any multiple of ``patch_size`` works: the patch position table is resized
+    bicubically, as Hugging Face's ViT does.
+    """
+
+    def __init__(self, image_size: int = 224, patch_size: int = 16, in_channels: int = 3, num_classes: int = 1000,
+                 embed_dim: int = 768, num_heads: int = 12, num_layers: int = 12, ff_dim: int = 3072,
+                 dropout: float = 0.0, layer_norm_eps: float = 1e-12, activation: str = "gelu"):
+        blocks = nn.ModuleList(GPTBlock(embed_dim, num_heads, ff_dim, dropout, activation=activation,
+                                        layer_norm_eps=layer_norm_eps) for _ in range(num_layers))
+        super().__init__(in_channels, image_size, ViTPatchEmbedding(image_size, patch_size, in_channels, embed_dim),
+                         embed_dim, max(num_classes, 1), dropout, blocks)
+        self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
+        if num_classes == 0:
+            self.head = nn.Identity()
+        self.image_size, self.patch_size, self.num_classes = image_size, patch_size, num_classes
+        nn.init.trunc_normal_(self.pos_embed, std=0.02)
+        nn.init.trunc_normal_(self.cls_token, std=0.02)
+
+    def _positions(self, height: int, width: int) -> torch.Tensor:
+        n = self.pos_embed.shape[1] - 1
+        h, w = height // self.patch_size, width // self.patch_size
+        if h * w == n and height == width:
+            return self.pos_embed
+        side = int(round(n ** 0.5))
+        grid = self.pos_embed[:, 1:].reshape(1, side, side, -1).permute(0, 3, 1, 2)
+        grid = nn.functional.interpolate(grid, size=(h, w), mode="bicubic", align_corners=False)
+        return torch.cat([self.pos_embed[:, :1], grid.permute(0, 2, 3, 1).reshape(1, h * w, -1)], dim=1)
+
+    def forward_features(self, x: torch.Tensor, interpolate_pos_encoding: bool = False) -> torch.Tensor:
+        """Normalised token states (B, 1 + n_patches, embed_dim)."""
+        check_input("x", x, ndim=4, owner="PreNormViT")
+        c, s, p = self.in_channels, self.size, self.patch_size
+        if x.shape[1] != c:
+            raise ValueError(f"PreNormViT: argument 'x' must have {c} channels, got shape {tuple(x.shape)}")
+        if not interpolate_pos_encoding and tuple(x.shape[2:]) != (s, s):
+            raise ValueError(f"PreNormViT: argument 'x' must be (B, {c}, {s}, {s}) without interpolate_pos_encoding, "
+                             f"got {tuple(x.shape)}")
+        if x.shape[2] % p or x.shape[3] % p:
+            raise ValueError(f"PreNormViT: image sides must be multiples of patch_size {p}, got {tuple(x.shape)}")
+        tokens = self.patch_embed(x)
+        tokens = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), tokens], dim=1)
+        tokens = self.dropout(tokens + self._positions(x.shape[2], x.shape[3]))
+        for block in self.blocks:
+            tokens = block(tokens, causal=False)
+        return layer_norm(tokens, self.norm)
+
+    def forward(self, x: torch.Tensor, interpolate_pos_encoding: bool = False) -> torch.Tensor:
+        return self.head(self.forward_features(x, interpolate_pos_encoding)[:, 0])
 
 
 PatchEmbedding001 = ViTPatchEmbedding

@@ -1,0 +1,415 @@
+"""Hugging Face checkpoints both ways: ``from_hf`` builds the fastarch model a checkpoint describes,
+``to_hf`` writes one that transformers loads. Neither needs ``transformers`` (``safetensors`` is used).
+
+Supported ``model_type``: ``bert`` (``fastarch.nn.BERT``), ``gpt2`` (``fastarch.nn.GPTModel`` with
+``activation="gelu_new"``), ``mamba`` (``fastarch.nn.MambaLM``) and, for ``from_hf`` only, ``vit``
+(``fastarch.nn.PreNormViT``). Every checkpoint key maps to a parameter
+or the load fails, and a config value the fastarch model cannot honour raises: no partial loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ..nn.bert import BERT
+from ..nn.gpt import GPTModel
+from ..nn.mamba import MambaLM
+from ..nn.vision import PreNormViT
+from .hf_bert import bert_from_hf
+
+__all__ = ["from_hf", "to_hf"]
+
+
+# ---------------------------------------------------------------------------------------------- reading
+def _read_checkpoint(path_or_model: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(state dict, config dict) from a checkpoint directory or an in-memory HF model."""
+    if isinstance(path_or_model, nn.Module):
+        config = getattr(path_or_model, "config", None)
+        if config is None or not hasattr(config, "to_dict"):
+            raise TypeError("from_hf: argument 'path_or_model' is a module without a Hugging Face config; pass a "
+                            f"transformers PreTrainedModel or a checkpoint directory, got {type(path_or_model).__name__}")
+        return dict(path_or_model.state_dict()), config.to_dict()
+    if not isinstance(path_or_model, (str, os.PathLike)):
+        raise TypeError("from_hf: argument 'path_or_model' must be a checkpoint directory or a Hugging Face model, "
+                        f"got {type(path_or_model).__name__}")
+    path = os.fspath(path_or_model)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"from_hf: {path!r} is not a directory (expected config.json and model.safetensors "
+                                "or pytorch_model.bin)")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"from_hf: no config.json in {path!r}")
+    with open(cfg_path) as f:
+        config = json.load(f)
+    st, pt = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
+    if os.path.exists(st):
+        from safetensors.torch import load_file
+
+        return load_file(st), config
+    if os.path.exists(pt):
+        sd = torch.load(pt, map_location="cpu", weights_only=True)
+        if not isinstance(sd, dict):
+            raise ValueError(f"from_hf: {pt!r} does not hold a state dict")
+        return sd, config
+    raise FileNotFoundError(f"from_hf: no model.safetensors or pytorch_model.bin in {path!r} (sharded checkpoints "
+                            "are not supported)")
+
+
+def _strip(sd: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in sd.items()}
+
+
+def _require(config: dict[str, Any], key: str, allowed: tuple, model_type: str, default: Any = None) -> None:
+    value = config.get(key, default)
+    if value not in allowed:
+        raise ValueError(f"from_hf: {model_type} config {key}={value!r} is not supported by fastarch (expected "
+                         f"{' or '.join(repr(a) for a in allowed)})")
+
+
+def _fail_unmapped(keys: list[str], model_type: str) -> None:
+    if keys:
+        shown = ", ".join(sorted(keys)[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
+        raise KeyError(f"from_hf: {model_type} checkpoint keys that map to no fastarch parameter: {shown}")
+
+
+def _tied(sd: dict[str, torch.Tensor], head: str, embedding: str) -> bool:
+    return head not in sd or sd[head] is sd[embedding] or torch.equal(sd[head], sd[embedding])
+
+
+def _load(model: nn.Module, mapped: dict[str, torch.Tensor], model_type: str) -> nn.Module:
+    ref = model.state_dict()
+    missing = sorted(set(ref) - set(mapped))
+    if missing:
+        raise KeyError(f"from_hf: the {model_type} checkpoint lacks {', '.join(missing[:8])}"
+                       + (f", ... ({len(missing)} in all)" if len(missing) > 8 else ""))
+    for k, v in mapped.items():
+        if tuple(v.shape) != tuple(ref[k].shape):
+            raise ValueError(f"from_hf: {model_type} tensor for {k} has shape {tuple(v.shape)}, the config gives "
+                             f"{tuple(ref[k].shape)}")
+    model.load_state_dict({k: v.to(ref[k].dtype) for k, v in mapped.items()}, strict=True)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------- GPT-2
+_GPT2_ACT = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu": "gelu"}
+_GPT2_LAYER = {  # HF name -> (fastarch name, transpose: HF's Conv1D stores (in, out))
+    "ln_1.weight": ("norm1.weight", False), "ln_1.bias": ("norm1.bias", False),
+    "attn.c_attn.weight": ("attention.qkv.weight", True), "attn.c_attn.bias": ("attention.qkv.bias", False),
+    "attn.c_proj.weight": ("attention.out_proj.weight", True), "attn.c_proj.bias": ("attention.out_proj.bias", False),
+    "ln_2.weight": ("norm2.weight", False), "ln_2.bias": ("norm2.bias", False),
+    "mlp.c_fc.weight": ("ffn.0.weight", True), "mlp.c_fc.bias": ("ffn.0.bias", False),
+    "mlp.c_proj.weight": ("ffn.3.weight", True), "mlp.c_proj.bias": ("ffn.3.bias", False),
+}
+_GPT2_TOP = {"wte.weight": "token_embedding.weight", "wpe.weight": "position_embedding.weight",
+             "ln_f.weight": "norm.weight", "ln_f.bias": "norm.bias"}
+_GPT2_DERIVED = ("attn.bias", "attn.masked_bias")  # causal-mask buffers of older checkpoints
+
+
+def _gpt2(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[str, Any]) -> GPTModel:
+    t = "gpt2"
+    act = config.get("activation_function", "gelu_new")
+    if act not in _GPT2_ACT:
+        raise ValueError(f"from_hf: gpt2 config activation_function={act!r} is not supported by fastarch "
+                         f"(expected one of {sorted(_GPT2_ACT)})")
+    _require(config, "scale_attn_weights", (True,), t, True)
+    _require(config, "scale_attn_by_inverse_layer_idx", (False,), t, False)
+    _require(config, "add_cross_attention", (False,), t, False)
+    _require(config, "tie_word_embeddings", (True,), t, True)
+    sd = _strip(sd, "transformer.")
+    if not _tied(sd, "lm_head.weight", "wte.weight"):
+        raise ValueError("from_hf: the gpt2 checkpoint's lm_head.weight differs from wte.weight; fastarch's GPTModel "
+                         "ties them")
+    drops = {config.get(k, 0.1) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+    if len(drops) > 1 and "dropout" not in overrides:
+        raise ValueError(f"from_hf: gpt2 config has different dropouts {sorted(drops)}; fastarch's GPTModel has one "
+                         "(pass dropout=...)")
+    hidden = config.get("n_embd", 768)
+    kw: dict[str, Any] = dict(vocab_size=config.get("vocab_size", 50257), embed_dim=hidden,
+                              num_heads=config.get("n_head", 12), num_layers=config.get("n_layer", 12),
+                              ff_dim=config.get("n_inner") or 4 * hidden, max_len=config.get("n_positions", 1024),
+                              dropout=drops.pop(), activation=_GPT2_ACT[act],
+                              layer_norm_eps=config.get("layer_norm_epsilon", 1e-5))
+    kw.update(overrides)
+    mapped: dict[str, torch.Tensor] = {}
+    unmapped: list[str] = []
+    for k, v in sd.items():
+        if k == "lm_head.weight":
+            continue
+        if k in _GPT2_TOP:
+            mapped[_GPT2_TOP[k]] = v
+            continue
+        parts = k.split(".", 2)
+        if len(parts) == 3 and parts[0] == "h" and parts[1].isdigit():
+            if parts[2] in _GPT2_LAYER:
+                name, transpose = _GPT2_LAYER[parts[2]]
+                mapped[f"blocks.{parts[1]}.{name}"] = v.t() if transpose else v
+                continue
+            if parts[2] in _GPT2_DERIVED:
+                continue
+        unmapped.append(k)
+    _fail_unmapped(unmapped, t)
+    if "token_embedding.weight" in mapped:
+        mapped["lm_head.weight"] = mapped["token_embedding.weight"]  # tied
+    return _load(GPTModel(**kw), mapped, t)
+
+
+def _gpt2_to_hf(model: GPTModel) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    top = {v: k for k, v in _GPT2_TOP.items()}
+    layer = {v[0]: (k, v[1]) for k, v in _GPT2_LAYER.items()}
+    sd: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict().items():
+        if k == "lm_head.weight":
+            continue  # tied to wte; transformers ties it back
+        if k in top:
+            sd[f"transformer.{top[k]}"] = v
+        else:
+            _, i, rest = k.split(".", 2)
+            name, transpose = layer[rest]
+            sd[f"transformer.h.{i}.{name}"] = v.t() if transpose else v
+    block = model.blocks[0] if len(model.blocks) else None
+    p = model.dropout.p
+    config = dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], vocab_size=model.token_embedding.num_embeddings,
+                  n_embd=model.d_model, n_head=model.n_heads, n_layer=model.n_layers, n_positions=model.max_seq_len,
+                  n_inner=block.ffn[0].out_features if block is not None else 4 * model.d_model,
+                  activation_function=model.activation, layer_norm_epsilon=model.norm.eps,
+                  resid_pdrop=p, embd_pdrop=p, attn_pdrop=p, tie_word_embeddings=True)
+    return sd, config
+
+
+# ---------------------------------------------------------------------------------------------- Mamba
+_MAMBA_MIXER = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "x_proj.weight", "dt_proj.weight",
+                "dt_proj.bias", "A_log", "D", "out_proj.weight", "out_proj.bias")
+
+
+def _mamba(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[str, Any]) -> MambaLM:
+    t = "mamba"
+    _require(config, "hidden_act", ("silu",), t, "silu")
+    hidden, expand = config.get("hidden_size", 768), config.get("expand", 2)
+    inter = config.get("intermediate_size", expand * hidden)
+    if inter != int(expand * hidden):
+        raise ValueError(f"from_hf: mamba config intermediate_size={inter} is not expand * hidden_size = "
+                         f"{expand} * {hidden}; fastarch's Mamba derives it")
+    tie = config.get("tie_word_embeddings", True)
+    sd = _strip(sd, "backbone.")
+    if tie and not _tied(sd, "lm_head.weight", "embeddings.weight"):
+        raise ValueError("from_hf: mamba config ties the embeddings but lm_head.weight differs from "
+                         "embeddings.weight")
+    kw: dict[str, Any] = dict(vocab_size=config.get("vocab_size", 50280), d_model=hidden,
+                              n_layers=config.get("num_hidden_layers", 32), d_state=config.get("state_size", 16),
+                              d_conv=config.get("conv_kernel", 4), expand=expand,
+                              dt_rank=config.get("time_step_rank", "auto"), tie_embeddings=tie,
+                              norm_eps=config.get("layer_norm_epsilon", 1e-5), bias=config.get("use_bias", False),
+                              conv_bias=config.get("use_conv_bias", True))
+    kw.update(overrides)
+    mapped: dict[str, torch.Tensor] = {}
+    unmapped: list[str] = []
+    for k, v in sd.items():
+        if k == "embeddings.weight":
+            mapped["embedding.weight"] = v
+        elif k == "norm_f.weight":
+            mapped[k] = v
+        elif k == "lm_head.weight":
+            if not tie:
+                mapped[k] = v
+        else:
+            parts = k.split(".", 2)
+            ok = len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and (
+                parts[2] == "norm.weight" or (parts[2].startswith("mixer.") and parts[2][6:] in _MAMBA_MIXER))
+            if ok:
+                mapped[k] = v
+            else:
+                unmapped.append(k)
+    _fail_unmapped(unmapped, t)
+    if not tie and "lm_head.weight" not in mapped:
+        raise KeyError("from_hf: mamba config has untied embeddings but the checkpoint lacks lm_head.weight")
+    if tie and "embedding.weight" in mapped:
+        mapped["lm_head.weight"] = mapped["embedding.weight"]
+    return _load(MambaLM(**kw), mapped, t)
+
+
+def _mamba_to_hf(model: MambaLM) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tied = model.lm_head.weight is model.embedding.weight
+    sd: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict().items():
+        if k == "lm_head.weight":
+            if not tied:
+                sd[k] = v
+        elif k == "embedding.weight":
+            sd["backbone.embeddings.weight"] = v
+        else:
+            sd[f"backbone.{k}"] = v
+    mixer = model.layers[0].mixer
+    config = dict(model_type="mamba", architectures=["MambaForCausalLM"], vocab_size=model.vocab_size,
+                  hidden_size=model.d_model, num_hidden_layers=model.n_layers, state_size=mixer.d_state,
+                  conv_kernel=mixer.d_conv, expand=mixer.expand, intermediate_size=mixer.d_inner,
+                  time_step_rank=mixer.dt_rank, use_bias=mixer.in_proj.bias is not None,
+                  use_conv_bias=mixer.conv1d.bias is not None, hidden_act="silu",
+                  layer_norm_epsilon=model.norm_f.eps, tie_word_embeddings=tied, residual_in_fp32=True)
+    return sd, config
+
+
+# ---------------------------------------------------------------------------------------------- ViT
+# Layer names on disk (``encoder.layer.N.``) and in transformers 5's modules (``layers.N.``).
+_VIT_LAYER = {"layernorm_before": "norm1", "attention.output.dense": "attention.out_proj",
+              "intermediate.dense": "ffn.0", "output.dense": "ffn.3", "layernorm_after": "norm2",
+              "attention.o_proj": "attention.out_proj", "mlp.fc1": "ffn.0", "mlp.fc2": "ffn.3"}
+_VIT_QKV = {"attention.attention.query": "q", "attention.attention.key": "k", "attention.attention.value": "v",
+            "attention.q_proj": "q", "attention.k_proj": "k", "attention.v_proj": "v"}
+_VIT_TOP = {"embeddings.cls_token": "cls_token", "embeddings.position_embeddings": "pos_embed",
+            "embeddings.patch_embeddings.projection.weight": "patch_embed.projection.weight",
+            "embeddings.patch_embeddings.projection.bias": "patch_embed.projection.bias",
+            "layernorm.weight": "norm.weight", "layernorm.bias": "norm.bias",
+            "classifier.weight": "head.weight", "classifier.bias": "head.bias"}
+
+
+def _vit(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[str, Any]) -> PreNormViT:
+    t = "vit"
+    _require(config, "hidden_act", ("gelu", "gelu_new"), t, "gelu")
+    _require(config, "qkv_bias", (True,), t, True)
+    drops = {config.get(k, 0.0) for k in ("hidden_dropout_prob", "attention_probs_dropout_prob")}
+    if len(drops) > 1 and "dropout" not in overrides:
+        raise ValueError(f"from_hf: vit config has different dropouts {sorted(drops)}; fastarch's PreNormViT has "
+                         "one (pass dropout=...)")
+    sd = _strip(sd, "vit.")
+    has_head = "classifier.weight" in sd
+    kw: dict[str, Any] = dict(image_size=config.get("image_size", 224), patch_size=config.get("patch_size", 16),
+                              in_channels=config.get("num_channels", 3),
+                              num_classes=sd["classifier.weight"].shape[0] if has_head else 0,
+                              embed_dim=config.get("hidden_size", 768), num_heads=config.get("num_attention_heads", 12),
+                              num_layers=config.get("num_hidden_layers", 12),
+                              ff_dim=config.get("intermediate_size", 3072), dropout=drops.pop(),
+                              layer_norm_eps=config.get("layer_norm_eps", 1e-12),
+                              activation=config.get("hidden_act", "gelu"))
+    kw.update(overrides)
+    mapped: dict[str, torch.Tensor] = {}
+    qkv: dict[tuple[str, str, str], torch.Tensor] = {}
+    unmapped: list[str] = []
+    for k, v in sd.items():
+        if k in _VIT_TOP:
+            mapped[_VIT_TOP[k]] = v
+            continue
+        m = re.match(r"^(?:encoder\.layer|layers)\.(\d+)\.(.+)\.(weight|bias)$", k)
+        if m:
+            i, base, leaf = m.groups()
+            if base in _VIT_QKV:
+                qkv[(i, _VIT_QKV[base], leaf)] = v
+                continue
+            if base in _VIT_LAYER:
+                mapped[f"blocks.{i}.{_VIT_LAYER[base]}.{leaf}"] = v
+                continue
+        unmapped.append(k)
+    _fail_unmapped(unmapped, t)
+    for i, _, leaf in list(qkv):
+        try:
+            mapped[f"blocks.{i}.attention.qkv.{leaf}"] = torch.cat([qkv[(i, n, leaf)] for n in "qkv"])
+        except KeyError as e:
+            raise KeyError(f"from_hf: vit layer {i} lacks its {e.args[0][1]} projection's {leaf}") from None
+    return _load(PreNormViT(**kw), mapped, t)
+
+
+# ---------------------------------------------------------------------------------------------- BERT
+def _bert(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[str, Any]) -> BERT:
+    return bert_from_hf(sd, config=config, **overrides)
+
+
+def _bert_to_hf(model: BERT) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from .hf_bert import _LAYER_MAP, _TOP_MAP
+
+    top = {v: k for k, v in _TOP_MAP.items()}
+    layer = {v: k for k, v in _LAYER_MAP.items()}
+    sd: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict().items():
+        base, leaf = k.rsplit(".", 1)
+        if base in top:
+            sd[f"{top[base]}.{leaf}"] = v
+            continue
+        _, i, rest = base.split(".", 2)
+        if rest == "attention.qkv":
+            for name, part in zip(("query", "key", "value"), v.chunk(3, 0)):
+                sd[f"encoder.layer.{i}.attention.self.{name}.{leaf}"] = part
+        else:
+            sd[f"encoder.layer.{i}.{layer[rest]}.{leaf}"] = v
+    first = model.encoder[0] if len(model.encoder) else None
+    config = dict(model_type="bert", architectures=["BertModel"], vocab_size=model.token_embedding.num_embeddings,
+                  hidden_size=model.hidden_size, num_hidden_layers=len(model.encoder),
+                  num_attention_heads=first.attention.num_heads if first is not None else 12,
+                  intermediate_size=first.ffn[0].out_features if first is not None else 4 * model.hidden_size,
+                  hidden_act=model.hidden_act, max_position_embeddings=model.max_len,
+                  type_vocab_size=model.segment_embedding.num_embeddings, layer_norm_eps=model.norm.eps,
+                  hidden_dropout_prob=model.dropout.p, attention_probs_dropout_prob=model.dropout.p,
+                  position_embedding_type="absolute")
+    return sd, config
+
+
+_FROM: dict[str, Callable[[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]], nn.Module]] = {
+    "bert": _bert, "gpt2": _gpt2, "mamba": _mamba, "vit": _vit}
+
+
+def from_hf(path_or_model: Any, **overrides: Any) -> nn.Module:
+    """Build the fastarch model of a Hugging Face checkpoint, in eval mode.
+
+    Args:
+        path_or_model: a directory with ``config.json`` and ``model.safetensors`` (or ``pytorch_model.bin``,
+            read with ``torch.load(weights_only=True)``), or an in-memory transformers model.
+        overrides: constructor arguments of the fastarch class, over the ones the config gives.
+
+    Returns: ``BERT`` (``model_type`` ``bert``), ``GPTModel`` (``gpt2``), ``MambaLM`` (``mamba``) or
+    ``PreNormViT`` (``vit``; ``ViTForImageClassification`` with its classifier, ``ViTModel`` without a pooler).
+
+    Raises ``ValueError`` for another ``model_type`` or a config value fastarch cannot honour, ``KeyError``
+    for a checkpoint key that maps to no parameter or a parameter the checkpoint lacks.
+    """
+    sd, config = _read_checkpoint(path_or_model)
+    model_type = config.get("model_type")
+    if model_type not in _FROM:
+        raise ValueError(f"from_hf: model_type {model_type!r} is not supported (fastarch loads "
+                         f"{', '.join(sorted(_FROM))})")
+    return _FROM[model_type](sd, config, overrides)
+
+
+def _atomic_write(path: str, write: Callable[[str], None]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=os.path.basename(path))
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def to_hf(model: nn.Module, path: str | os.PathLike) -> None:
+    """Write ``model`` (``BERT``, ``GPTModel`` or ``MambaLM``) to the directory ``path`` as ``config.json`` and
+    ``model.safetensors`` that transformers' ``from_pretrained`` loads (``BertModel``, ``GPT2LMHeadModel``,
+    ``MambaForCausalLM``). Each file is written to a temporary name and renamed into place, weights first,
+    so a reader never sees a half-written file; ``from_hf(path)`` gives back the same tensors."""
+    from safetensors.torch import save_file
+
+    if isinstance(model, GPTModel):
+        sd, config = _gpt2_to_hf(model)
+    elif isinstance(model, MambaLM):
+        sd, config = _mamba_to_hf(model)
+    elif isinstance(model, BERT):
+        sd, config = _bert_to_hf(model)
+    else:
+        raise TypeError(f"to_hf: argument 'model' must be a BERT, GPTModel or MambaLM, got {type(model).__name__}")
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in sd.items()}
+    _atomic_write(os.path.join(path, "model.safetensors"),
+                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+
+    def write_config(tmp: str) -> None:
+        with open(tmp, "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+
+    _atomic_write(os.path.join(path, "config.json"), write_config)

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..backend import Call, register
+from ..backend import Call, get_implementation, register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_tensor, fail
 from ._dispatch import call_of, resolve, run, run_backward
@@ -275,6 +275,31 @@ def _nonfinite_rows(k: torch.Tensor, v: torch.Tensor, kpm: torch.Tensor | None, 
     hi_c = torch.maximum(hi + 1, lo_c).clamp(0, Lk)
     seen = (cnt[..., hi_c] - cnt[..., lo_c]) > 0  # (B, Hk, Lq)
     return _expand_kv(seen.unsqueeze(-1), H).squeeze(-1)
+
+
+CACHE_KERNEL_MAX_ROWS = 16  # query rows per batch up to which a cache call takes the C++ cache kernel
+
+
+def _cache_kernel_serves(q4, k4, k, v, segs, wl, wr, dropout_p, softcap, alibi, backend) -> bool:
+    """Whether a KV-cache call (q4 (B, H, Lq, D), logical cache k4 (B, Hk, Lc, D)) runs the cpp backend's
+    cache kernel: a short inference-only forward (no dropout, no gradient, not traced) that the backend
+    selection gives to cpp."""
+    if q4.shape[2] > CACHE_KERNEL_MAX_ROWS or dropout_p > 0 or q4.device.type != "cpu":
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and (q4.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    B, H, Lq, D = q4.shape
+    _, Hk, Lc, _ = k4.shape
+    qf = q4.new_empty(()).expand(1, H, B * Lq, D)
+    kf = q4.new_empty(()).expand(1, Hk, B * Lc, D)
+    try:
+        name = resolve(OP, lambda: _call(qf, kf, None, None, wl, wr, dropout_p, False, softcap, alibi, segs),
+                       backend)
+    except Exception:  # noqa: BLE001 - the general path reports the selection error with its own context
+        return False
+    return name == "cpp"
 
 
 def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -765,12 +790,13 @@ def _cached(q, k, v, wl, wr, dropout_p, scale, return_lse, dropout_seed, backend
         if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= k.shape[0]):
             fail(OP, f"argument 'block_table' entries must be page indices in [0, {k.shape[0]}), got "
                      f"{int(block_table.min())} .. {int(block_table.max())}")
-        k, v = _gather_pages(k, block_table), _gather_pages(v, block_table)
-        kl = "blhd"
+        # Validated against the shape of the gathered cache, which is only built if the cache kernel is not used.
+        Hk, D = k.shape[2], k.shape[3]
+        k4 = v4 = torch.empty((), dtype=k.dtype, device=k.device).expand(B, Hk, block_table.shape[1] * k.shape[1], D)
+        _validate(q4, k4, v4, None, None, dropout_p, scale, "bhld")
     else:
-        kl = layout
-    _validate(q4, _as_bhld(k, kl), _as_bhld(v, kl), None, None, dropout_p, scale, "bhld")
-    k4, v4 = _as_bhld(k, kl), _as_bhld(v, kl)
+        _validate(q4, _as_bhld(k, layout), _as_bhld(v, layout), None, None, dropout_p, scale, "bhld")
+        k4, v4 = _as_bhld(k, layout), _as_bhld(v, layout)
     Lc = k4.shape[2]
     check_tensor(OP, "seqlens_k", seqlens_k, ndim=1, dtypes=(torch.int32,), shape=(B,))
     sk = seqlens_k.to("cpu", torch.int64)
@@ -784,6 +810,22 @@ def _cached(q, k, v, wl, wr, dropout_p, scale, return_lse, dropout_seed, backend
     alibi = _validate_alibi(alibi_slopes, B, H, q, "B")
     b = torch.arange(B, dtype=torch.int64)
     segs = torch.stack([b * Lq, (b + 1) * Lq, b * Lc + lp, b * Lc + sk], 1)
+    if _cache_kernel_serves(q4, k4, k, v, segs, wl, wr, dropout_p, softcap, alibi, backend):
+        # Pages (or the contiguous cache as one page per batch row) are read in place.
+        if block_table is None:
+            pages_k, pages_v = k4.transpose(1, 2), v4.transpose(1, 2)
+            block_table = torch.arange(B, dtype=torch.int32).view(B, 1)
+        else:
+            pages_k, pages_v = k, v
+        leftpad = key_leftpad if key_leftpad is not None else torch.zeros(B, dtype=torch.int32)
+        sc = D ** -0.5 if scale is None else float(scale)
+        impl = get_implementation(OP, "cpp")
+        o, lse = impl.cache_forward(q4, pages_k, pages_v, block_table, seqlens_k, leftpad, alibi, wl, wr, sc,
+                                    softcap)
+        o = o if layout == "blhd" else o.transpose(1, 2)
+        return (o, lse) if return_lse else o
+    if block_table is not None:
+        k4, v4 = (_gather_pages(t, block_table).transpose(1, 2) for t in (k, v))
     # One packed problem: rows b*Lq.., keys b*Lc.. (reshape is a view for contiguous caches).
     qf = q4.transpose(1, 2).reshape(1, B * Lq, H, D).transpose(1, 2)
     kf = k4.transpose(1, 2).reshape(1, B * Lc, -1, D).transpose(1, 2)
@@ -1017,6 +1059,20 @@ class CppAttention(CppImplementation):
         dq, dk, dv = res[0], res[1], res[2]
         dbias = res[3] if need_dbias else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
+
+    def cache_forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                      block_table: torch.Tensor, seqlens_k: torch.Tensor, key_leftpad: torch.Tensor,
+                      alibi: torch.Tensor | None, wl: int, wr: int, scale: float,
+                      softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward over a KV cache read in place through its block table: q ``(B, H, Lq, D)``, pages
+        ``(num_pages, page, Hk, D)`` (any strides with unit-stride rows), block_table int32 ``(B, n)``,
+        seqlens_k / key_leftpad int32 ``(B,)``, alibi ``(B, H)`` fp32 or None -> o ``(B, Lq, H, D)`` in q's
+        dtype and lse ``(B, H, Lq)`` fp32."""
+        o, lse = self.lib.attention_cache_fwd(
+            _rows32(q), _rows32(k_pages), _rows32(v_pages), block_table.to(torch.int32).contiguous(),
+            seqlens_k.to(torch.int32).contiguous(), key_leftpad.to(torch.int32).contiguous(),
+            _f32(alibi) if alibi is not None else None, wl, wr, scale, softcap)
+        return o.to(q.dtype), lse
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:

@@ -782,8 +782,8 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
 // q (B,H,Lq,D) fp32 read through strides; k/v caches (num_pages, page, Hk, D) read through strides and the
 // block table (B, n) int32: key j of batch b is row j % page of page table[b][j / page]. Batch b's query
 // row i sits at key position pos = seqlens[b] - Lq + i and sees keys max(leftpad[b], pos - wl) ..
-// min(seqlens[b] - 1, pos + wr). One task per (b, kv head, key split); the rows of a task are the group's
-// query heads times Lq, each with its own online softmax. Excluded keys are never read into a row (their
+// min(seqlens[b] - 1, pos + wr). One task per (b, key split); the rows of a task are its H query heads times
+// Lq, each with its own online softmax. Excluded keys are never read into a row (their
 // scores are -inf and their V rows are not accumulated), so a NaN/Inf there cannot reach the output; a row
 // that does see a non-finite K or V row gives NaN (o and lse), which is found from the non-finite results
 // it causes, so there is no pass over the cache.
@@ -839,7 +839,7 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
               "attention cpp cache: q (B,H,Lq,D) and k/v (num_pages,page,Hk,D) need unit-stride rows");
   TORCH_CHECK(k.sizes() == v.sizes(), "attention cpp cache: k and v must have the same shape");
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
-  const int64_t page = k.size(1), Hk = k.size(2), G = H / Hk, R = G * Lq;
+  const int64_t page = k.size(1), Hk = k.size(2), G = H / Hk, R = H * Lq;
   TORCH_CHECK(k.size(3) == D && Hk > 0 && H % Hk == 0, "attention cpp cache: head counts or head dims differ");
   TORCH_CHECK(table.dtype() == at::kInt && table.is_contiguous() && table.dim() == 2 && table.size(0) == B,
               "attention cpp cache: block table must be contiguous int32 (B, n)");
@@ -866,7 +866,7 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
   const int64_t sv0 = v.stride(0), sv1 = v.stride(1), sv2 = v.stride(2);
   const float sc2 = static_cast<float>(scale) * kLog2e, cap = static_cast<float>(softcap);
 
-  // Row r = g * Lq + i of (b, hk) is query head hk * G + g, row i; its visible keys [lo, hi].
+  // Row r = h * Lq + i of batch b is query head h (kv head h / G), row i; its visible keys [lo, hi].
   auto row_lo = [&](int64_t b, int64_t i) {
     const int64_t pos = sl[b] - Lq + i;
     return wl < 0 ? static_cast<int64_t>(lpd[b]) : std::max<int64_t>(lpd[b], pos - wl);
@@ -878,40 +878,41 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
   // Splits: enough tasks to keep every thread busy, each split at least MIN_SPLIT keys.
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, sl[b] - lpd[b]);
-  const int64_t want = (4 * static_cast<int64_t>(at::get_num_threads()) + B * Hk - 1) / (B * Hk);
+  const int64_t want = (4 * static_cast<int64_t>(at::get_num_threads()) + B - 1) / B;
   const int64_t S = std::max<int64_t>(1, std::min<int64_t>(want, (longest + MIN_SPLIT - 1) / MIN_SPLIT));
 
   auto o = at::empty({B, Lq, H, D}, q.options());
   auto lse = at::empty({B, H, Lq}, q.options());
   // Per split partial results: running max (log2), sum, accumulator and the non-finite flag per row.
-  auto part_m = at::empty({B, Hk, S, R}, q.options());
-  auto part_l = at::empty({B, Hk, S, R}, q.options());
-  auto part_acc = at::empty({B, Hk, S, R, D}, q.options());
-  std::vector<uint8_t> part_bad(static_cast<size_t>(B * Hk * S * R), 0);
+  auto part_m = at::empty({B, S, R}, q.options());
+  auto part_l = at::empty({B, S, R}, q.options());
+  auto part_acc = at::empty({B, S, R, D}, q.options());
+  std::vector<uint8_t> part_bad(static_cast<size_t>(B * S * R), 0);
   float* pm = part_m.data_ptr<float>();
   float* pl = part_l.data_ptr<float>();
   float* pa = part_acc.data_ptr<float>();
 
-  fastarch::run_tasks(B * Hk * S, [&](int64_t t0, int64_t t1) {
+  fastarch::run_tasks(B * S, [&](int64_t t0, int64_t t1) {
     std::vector<float> qs(R * D), sbuf(R * CACHE_CHUNK);
-    std::vector<int64_t> lo(R), hi(R);
+    std::vector<int64_t> lo(R), hi(R), ra(R), re(R), koff(R), voff(R);
     std::vector<const float*> krow(CACHE_CHUNK), vrow(CACHE_CHUNK);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t s = t % S, hk = (t / S) % Hk, b = t / (S * Hk);
-      const int64_t base = (b * Hk + hk) * S + s;
-      float* mrow = pm + base * R;
-      float* lrow = pl + base * R;
-      float* acc = pa + base * R * D;
-      uint8_t* bad = part_bad.data() + base * R;
+      const int64_t s = t % S, b = t / S;
+      float* mrow = pm + t * R;
+      float* lrow = pl + t * R;
+      float* acc = pa + t * R * D;
+      uint8_t* bad = part_bad.data() + t * R;
       int64_t band_lo = INT64_MAX, band_hi = -1;
       for (int64_t r = 0; r < R; ++r) {
-        const int64_t g = r / Lq, i = r % Lq, h = hk * G + g;
+        const int64_t h = r / Lq, i = r % Lq;
         lo[r] = row_lo(b, i);
         hi[r] = row_hi(b, i);
         if (hi[r] >= lo[r]) {
           band_lo = std::min(band_lo, lo[r]);
           band_hi = std::max(band_hi, hi[r]);
         }
+        koff[r] = (h / G) * sk2;
+        voff[r] = (h / G) * sv2;
         const float* qr = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
         for (int64_t d = 0; d < D; ++d) qs[r * D + d] = qr[d] * sc2;
         mrow[r] = kNegInf;
@@ -926,38 +927,55 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
         const int64_t n = std::min(CACHE_CHUNK, kb - c0);
         for (int64_t j = 0; j < n; ++j) {
           const int64_t key = c0 + j, pg = trow[key / page], off = key % page;
-          krow[j] = kp + pg * sk0 + off * sk1 + hk * sk2;
-          vrow[j] = vp + pg * sv0 + off * sv1 + hk * sv2;
+          krow[j] = kp + pg * sk0 + off * sk1;
+          vrow[j] = vp + pg * sv0 + off * sv1;
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          ra[r] = std::max<int64_t>(lo[r] - c0, 0);
+          re[r] = std::min<int64_t>(hi[r] - c0 + 1, n);
+        }
+        // Scores key by key over every row, so the heads of one key (adjacent in a (page, Hk, D) cache)
+        // are read together.
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t r = 0; r < R; ++r) {
+            if (j < ra[r] || j >= re[r]) continue;
+            const float* kr = krow[j] + koff[r];
+            const float x = dot(qs.data() + r * D, kr, D);
+            // A non-finite score comes from a non-finite K row or from overflow; only the first counts.
+            if (!std::isfinite(x) && !all_finite(kr, D)) bad[r] = 1;
+            sbuf[r * CACHE_CHUNK + j] = x;
+          }
         }
         for (int64_t r = 0; r < R; ++r) {
           float* sr = sbuf.data() + r * CACHE_CHUNK;
-          const int64_t a = std::max<int64_t>(lo[r] - c0, 0), e = std::min<int64_t>(hi[r] - c0 + 1, n);
+          const int64_t a = ra[r], e = re[r];
           if (e <= a) continue;
-          const float* qr = qs.data() + r * D;
-          for (int64_t j = a; j < e; ++j) {
-            const float x = dot(qr, krow[j], D);
-            // A non-finite score comes from a non-finite K row or from overflow; only the first counts.
-            if (!std::isfinite(x) && !all_finite(krow[j], D)) bad[r] = 1;
-            sr[j] = x;
-          }
           if (cap > 0.f) cap_log2(sr + a, nullptr, e - a, cap);
-          if (al) alibi_row(sr + a, e - a, al[b * H + hk * G + r / Lq] * kLog2e, sl[b] - Lq + r % Lq - c0 - a);
+          if (al) alibi_row(sr + a, e - a, al[b * H + r / Lq] * kLog2e, sl[b] - Lq + r % Lq - c0 - a);
           const float mx = row_max(sr + a, e - a), mnew = std::max(mrow[r], mx);
-          if (mnew == kNegInf) continue;
+          if (mnew == kNegInf) {  // nothing visible yet in this row
+            re[r] = ra[r];
+            continue;
+          }
           const float alpha = mrow[r] == kNegInf ? 0.f : std::exp2(mrow[r] - mnew);
           lrow[r] = lrow[r] * alpha + exp2_sub_sum(sr + a, e - a, mnew);
           mrow[r] = mnew;
           float* ar = acc + r * D;
           if (alpha != 1.f)
             for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-          for (int64_t j = a; j < e; ++j) axpy(ar, sr[j], vrow[j], D);
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t r = 0; r < R; ++r) {
+            if (j < ra[r] || j >= re[r]) continue;
+            axpy(acc + r * D, sbuf[r * CACHE_CHUNK + j], vrow[j] + voff[r], D);
+          }
         }
       }
       // A non-finite accumulator comes from a non-finite V row the row sees or from overflow.
       for (int64_t r = 0; r < R; ++r) {
         if (bad[r] || all_finite(acc + r * D, D)) continue;
         for (int64_t key = std::max(ka, lo[r]); key <= std::min(kb - 1, hi[r]) && !bad[r]; ++key)
-          if (!all_finite(vp + trow[key / page] * sv0 + (key % page) * sv1 + hk * sv2, D)) bad[r] = 1;
+          if (!all_finite(vp + trow[key / page] * sv0 + (key % page) * sv1 + voff[r], D)) bad[r] = 1;
       }
     }
   });
@@ -966,11 +984,11 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
   float* op = o.data_ptr<float>();
   float* lp = lse.data_ptr<float>();
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  at::parallel_for(0, B * Hk, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, B, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / Hk, hk = t % Hk;
+      const int64_t b = t;
       for (int64_t r = 0; r < R; ++r) {
-        const int64_t g = r / Lq, i = r % Lq, h = hk * G + g;
+        const int64_t h = r / Lq, i = r % Lq;
         float* out = op + ((b * Lq + i) * H + h) * D;
         float m = kNegInf;
         bool is_bad = false;

@@ -827,6 +827,7 @@ inline bool all_finite(const float* x, int64_t D) {
 
 constexpr int64_t CACHE_CHUNK = 128;  // keys per online-softmax step
 constexpr int64_t MIN_SPLIT = 512;    // keys per split at least
+constexpr int64_t PREFETCH_KEYS = 4;  // keys ahead whose K rows are prefetched
 
 std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& table, const at::Tensor& seqlens, const at::Tensor& leftpad,
@@ -937,6 +938,13 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
         // Scores key by key over every row, so the heads of one key (adjacent in a (page, Hk, D) cache)
         // are read together.
         for (int64_t j = 0; j < n; ++j) {
+          // Pages break the hardware prefetcher's streams: fetch the K rows a few keys ahead and this key's
+          // V rows (used after the softmax of the chunk).
+          for (int64_t hk = 0; hk < Hk; ++hk)
+            for (int64_t d = 0; d < D; d += 16) {
+              if (j + PREFETCH_KEYS < n) __builtin_prefetch(krow[j + PREFETCH_KEYS] + hk * sk2 + d, 0, 3);
+              __builtin_prefetch(vrow[j] + hk * sv2 + d, 0, 2);
+            }
           for (int64_t r = 0; r < R; ++r) {
             if (j < ra[r] || j >= re[r]) continue;
             const float* kr = krow[j] + koff[r];

@@ -280,26 +280,33 @@ def _nonfinite_rows(k: torch.Tensor, v: torch.Tensor, kpm: torch.Tensor | None, 
 CACHE_KERNEL_MAX_ROWS = 16  # query rows per batch up to which a cache call takes the C++ cache kernel
 
 
-def _cache_kernel_serves(q4, k4, k, v, segs, wl, wr, dropout_p, softcap, alibi, backend) -> bool:
-    """Whether a KV-cache call (q4 (B, H, Lq, D), logical cache k4 (B, Hk, Lc, D)) runs the cpp backend's
-    cache kernel: a short inference-only forward (no dropout, no gradient, not traced) that the backend
-    selection gives to cpp."""
-    if q4.shape[2] > CACHE_KERNEL_MAX_ROWS or dropout_p > 0 or q4.device.type != "cpu":
+def _cache_kernel_serves(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, make_call, dropout_p: float,
+                         backend: str | None) -> bool:
+    """Whether a call with queries q4 (B, H, Lq, D) runs the cpp backend's cache kernel: a short
+    inference-only forward (no dropout, no gradient, not traced) that the backend selection (``make_call``
+    gives the call as the general path would make it) gives to cpp."""
+    if q4.shape[2] > CACHE_KERNEL_MAX_ROWS or dropout_p > 0 or q4.device.type != "cpu" or 0 in q4.shape:
         return False
     if torch.compiler.is_compiling():
         return False
     if torch.is_grad_enabled() and (q4.requires_grad or k.requires_grad or v.requires_grad):
         return False
-    B, H, Lq, D = q4.shape
-    _, Hk, Lc, _ = k4.shape
-    qf = q4.new_empty(()).expand(1, H, B * Lq, D)
-    kf = q4.new_empty(()).expand(1, Hk, B * Lc, D)
     try:
-        name = resolve(OP, lambda: _call(qf, kf, None, None, wl, wr, dropout_p, False, softcap, alibi, segs),
-                       backend)
+        name = resolve(OP, make_call, backend)
     except Exception:  # noqa: BLE001 - the general path reports the selection error with its own context
         return False
     return name == "cpp"
+
+
+def _cache_kernel(q4: torch.Tensor, pages_k: torch.Tensor, pages_v: torch.Tensor, block_table: torch.Tensor,
+                  seqlens_k: torch.Tensor, key_leftpad: torch.Tensor | None, alibi, wl: int, wr: int, scale,
+                  softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cpp cache kernel on q4 (B, H, Lq, D) and pages (num_pages, page, Hk, D) -> o (B, Lq, H, D), lse."""
+    B = q4.shape[0]
+    leftpad = key_leftpad if key_leftpad is not None else torch.zeros(B, dtype=torch.int32)
+    sc = q4.shape[-1] ** -0.5 if scale is None else float(scale)
+    return get_implementation(OP, "cpp").cache_forward(q4, pages_k, pages_v, block_table, seqlens_k, leftpad,
+                                                       alibi, wl, wr, sc, softcap)
 
 
 def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -697,6 +704,16 @@ def attention(
     _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale, layout)
     q4, k4, v4 = (_as_bhld(t, layout) for t in (q, k, v))
     alibi = _validate_alibi(alibi_slopes, q4.shape[0], q4.shape[1], q, "B")
+    if key_padding_mask is None and attn_bias is None and k4.shape[2] > 0 and _cache_kernel_serves(
+            q4, k, v, lambda: _call(q4, k4, None, None, wl, wr, dropout_p, False, softcap, alibi), dropout_p,
+            backend):
+        # A decode step: the cache kernel with the whole of k, v as one page per batch row.
+        B, Lk = q4.shape[0], k4.shape[2]
+        o, lse = _cache_kernel(q4, k4.transpose(1, 2), v4.transpose(1, 2),
+                               torch.arange(B, dtype=torch.int32).view(B, 1),
+                               torch.full((B,), Lk, dtype=torch.int32), None, alibi, wl, wr, scale, softcap)
+        o = o if layout == "blhd" else o.transpose(1, 2).contiguous()
+        return (o, lse) if return_lse else o
     o, lse = _run(q4, k4, v4, key_padding_mask, _bias4(attn_bias), alibi, None, wl, wr, dropout_p, scale,
                   dropout_seed, backend, softcap)
     o = _as_bhld(o, layout)
@@ -810,18 +827,18 @@ def _cached(q, k, v, wl, wr, dropout_p, scale, return_lse, dropout_seed, backend
     alibi = _validate_alibi(alibi_slopes, B, H, q, "B")
     b = torch.arange(B, dtype=torch.int64)
     segs = torch.stack([b * Lq, (b + 1) * Lq, b * Lc + lp, b * Lc + sk], 1)
-    if _cache_kernel_serves(q4, k4, k, v, segs, wl, wr, dropout_p, softcap, alibi, backend):
+    packed_q = q4.new_empty(()).expand(1, H, B * Lq, D)
+    packed_k = q4.new_empty(()).expand(1, k4.shape[1], B * Lc, D)
+    if _cache_kernel_serves(q4, k, v, lambda: _call(packed_q, packed_k, None, None, wl, wr, dropout_p, False,
+                                                    softcap, alibi, segs), dropout_p, backend):
         # Pages (or the contiguous cache as one page per batch row) are read in place.
         if block_table is None:
             pages_k, pages_v = k4.transpose(1, 2), v4.transpose(1, 2)
             block_table = torch.arange(B, dtype=torch.int32).view(B, 1)
         else:
             pages_k, pages_v = k, v
-        leftpad = key_leftpad if key_leftpad is not None else torch.zeros(B, dtype=torch.int32)
-        sc = D ** -0.5 if scale is None else float(scale)
-        impl = get_implementation(OP, "cpp")
-        o, lse = impl.cache_forward(q4, pages_k, pages_v, block_table, seqlens_k, leftpad, alibi, wl, wr, sc,
-                                    softcap)
+        o, lse = _cache_kernel(q4, pages_k, pages_v, block_table, seqlens_k, key_leftpad, alibi, wl, wr, scale,
+                               softcap)
         o = o if layout == "blhd" else o.transpose(1, 2)
         return (o, lse) if return_lse else o
     if block_table is not None:

@@ -924,6 +924,21 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
       const int64_t span = band_hi - band_lo + 1, per = (span + S - 1) / S;
       const int64_t ka = band_lo + s * per, kb = std::min(band_hi + 1, ka + per);
       const int32_t* trow = tb + b * npb;
+      // Visits (key j, row r) for the rows that see key j: key by key over every row when the heads of a key
+      // are adjacent in memory ((page, Hk, D) caches), else head by head, each head's keys in order.
+      // before(j, h0, h1) runs ahead of the rows of kv heads [h0, h1) for key j.
+      auto walk = [&](int64_t n, auto&& before, auto&& body) {
+        const int64_t GL = G * Lq;
+        const bool heads_adjacent = std::abs(sk2) <= std::abs(sk1);
+        for (int64_t hg = 0; hg < (heads_adjacent ? 1 : Hk); ++hg) {
+          const int64_t h0 = heads_adjacent ? 0 : hg, h1 = heads_adjacent ? Hk : hg + 1;
+          for (int64_t j = 0; j < n; ++j) {
+            before(j, h0, h1);
+            for (int64_t r = h0 * GL; r < h1 * GL; ++r)
+              if (j >= ra[r] && j < re[r]) body(j, r);
+          }
+        }
+      };
       for (int64_t c0 = ka; c0 < kb; c0 += CACHE_CHUNK) {
         const int64_t n = std::min(CACHE_CHUNK, kb - c0);
         for (int64_t j = 0; j < n; ++j) {
@@ -935,25 +950,21 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
           ra[r] = std::max<int64_t>(lo[r] - c0, 0);
           re[r] = std::min<int64_t>(hi[r] - c0 + 1, n);
         }
-        // Scores key by key over every row, so the heads of one key (adjacent in a (page, Hk, D) cache)
-        // are read together.
-        for (int64_t j = 0; j < n; ++j) {
+        walk(n, [&](int64_t j, int64_t h0, int64_t h1) {
           // Pages break the hardware prefetcher's streams: fetch the K rows a few keys ahead and this key's
           // V rows (used after the softmax of the chunk).
-          for (int64_t hk = 0; hk < Hk; ++hk)
+          for (int64_t hk = h0; hk < h1; ++hk)
             for (int64_t d = 0; d < D; d += 16) {
               if (j + PREFETCH_KEYS < n) __builtin_prefetch(krow[j + PREFETCH_KEYS] + hk * sk2 + d, 0, 3);
               __builtin_prefetch(vrow[j] + hk * sv2 + d, 0, 2);
             }
-          for (int64_t r = 0; r < R; ++r) {
-            if (j < ra[r] || j >= re[r]) continue;
-            const float* kr = krow[j] + koff[r];
-            const float x = dot(qs.data() + r * D, kr, D);
-            // A non-finite score comes from a non-finite K row or from overflow; only the first counts.
-            if (!std::isfinite(x) && !all_finite(kr, D)) bad[r] = 1;
-            sbuf[r * CACHE_CHUNK + j] = x;
-          }
-        }
+        }, [&](int64_t j, int64_t r) {
+          const float* kr = krow[j] + koff[r];
+          const float x = dot(qs.data() + r * D, kr, D);
+          // A non-finite score comes from a non-finite K row or from overflow; only the first counts.
+          if (!std::isfinite(x) && !all_finite(kr, D)) bad[r] = 1;
+          sbuf[r * CACHE_CHUNK + j] = x;
+        });
         for (int64_t r = 0; r < R; ++r) {
           float* sr = sbuf.data() + r * CACHE_CHUNK;
           const int64_t a = ra[r], e = re[r];
@@ -972,12 +983,9 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
           if (alpha != 1.f)
             for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
         }
-        for (int64_t j = 0; j < n; ++j) {
-          for (int64_t r = 0; r < R; ++r) {
-            if (j < ra[r] || j >= re[r]) continue;
-            axpy(acc + r * D, sbuf[r * CACHE_CHUNK + j], vrow[j] + voff[r], D);
-          }
-        }
+        walk(n, [](int64_t, int64_t, int64_t) {}, [&](int64_t j, int64_t r) {
+          axpy(acc + r * D, sbuf[r * CACHE_CHUNK + j], vrow[j] + voff[r], D);
+        });
       }
       // A non-finite accumulator comes from a non-finite V row the row sees or from overflow.
       for (int64_t r = 0; r < R; ++r) {

@@ -152,6 +152,22 @@ def _poison(t: torch.Tensor, lengths: torch.Tensor) -> None:
             t[b, n + 1:n + 2, :, 0] = 3e38
 
 
+def _paged(k: torch.Tensor, v: torch.Tensor, page: int, spare: int, g: torch.Generator):
+    """Caches (B, cap, Hk, D) -> NaN-filled pages (B * n + spare, page, Hk, D) in random order and the int32
+    block table (B, n)."""
+    B, cap, Hk, D = k.shape
+    n = (cap + page - 1) // page
+    kp = torch.full((B * n + spare, page, Hk, D), float("nan"))
+    vp = torch.full((B * n + spare, page, Hk, D), float("nan"))
+    perm = torch.randperm(B * n + spare, generator=g)[:B * n].view(B, n)
+    for b in range(B):
+        for i in range(n):
+            rows = slice(i * page, min(cap, (i + 1) * page))
+            kp[perm[b, i], :rows.stop - rows.start] = k[b, rows]
+            vp[perm[b, i], :rows.stop - rows.start] = v[b, rows]
+    return kp, vp, perm.to(torch.int32)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page", [None, 16, 5])
 def test_cache_lengths_and_pages(backend, page):
@@ -176,16 +192,8 @@ def test_cache_lengths_and_pages(backend, page):
     if page is None:
         o = attention(q, k, v, **kw)
     else:
-        n = (cap + page - 1) // page
-        kp = torch.full((B * n + 3, page, Hk, D), float("nan"))
-        vp = torch.full((B * n + 3, page, Hk, D), float("nan"))
-        perm = torch.randperm(B * n + 3, generator=g)[:B * n].view(B, n)
-        for b in range(B):
-            for i in range(n):
-                rows = slice(i * page, min(cap, (i + 1) * page))
-                kp[perm[b, i], :rows.stop - rows.start] = k[b, rows]
-                vp[perm[b, i], :rows.stop - rows.start] = v[b, rows]
-        o = attention(q, kp, vp, block_table=perm.to(torch.int32), **kw)
+        kp, vp, table = _paged(k, v, page, 3, g)
+        o = attention(q, kp, vp, block_table=table, **kw)
     torch.testing.assert_close(o, want, **TOL)
 
 
@@ -230,15 +238,7 @@ def test_cache_kernel_splits_and_nonfinite(page, Lq):
         o, lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **cache)
         o = o.transpose(1, 2)
     else:
-        n = (cap + page - 1) // page
-        kp = torch.full((B * n + 2, page, Hk, D), float("nan"))
-        vp = torch.full((B * n + 2, page, Hk, D), float("nan"))
-        perm = torch.randperm(B * n + 2, generator=g)[:B * n].view(B, n)
-        for b in range(B):
-            for i in range(n):
-                rows = slice(i * page, min(cap, (i + 1) * page))
-                kp[perm[b, i], :rows.stop - rows.start] = k[b, rows]
-                vp[perm[b, i], :rows.stop - rows.start] = v[b, rows]
-        o, lse = attention(q, kp, vp, layout="blhd", block_table=perm.to(torch.int32), **cache)
+        kp, vp, table = _paged(k, v, page, 2, g)
+        o, lse = attention(q, kp, vp, layout="blhd", block_table=table, **cache)
     torch.testing.assert_close(o, want, equal_nan=True, **TOL)
     torch.testing.assert_close(lse, want_lse, equal_nan=True, **TOL)

@@ -777,11 +777,276 @@ std::vector<at::Tensor> bwd(const at::Tensor& dout, const at::Tensor& q, const a
   return {dq, dk, dv};
 }
 
+
+// ---- KV-cache forward (decode): pages read in place, split-K with a log-sum-exp merge -------------------
+// q (B,H,Lq,D) fp32 read through strides; k/v caches (num_pages, page, Hk, D) read through strides and the
+// block table (B, n) int32: key j of batch b is row j % page of page table[b][j / page]. Batch b's query
+// row i sits at key position pos = seqlens[b] - Lq + i and sees keys max(leftpad[b], pos - wl) ..
+// min(seqlens[b] - 1, pos + wr). One task per (b, key split); the rows of a task are its H query heads times
+// Lq, each with its own online softmax. Excluded keys are never read into a row (their
+// scores are -inf and their V rows are not accumulated), so a NaN/Inf there cannot reach the output; a row
+// that does see a non-finite K or V row gives NaN (o and lse), which is found from the non-finite results
+// it causes, so there is no pass over the cache.
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  int64_t d = 0;
+  float s = 0.f;
+#ifdef FA_AVX2
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (; d + 16 <= D; d += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+  }
+  for (; d + 8 <= D; d += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+  s0 = _mm256_add_ps(s0, s1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s0), _mm256_extractf128_ps(s0, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
+  s = _mm_cvtss_f32(h);
+#endif
+  for (; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// y[0..D) += a * x[0..D)
+inline void axpy(float* y, float a, const float* x, int64_t D) {
+  int64_t d = 0;
+#ifdef FA_AVX2
+  const __m256 va = _mm256_set1_ps(a);
+  for (; d + 8 <= D; d += 8)
+    _mm256_storeu_ps(y + d, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+#endif
+  for (; d < D; ++d) y[d] += a * x[d];
+}
+
+inline bool all_finite(const float* x, int64_t D) {
+  for (int64_t d = 0; d < D; ++d)
+    if (!std::isfinite(x[d])) return false;
+  return true;
+}
+
+constexpr int64_t CACHE_CHUNK = 128;  // keys per online-softmax step
+constexpr int64_t MIN_SPLIT = 512;    // keys per split at least
+constexpr int64_t PREFETCH_KEYS = 4;  // keys ahead whose K rows are prefetched
+
+std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& table, const at::Tensor& seqlens, const at::Tensor& leftpad,
+                                  const c10::optional<at::Tensor>& alibi, int64_t wl, int64_t wr, double scale,
+                                  double softcap) {
+  TORCH_CHECK(q.dtype() == at::kFloat && k.dtype() == at::kFloat && v.dtype() == at::kFloat,
+              "attention cpp cache: q, k, v must be float32 (the Python side converts)");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.stride(3) == 1 && k.stride(3) == 1 &&
+                  v.stride(3) == 1,
+              "attention cpp cache: q (B,H,Lq,D) and k/v (num_pages,page,Hk,D) need unit-stride rows");
+  TORCH_CHECK(k.sizes() == v.sizes(), "attention cpp cache: k and v must have the same shape");
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
+  const int64_t page = k.size(1), Hk = k.size(2), G = H / Hk, R = H * Lq;
+  TORCH_CHECK(k.size(3) == D && Hk > 0 && H % Hk == 0, "attention cpp cache: head counts or head dims differ");
+  TORCH_CHECK(table.dtype() == at::kInt && table.is_contiguous() && table.dim() == 2 && table.size(0) == B,
+              "attention cpp cache: block table must be contiguous int32 (B, n)");
+  TORCH_CHECK(seqlens.dtype() == at::kInt && seqlens.is_contiguous() && seqlens.numel() == B &&
+                  leftpad.dtype() == at::kInt && leftpad.is_contiguous() && leftpad.numel() == B,
+              "attention cpp cache: seqlens and leftpad must be contiguous int32 (B,)");
+  const int64_t npb = table.size(1), Lc = npb * page;
+  const int32_t* tb = table.data_ptr<int32_t>();
+  const int32_t* sl = seqlens.data_ptr<int32_t>();
+  const int32_t* lpd = leftpad.data_ptr<int32_t>();
+  const float* al = nullptr;
+  if (alibi.has_value() && alibi->defined()) {
+    TORCH_CHECK(alibi->dtype() == at::kFloat && alibi->is_contiguous() && alibi->dim() == 2 &&
+                    alibi->size(0) == B && alibi->size(1) == H,
+                "attention cpp cache: alibi slopes must be contiguous float32 (B, H)");
+    al = alibi->data_ptr<float>();
+  }
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(0 <= lpd[b] && lpd[b] <= sl[b] && sl[b] <= Lc, "attention cpp cache: bad seqlens/leftpad");
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t sk0 = k.stride(0), sk1 = k.stride(1), sk2 = k.stride(2);
+  const int64_t sv0 = v.stride(0), sv1 = v.stride(1), sv2 = v.stride(2);
+  const float sc2 = static_cast<float>(scale) * kLog2e, cap = static_cast<float>(softcap);
+
+  // Row r = h * Lq + i of batch b is query head h (kv head h / G), row i; its visible keys [lo, hi].
+  auto row_lo = [&](int64_t b, int64_t i) {
+    const int64_t pos = sl[b] - Lq + i;
+    return wl < 0 ? static_cast<int64_t>(lpd[b]) : std::max<int64_t>(lpd[b], pos - wl);
+  };
+  auto row_hi = [&](int64_t b, int64_t i) {
+    const int64_t pos = sl[b] - Lq + i;
+    return wr < 0 ? static_cast<int64_t>(sl[b]) - 1 : std::min<int64_t>(sl[b] - 1, pos + wr);
+  };
+  // Splits: enough tasks to keep every thread busy, each split at least MIN_SPLIT keys.
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max<int64_t>(longest, sl[b] - lpd[b]);
+  const int64_t want = (4 * static_cast<int64_t>(at::get_num_threads()) + B - 1) / B;
+  const int64_t S = std::max<int64_t>(1, std::min<int64_t>(want, (longest + MIN_SPLIT - 1) / MIN_SPLIT));
+
+  auto o = at::empty({B, Lq, H, D}, q.options());
+  auto lse = at::empty({B, H, Lq}, q.options());
+  // Per split partial results: running max (log2), sum, accumulator and the non-finite flag per row.
+  auto part_m = at::empty({B, S, R}, q.options());
+  auto part_l = at::empty({B, S, R}, q.options());
+  auto part_acc = at::empty({B, S, R, D}, q.options());
+  std::vector<uint8_t> part_bad(static_cast<size_t>(B * S * R), 0);
+  float* pm = part_m.data_ptr<float>();
+  float* pl = part_l.data_ptr<float>();
+  float* pa = part_acc.data_ptr<float>();
+
+  fastarch::run_tasks(B * S, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qs(R * D), sbuf(R * CACHE_CHUNK);
+    std::vector<int64_t> lo(R), hi(R), ra(R), re(R), koff(R), voff(R);
+    std::vector<const float*> krow(CACHE_CHUNK), vrow(CACHE_CHUNK);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t s = t % S, b = t / S;
+      float* mrow = pm + t * R;
+      float* lrow = pl + t * R;
+      float* acc = pa + t * R * D;
+      uint8_t* bad = part_bad.data() + t * R;
+      int64_t band_lo = INT64_MAX, band_hi = -1;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t h = r / Lq, i = r % Lq;
+        lo[r] = row_lo(b, i);
+        hi[r] = row_hi(b, i);
+        if (hi[r] >= lo[r]) {
+          band_lo = std::min(band_lo, lo[r]);
+          band_hi = std::max(band_hi, hi[r]);
+        }
+        koff[r] = (h / G) * sk2;
+        voff[r] = (h / G) * sv2;
+        const float* qr = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
+        for (int64_t d = 0; d < D; ++d) qs[r * D + d] = qr[d] * sc2;
+        mrow[r] = kNegInf;
+        lrow[r] = 0.f;
+      }
+      std::fill(acc, acc + R * D, 0.f);
+      if (band_hi < band_lo) continue;
+      const int64_t span = band_hi - band_lo + 1, per = (span + S - 1) / S;
+      const int64_t ka = band_lo + s * per, kb = std::min(band_hi + 1, ka + per);
+      const int32_t* trow = tb + b * npb;
+      // Visits (key j, row r) for the rows that see key j: key by key over every row when the heads of a key
+      // are adjacent in memory ((page, Hk, D) caches), else head by head, each head's keys in order.
+      // before(j, h0, h1) runs ahead of the rows of kv heads [h0, h1) for key j.
+      auto walk = [&](int64_t n, auto&& before, auto&& body) {
+        const int64_t GL = G * Lq;
+        const bool heads_adjacent = std::abs(sk2) <= std::abs(sk1);
+        for (int64_t hg = 0; hg < (heads_adjacent ? 1 : Hk); ++hg) {
+          const int64_t h0 = heads_adjacent ? 0 : hg, h1 = heads_adjacent ? Hk : hg + 1;
+          for (int64_t j = 0; j < n; ++j) {
+            before(j, h0, h1);
+            for (int64_t r = h0 * GL; r < h1 * GL; ++r)
+              if (j >= ra[r] && j < re[r]) body(j, r);
+          }
+        }
+      };
+      for (int64_t c0 = ka; c0 < kb; c0 += CACHE_CHUNK) {
+        const int64_t n = std::min(CACHE_CHUNK, kb - c0);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t key = c0 + j, pg = trow[key / page], off = key % page;
+          krow[j] = kp + pg * sk0 + off * sk1;
+          vrow[j] = vp + pg * sv0 + off * sv1;
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          ra[r] = std::max<int64_t>(lo[r] - c0, 0);
+          re[r] = std::min<int64_t>(hi[r] - c0 + 1, n);
+        }
+        walk(n, [&](int64_t j, int64_t h0, int64_t h1) {
+          // Pages break the hardware prefetcher's streams: fetch the K rows a few keys ahead and this key's
+          // V rows (used after the softmax of the chunk).
+          for (int64_t hk = h0; hk < h1; ++hk)
+            for (int64_t d = 0; d < D; d += 16) {
+              if (j + PREFETCH_KEYS < n) __builtin_prefetch(krow[j + PREFETCH_KEYS] + hk * sk2 + d, 0, 3);
+              __builtin_prefetch(vrow[j] + hk * sv2 + d, 0, 2);
+            }
+        }, [&](int64_t j, int64_t r) {
+          const float* kr = krow[j] + koff[r];
+          const float x = dot(qs.data() + r * D, kr, D);
+          // A non-finite score comes from a non-finite K row or from overflow; only the first counts.
+          if (!std::isfinite(x) && !all_finite(kr, D)) bad[r] = 1;
+          sbuf[r * CACHE_CHUNK + j] = x;
+        });
+        for (int64_t r = 0; r < R; ++r) {
+          float* sr = sbuf.data() + r * CACHE_CHUNK;
+          const int64_t a = ra[r], e = re[r];
+          if (e <= a) continue;
+          if (cap > 0.f) cap_log2(sr + a, nullptr, e - a, cap);
+          if (al) alibi_row(sr + a, e - a, al[b * H + r / Lq] * kLog2e, sl[b] - Lq + r % Lq - c0 - a);
+          const float mx = row_max(sr + a, e - a), mnew = std::max(mrow[r], mx);
+          if (mnew == kNegInf) {  // nothing visible yet in this row
+            re[r] = ra[r];
+            continue;
+          }
+          const float alpha = mrow[r] == kNegInf ? 0.f : std::exp2(mrow[r] - mnew);
+          lrow[r] = lrow[r] * alpha + exp2_sub_sum(sr + a, e - a, mnew);
+          mrow[r] = mnew;
+          float* ar = acc + r * D;
+          if (alpha != 1.f)
+            for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+        }
+        walk(n, [](int64_t, int64_t, int64_t) {}, [&](int64_t j, int64_t r) {
+          axpy(acc + r * D, sbuf[r * CACHE_CHUNK + j], vrow[j] + voff[r], D);
+        });
+      }
+      // A non-finite accumulator comes from a non-finite V row the row sees or from overflow.
+      for (int64_t r = 0; r < R; ++r) {
+        if (bad[r] || all_finite(acc + r * D, D)) continue;
+        for (int64_t key = std::max(ka, lo[r]); key <= std::min(kb - 1, hi[r]) && !bad[r]; ++key)
+          if (!all_finite(vp + trow[key / page] * sv0 + (key % page) * sv1 + voff[r], D)) bad[r] = 1;
+      }
+    }
+  });
+
+  // Merge the splits of every row.
+  float* op = o.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  at::parallel_for(0, B, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t;
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t h = r / Lq, i = r % Lq;
+        float* out = op + ((b * Lq + i) * H + h) * D;
+        float m = kNegInf;
+        bool is_bad = false;
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t idx = (t * S + s) * R + r;
+          m = std::max(m, pm[idx]);
+          is_bad = is_bad || part_bad[idx];
+        }
+        float* lrow = lp + (b * H + h) * Lq + i;
+        if (is_bad) {
+          std::fill(out, out + D, nan);
+          *lrow = nan;
+          continue;
+        }
+        std::fill(out, out + D, 0.f);
+        if (m == kNegInf) {
+          *lrow = kNegInf;
+          continue;
+        }
+        float l = 0.f;
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t idx = (t * S + s) * R + r;
+          if (pm[idx] == kNegInf) continue;
+          const float w = std::exp2(pm[idx] - m);
+          l += pl[idx] * w;
+          axpy(out, w, pa + idx * D, D);
+        }
+        const float inv = l > 0.f ? 1.f / l : 0.f;
+        for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+        *lrow = l > 0.f ? (m + std::log2(l)) * kLn2 : kNegInf;
+      }
+    }
+  });
+  return {o, lse};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_fwd", &fwd, "banded tiled attention forward -> (o, lse)");
   m.def("attention_bwd", &bwd, "banded tiled attention backward -> (dq, dk, dv[, dbias])");
+  m.def("attention_cache_fwd", &cache_fwd, "KV-cache (paged) attention forward -> (o (B,Lq,H,D), lse)");
   m.def("has_avx2", []() {
 #ifdef FA_AVX2
     return true;

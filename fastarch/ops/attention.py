@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..backend import Call, register
+from ..backend import Call, get_implementation, register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_tensor, fail
 from ._dispatch import call_of, in_layout_of, resolve, run, run_backward
@@ -275,6 +275,38 @@ def _nonfinite_rows(k: torch.Tensor, v: torch.Tensor, kpm: torch.Tensor | None, 
     hi_c = torch.maximum(hi + 1, lo_c).clamp(0, Lk)
     seen = (cnt[..., hi_c] - cnt[..., lo_c]) > 0  # (B, Hk, Lq)
     return _expand_kv(seen.unsqueeze(-1), H).squeeze(-1)
+
+
+CACHE_KERNEL_MAX_ROWS = 16  # query rows per batch up to which a cache call takes the C++ cache kernel
+
+
+def _cache_kernel_serves(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, make_call, dropout_p: float,
+                         backend: str | None) -> bool:
+    """Whether a call with queries q4 (B, H, Lq, D) runs the cpp backend's cache kernel: a short
+    inference-only forward (no dropout, no gradient, not traced) that the backend selection (``make_call``
+    gives the call as the general path would make it) gives to cpp."""
+    if q4.shape[2] > CACHE_KERNEL_MAX_ROWS or dropout_p > 0 or q4.device.type != "cpu" or 0 in q4.shape:
+        return False
+    if torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and (q4.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    try:
+        name = resolve(OP, make_call, backend)
+    except Exception:  # noqa: BLE001 - the general path reports the selection error with its own context
+        return False
+    return name == "cpp"
+
+
+def _cache_kernel(q4: torch.Tensor, pages_k: torch.Tensor, pages_v: torch.Tensor, block_table: torch.Tensor,
+                  seqlens_k: torch.Tensor, key_leftpad: torch.Tensor | None, alibi, wl: int, wr: int, scale,
+                  softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cpp cache kernel on q4 (B, H, Lq, D) and pages (num_pages, page, Hk, D) -> o (B, Lq, H, D), lse."""
+    B = q4.shape[0]
+    leftpad = key_leftpad if key_leftpad is not None else torch.zeros(B, dtype=torch.int32)
+    sc = q4.shape[-1] ** -0.5 if scale is None else float(scale)
+    return get_implementation(OP, "cpp").cache_forward(q4, pages_k, pages_v, block_table, seqlens_k, leftpad,
+                                                       alibi, wl, wr, sc, softcap)
 
 
 def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -674,6 +706,16 @@ def attention(
     _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale, layout)
     q4, k4, v4 = (_as_bhld(t, layout) for t in (q, k, v))
     alibi = _validate_alibi(alibi_slopes, q4.shape[0], q4.shape[1], q, "B")
+    if key_padding_mask is None and attn_bias is None and k4.shape[2] > 0 and _cache_kernel_serves(
+            q4, k, v, lambda: _call(q4, k4, None, None, wl, wr, dropout_p, False, softcap, alibi), dropout_p,
+            backend):
+        # A decode step: the cache kernel with the whole of k, v as one page per batch row.
+        B, Lk = q4.shape[0], k4.shape[2]
+        o, lse = _cache_kernel(q4, k4.transpose(1, 2), v4.transpose(1, 2),
+                               torch.arange(B, dtype=torch.int32).view(B, 1),
+                               torch.full((B,), Lk, dtype=torch.int32), None, alibi, wl, wr, scale, softcap)
+        o = o if layout == "blhd" else o.transpose(1, 2).contiguous()
+        return (o, lse) if return_lse else o
     o, lse = _run(q4, k4, v4, key_padding_mask, _bias4(attn_bias), alibi, None, wl, wr, dropout_p, scale,
                   dropout_seed, backend, softcap)
     o = _as_bhld(o, layout)
@@ -767,12 +809,13 @@ def _cached(q, k, v, wl, wr, dropout_p, scale, return_lse, dropout_seed, backend
         if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= k.shape[0]):
             fail(OP, f"argument 'block_table' entries must be page indices in [0, {k.shape[0]}), got "
                      f"{int(block_table.min())} .. {int(block_table.max())}")
-        k, v = _gather_pages(k, block_table), _gather_pages(v, block_table)
-        kl = "blhd"
+        # Validated against the shape of the gathered cache, which is only built if the cache kernel is not used.
+        Hk, D = k.shape[2], k.shape[3]
+        k4 = v4 = torch.empty((), dtype=k.dtype, device=k.device).expand(B, Hk, block_table.shape[1] * k.shape[1], D)
+        _validate(q4, k4, v4, None, None, dropout_p, scale, "bhld")
     else:
-        kl = layout
-    _validate(q4, _as_bhld(k, kl), _as_bhld(v, kl), None, None, dropout_p, scale, "bhld")
-    k4, v4 = _as_bhld(k, kl), _as_bhld(v, kl)
+        _validate(q4, _as_bhld(k, layout), _as_bhld(v, layout), None, None, dropout_p, scale, "bhld")
+        k4, v4 = _as_bhld(k, layout), _as_bhld(v, layout)
     Lc = k4.shape[2]
     check_tensor(OP, "seqlens_k", seqlens_k, ndim=1, dtypes=(torch.int32,), shape=(B,))
     sk = seqlens_k.to("cpu", torch.int64)
@@ -786,6 +829,22 @@ def _cached(q, k, v, wl, wr, dropout_p, scale, return_lse, dropout_seed, backend
     alibi = _validate_alibi(alibi_slopes, B, H, q, "B")
     b = torch.arange(B, dtype=torch.int64)
     segs = torch.stack([b * Lq, (b + 1) * Lq, b * Lc + lp, b * Lc + sk], 1)
+    packed_q = q4.new_empty(()).expand(1, H, B * Lq, D)
+    packed_k = q4.new_empty(()).expand(1, k4.shape[1], B * Lc, D)
+    if _cache_kernel_serves(q4, k, v, lambda: _call(packed_q, packed_k, None, None, wl, wr, dropout_p, False,
+                                                    softcap, alibi, segs), dropout_p, backend):
+        # Pages (or the contiguous cache as one page per batch row) are read in place.
+        if block_table is None:
+            pages_k, pages_v = k4.transpose(1, 2), v4.transpose(1, 2)
+            block_table = torch.arange(B, dtype=torch.int32).view(B, 1)
+        else:
+            pages_k, pages_v = k, v
+        o, lse = _cache_kernel(q4, pages_k, pages_v, block_table, seqlens_k, key_leftpad, alibi, wl, wr, scale,
+                               softcap)
+        o = o if layout == "blhd" else o.transpose(1, 2)
+        return (o, lse) if return_lse else o
+    if block_table is not None:
+        k4, v4 = (_gather_pages(t, block_table).transpose(1, 2) for t in (k, v))
     # One packed problem: rows b*Lq.., keys b*Lc.. (reshape is a view for contiguous caches).
     qf = q4.transpose(1, 2).reshape(1, B * Lq, H, D).transpose(1, 2)
     kf = k4.transpose(1, 2).reshape(1, B * Lc, -1, D).transpose(1, 2)
@@ -1022,6 +1081,20 @@ class CppAttention(CppImplementation):
         dq, dk, dv = res[0], res[1], res[2]
         dbias = res[3] if need_dbias else None
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
+
+    def cache_forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                      block_table: torch.Tensor, seqlens_k: torch.Tensor, key_leftpad: torch.Tensor,
+                      alibi: torch.Tensor | None, wl: int, wr: int, scale: float,
+                      softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward over a KV cache read in place through its block table: q ``(B, H, Lq, D)``, pages
+        ``(num_pages, page, Hk, D)`` (any strides with unit-stride rows), block_table int32 ``(B, n)``,
+        seqlens_k / key_leftpad int32 ``(B,)``, alibi ``(B, H)`` fp32 or None -> o ``(B, Lq, H, D)`` in q's
+        dtype and lse ``(B, H, Lq)`` fp32."""
+        o, lse = self.lib.attention_cache_fwd(
+            _rows32(q), _rows32(k_pages), _rows32(v_pages), block_table.to(torch.int32).contiguous(),
+            seqlens_k.to(torch.int32).contiguous(), key_leftpad.to(torch.int32).contiguous(),
+            _f32(alibi) if alibi is not None else None, wl, wr, scale, softcap)
+        return o.to(q.dtype), lse
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:

@@ -147,6 +147,22 @@ def _poison(t: torch.Tensor, lengths: torch.Tensor) -> None:
             t[b, n + 1:n + 2, :, 0] = 3e38
 
 
+def _paged(k: torch.Tensor, v: torch.Tensor, page: int, spare: int, g: torch.Generator):
+    """Caches (B, cap, Hk, D) -> NaN-filled pages (B * n + spare, page, Hk, D) in random order and the int32
+    block table (B, n)."""
+    B, cap, Hk, D = k.shape
+    n = (cap + page - 1) // page
+    kp = torch.full((B * n + spare, page, Hk, D), float("nan"))
+    vp = torch.full((B * n + spare, page, Hk, D), float("nan"))
+    perm = torch.randperm(B * n + spare, generator=g)[:B * n].view(B, n)
+    for b in range(B):
+        for i in range(n):
+            rows = slice(i * page, min(cap, (i + 1) * page))
+            kp[perm[b, i], :rows.stop - rows.start] = k[b, rows]
+            vp[perm[b, i], :rows.stop - rows.start] = v[b, rows]
+    return kp, vp, perm.to(torch.int32)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page", [None, 16, 5])
 def test_cache_lengths_and_pages(backend, page):
@@ -171,16 +187,8 @@ def test_cache_lengths_and_pages(backend, page):
     if page is None:
         o = attention(q, k, v, **kw)
     else:
-        n = (cap + page - 1) // page
-        kp = torch.full((B * n + 3, page, Hk, D), float("nan"))
-        vp = torch.full((B * n + 3, page, Hk, D), float("nan"))
-        perm = torch.randperm(B * n + 3, generator=g)[:B * n].view(B, n)
-        for b in range(B):
-            for i in range(n):
-                rows = slice(i * page, min(cap, (i + 1) * page))
-                kp[perm[b, i], :rows.stop - rows.start] = k[b, rows]
-                vp[perm[b, i], :rows.stop - rows.start] = v[b, rows]
-        o = attention(q, kp, vp, block_table=perm.to(torch.int32), **kw)
+        kp, vp, table = _paged(k, v, page, 3, g)
+        o = attention(q, kp, vp, block_table=table, **kw)
     torch.testing.assert_close(o, want, **TOL)
 
 
@@ -192,3 +200,40 @@ def test_cache_bad_arguments():
     with pytest.raises(ValueError, match="block_table"):
         attention(q, k, k, layout="blhd", seqlens_k=torch.tensor([3, 4], dtype=torch.int32),
                   block_table=torch.tensor([[0], [2]], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("page", [None, 16, 7])
+@pytest.mark.parametrize("Lq", [1, 3])
+def test_cache_kernel_splits_and_nonfinite(page, Lq):
+    """Inference calls on a cache take the cpp cache kernel: keys split across tasks (one kv head, a long
+    cache), grouped query heads, a window, soft-capping, left padding, pages of any size read in place, the
+    (B, H, L, D) layout, and a NaN value row that only the last query row of batch 0 sees."""
+    require_backend("attention", "cpp")
+    g = torch.Generator().manual_seed(4)
+    B, H, Hk, D, cap = 2, 4, 1, 24, 3000
+    seqlens = torch.tensor([2999, 1500], dtype=torch.int32)
+    leftpad = torch.tensor([5, 0], dtype=torch.int32)
+    q = torch.randn(B, Lq, H, D, generator=g)
+    k = torch.randn(B, cap, Hk, D, generator=g)
+    v = torch.randn(B, cap, Hk, D, generator=g)
+    kw = dict(window=(2000, 0), softcap=6.0)
+    want, want_lse = [], []
+    for b in range(B):
+        lo, hi = int(leftpad[b]), int(seqlens[b])
+        o, lse = attention_ref(q[b:b + 1], k[b:b + 1, lo:hi], v[b:b + 1, lo:hi], layout="blhd", return_lse=True,
+                               **kw)
+        want.append(o)
+        want_lse.append(lse)
+    want, want_lse = torch.cat(want), torch.cat(want_lse)
+    k[0, :5], v[0, 2999:] = float("inf"), float("nan")  # left padding and past the length: never seen
+    v[0, 2998, 0, 3] = float("nan")  # seen by the last query row of batch 0 only
+    want[0, -1], want_lse[0, :, -1] = float("nan"), float("nan")
+    cache = dict(seqlens_k=seqlens, key_leftpad=leftpad, return_lse=True, backend="cpp", **kw)
+    if page is None:
+        o, lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **cache)
+        o = o.transpose(1, 2)
+    else:
+        kp, vp, table = _paged(k, v, page, 2, g)
+        o, lse = attention(q, kp, vp, layout="blhd", block_table=table, **cache)
+    torch.testing.assert_close(o, want, equal_nan=True, **TOL)
+    torch.testing.assert_close(lse, want_lse, equal_nan=True, **TOL)

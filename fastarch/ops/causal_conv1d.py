@@ -444,7 +444,8 @@ class AtenCausalConv1d(AtenImplementation):
         g = F.pad(g, (0, width - 1))
         dx, dw, db = torch.ops.aten.convolution_backward(g, xf, w, [dim], [1], [width - 1], [1], False, [0], dim,
                                                           [True, True, True])
-        return dx, dw.squeeze(1), db, x.new_empty(x.shape[0], dim, width - 1, dtype=torch.float32)
+        # no initial states here (declined): their gradient slot is zeros
+        return dx, dw.squeeze(1), db, x.new_zeros(x.shape[0], dim, width - 1, dtype=torch.float32)
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[Any]], None],
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the file the mode open() would
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -37,3 +38,9 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[IO[Any]], None],
     except OSError:  # folders cannot be opened for fsync on every platform
         pass
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -60,6 +60,24 @@ class MultiHeadAttention(nn.Module):
         return output, attention
 
 
+class SelfAttention(nn.Module):
+    def __init__(self, d_model, n_heads, dropout=0.1):
+        super().__init__()
+        self.mha = MultiHeadAttention(d_model, n_heads, dropout)
+
+    def forward(self, x, mask=None):
+        return self.mha(x, x, x, mask)
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, d_model, n_heads, dropout=0.1):
+        super().__init__()
+        self.mha = MultiHeadAttention(d_model, n_heads, dropout)
+
+    def forward(self, q, kv, mask=None):
+        return self.mha(q, kv, kv, mask)
+
+
 class PositionalEncoding(nn.Module):
     def __init__(self, d_model, max_len=5000, dropout=0.1):
         super().__init__()

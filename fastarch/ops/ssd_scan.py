@@ -1,0 +1,475 @@
+"""Mamba-2's state-space-dual (SSD) scan, compatible with mamba-ssm's ``mamba_chunk_scan_combined``.
+
+Every head ``h`` (of ``H``) keeps a ``(P, N)`` state; heads share ``B`` and ``C`` in ``G`` groups (head ``h``
+reads group ``h // (H // G)``)::
+
+    dt_t = clamp(softplus(dt_t + dt_bias), *dt_limit)     (softplus when dt_softplus; clamp when dt_limit
+                                                             is not (0, inf))
+    h_t  = exp(dt_t * A) * h_{t-1} + dt_t * x_t B_t^T     (x_t: P, B_t: N)
+    y_t  = h_t C_t + D * x_t
+    out  = y * silu(z)                                    (when z is given)
+
+``seq_idx`` restarts the state where it changes (``h_{t-1}`` counts as 0 when ``seq_idx[t] != seq_idx[t-1]``,
+with ``seq_idx[-1]`` taken as 0, as mamba-ssm does, so ``initial_states`` feed the sequence numbered 0). Each
+sequence's steps are contiguous: a number does not reappear after another one.
+
+Shapes (as in mamba-ssm): ``x``, ``z``, ``out`` ``(batch, L, H, P)``; ``dt`` ``(batch, L, H)``; ``A`` ``(H,)``;
+``B``, ``C`` ``(batch, L, G, N)``; ``D`` ``(H,)`` or ``(H, P)``; ``dt_bias`` ``(H,)``; ``initial_states`` and the
+final states ``(batch, H, P, N)``; ``seq_idx`` ``(batch, L)`` integer; ``cu_seqlens`` ``(num_seqs + 1,)``.
+
+The kernels compute the core scan only: ``(x, dt, A, B, C, initial_states, seq_idx, chunk_size) -> (y,
+final_states, chunk_states)``, with ``dt`` already biased, softplus-ed and clamped, and ``y = h_t C_t`` in fp32.
+The bias, softplus, clamp, ``D`` and the gate are elementwise PyTorch around it, differentiated by autograd.
+``chunk_states`` ``(batch, n_chunks, H, P, N)`` fp32 holds the state entering each chunk of ``chunk_size``
+steps (the true state at position ``c * chunk_size - 1``, before any restart at the chunk's first step;
+``initial_states`` or 0 for chunk 0). It is all the backward keeps besides the inputs, and what the varlen
+states are computed from: memory ``O(batch * L * H * P + batch * (L / chunk_size) * H * P * N)``, never
+``batch * L * H * P * N``.
+
+Backends: ``torch`` (the chunked SSD algorithm as PyTorch matrix multiplies; the backward by autograd
+through a recomputed forward), ``cpp`` and ``triton``. The oracle :func:`ssd_scan_ref` is a sequential fp32
+recurrence.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..backend import Call, register
+from ._backends import TorchImplementation
+from ._checks import check_same_device, check_tensor, fail
+from ._dispatch import call_of, in_layout_of, resolve, run, run_backward
+
+__all__ = ["mamba_chunk_scan_combined", "ssd_scan", "ssd_scan_ref"]
+
+OP = "ssd_scan"
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# -- the pieces every path shares ---------------------------------------------------------------------------
+def effective_dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool,
+                 dt_limit: tuple[float, float]) -> torch.Tensor:
+    """The time steps the scan uses, fp32 ``(batch, L, H)``: bias, softplus (identity above 20, as
+    mamba-ssm's kernels do), then the ``dt_limit`` clamp unless it is ``(0, inf)``."""
+    dtf = dt.float()
+    if dt_bias is not None:
+        dtf = dtf + dt_bias.float()
+    if dt_softplus:
+        dtf = torch.where(dtf <= 20.0, F.softplus(dtf), dtf)
+    if tuple(dt_limit) != (0.0, math.inf):
+        dtf = dtf.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dtf
+
+
+def skip_and_gate(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None
+                  ) -> torch.Tensor:
+    """``(y + D * x) * silu(z)`` in fp32, as ``x.dtype``; ``y`` fp32 ``(batch, L, H, P)``."""
+    if D is not None:
+        Df = D.float()
+        y = y + x.float() * (Df[:, None] if Df.dim() == 1 else Df)
+    if z is not None:
+        y = y * F.silu(z.float())
+    return y.to(x.dtype)
+
+
+def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """``(1, L)`` int32: the sequence number of each packed position."""
+    counts = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    ids = torch.arange(counts.numel(), device=cu_seqlens.device, dtype=torch.int32)
+    return torch.repeat_interleave(ids, counts, output_size=seqlen)[None]
+
+
+# -- the oracle ----------------------------------------------------------------------------------------------
+def ssd_scan_ref(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int = 256,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    return_final_states: bool = False,
+    return_varlen_states: bool = False,
+) -> Any:
+    """The oracle: the recurrence of the module docstring, one step at a time in fp32 (``chunk_size`` is
+    accepted for signature compatibility and ignored). Differentiable by autograd. Returns what
+    :func:`ssd_scan` returns."""
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    if cu_seqlens is not None and seq_idx is None:
+        seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, seqlen)
+    dtf = effective_dt(dt, dt_bias, dt_softplus, dt_limit)
+    xf, Af = x.float(), A.float()
+    Bh = B.float().repeat_interleave(nheads // ngroups, dim=2)  # (batch, L, H, N)
+    Ch = C.float().repeat_interleave(nheads // ngroups, dim=2)
+    h = (initial_states.float() if initial_states is not None
+         else xf.new_zeros(batch, nheads, headdim, dstate))
+    prev = torch.zeros(batch, dtype=torch.long, device=x.device)
+    ys, states = [], []
+    for t in range(seqlen):
+        if seq_idx is not None:
+            cur = seq_idx[:, t].long()
+            h = h * (cur == prev).float()[:, None, None, None]
+            prev = cur
+        decay = torch.exp(dtf[:, t] * Af)  # (batch, H)
+        h = decay[..., None, None] * h + (dtf[:, t, :, None] * xf[:, t])[..., None] * Bh[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, Ch[:, t]))
+        states.append(h)
+    y = torch.stack(ys, dim=1) if ys else xf.new_zeros(x.shape)
+    out = skip_and_gate(y, x, D, z)
+    res: list[torch.Tensor] = [out]
+    if return_final_states:
+        res.append(h)
+    if return_varlen_states:
+        assert cu_seqlens is not None
+        ends = cu_seqlens.long()
+        varlen = [states[int(e) - 1][0] if int(e) > int(s) else h.new_zeros(nheads, headdim, dstate)
+                  for s, e in zip(ends[:-1], ends[1:])]
+        res.append(torch.stack(varlen) if varlen else h.new_zeros(0, nheads, headdim, dstate))
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+# -- validation ----------------------------------------------------------------------------------------------
+def _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_limit,
+              return_varlen_states) -> None:
+    check_tensor(OP, "x", x, ndim=4)
+    batch, seqlen, nheads, headdim = x.shape
+    check_tensor(OP, "dt", dt, shape=(batch, seqlen, nheads))
+    if isinstance(A, torch.Tensor) and A.is_complex():
+        fail(OP, "argument 'A' is complex; only real A is supported", NotImplementedError)
+    check_tensor(OP, "A", A, shape=(nheads,))
+    check_tensor(OP, "B", B, ndim=4)
+    check_tensor(OP, "B", B, shape=(batch, seqlen, None, None))
+    ngroups, dstate = B.shape[2], B.shape[3]
+    if ngroups < 1 or nheads % ngroups != 0:
+        fail(OP, f"argument 'B' has {ngroups} groups (shape {tuple(B.shape)}) but the number of heads "
+                 f"H={nheads} must be a multiple of it")
+    check_tensor(OP, "C", C, shape=(batch, seqlen, ngroups, dstate))
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        fail(OP, f"argument 'chunk_size' must be a positive int, got {chunk_size!r}")
+    if D is not None:
+        check_tensor(OP, "D", D, ndim=(1, 2))
+        check_tensor(OP, "D", D, shape=(nheads,) if D.dim() == 1 else (nheads, headdim))
+    if z is not None:
+        check_tensor(OP, "z", z, shape=(batch, seqlen, nheads, headdim))
+    if dt_bias is not None:
+        check_tensor(OP, "dt_bias", dt_bias, shape=(nheads,))
+    if initial_states is not None:
+        check_tensor(OP, "initial_states", initial_states, shape=(batch, nheads, headdim, dstate))
+    if seq_idx is not None:
+        check_tensor(OP, "seq_idx", seq_idx, dtypes=INDEX_DTYPES, shape=(batch, seqlen))
+    if not (isinstance(dt_limit, (tuple, list)) and len(dt_limit) == 2
+            and all(isinstance(v, (int, float)) for v in dt_limit) and dt_limit[0] <= dt_limit[1]):
+        fail(OP, f"argument 'dt_limit' must be a pair (low, high) of numbers with low <= high, got {dt_limit!r}")
+    if cu_seqlens is not None:
+        check_tensor(OP, "cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, ndim=1)
+        if batch != 1:
+            fail(OP, f"argument 'cu_seqlens' packs sequences into one row: x must have batch 1, got {batch}")
+        cu = cu_seqlens.tolist()
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != seqlen or any(b < a for a, b in zip(cu, cu[1:])):
+            fail(OP, f"argument 'cu_seqlens' must be non-decreasing from 0 to the length L={seqlen}, got "
+                     f"{cu[:8]}{'...' if len(cu) > 8 else ''}")
+    if return_varlen_states and cu_seqlens is None:
+        fail(OP, "return_varlen_states=True needs argument 'cu_seqlens'")
+    check_same_device(OP, "x", x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
+                      initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=cu_seqlens)
+
+
+def _call(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> Call:
+    return call_of(x, headdim=x.shape[3], dstate=B.shape[3], chunk_size=chunk_size)
+
+
+def n_chunks(seqlen: int, chunk_size: int) -> int:
+    return (seqlen + chunk_size - 1) // chunk_size
+
+
+# -- the custom ops -----------------------------------------------------------------------------------------
+@torch.library.custom_op("fastarch::ssd_scan_fwd", mutates_args=())
+def _ssd_scan_fwd(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    initial_states: torch.Tensor | None,
+    seq_idx: torch.Tensor | None,
+    chunk_size: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dt`` is the effective fp32 step. Returns fp32 (y, final_states, chunk_states)."""
+    y, final, chunk_states = run(OP, "forward", _call(x, B, chunk_size), backend, x, dt, A, B, C,
+                                 initial_states, seq_idx, chunk_size)
+    return y, final, chunk_states
+
+
+@_ssd_scan_fwd.register_fake
+def _(x, dt, A, B, C, initial_states, seq_idx, chunk_size, backend):
+    b, L, h, p = x.shape
+    n = B.shape[3]
+    return (x.new_empty(b, L, h, p, dtype=torch.float32), x.new_empty(b, h, p, n, dtype=torch.float32),
+            x.new_empty(b, n_chunks(L, chunk_size), h, p, n, dtype=torch.float32))
+
+
+@torch.library.custom_op("fastarch::ssd_scan_bwd", mutates_args=())
+def _ssd_scan_bwd(
+    dy: torch.Tensor,
+    dfinal: torch.Tensor | None,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    initial_states: torch.Tensor | None,
+    seq_idx: torch.Tensor | None,
+    chunk_states: torch.Tensor,
+    chunk_size: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns fp32 (dx, ddt, dA, dB, dC, dinitial_states); dinitial_states is empty without initial states."""
+    grads = run_backward(OP, _call(x, B, chunk_size), backend, dy, dfinal, x, dt, A, B, C, initial_states,
+                         seq_idx, chunk_states, chunk_size)
+    inputs = (x, dt, A, B, C, initial_states)
+    return tuple(x.new_empty(0, dtype=torch.float32) if t is None else in_layout_of(t, g.float())
+                 for g, t in zip(grads, inputs))
+
+
+@_ssd_scan_bwd.register_fake
+def _(dy, dfinal, x, dt, A, B, C, initial_states, seq_idx, chunk_states, chunk_size, backend):
+    def like(t):
+        return x.new_empty(0, dtype=torch.float32) if t is None else torch.empty_like(t, dtype=torch.float32)
+
+    return like(x), like(dt), like(A), like(B), like(C), like(initial_states)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, dt, A, B, C, initial_states, seq_idx, chunk_size, backend = inputs
+    ctx.save_for_backward(x, dt, A, B, C, initial_states, seq_idx, output[2])
+    ctx.chunk_size, ctx.backend = chunk_size, backend
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy, dfinal, _dchunk_states):
+    x, dt, A, B, C, initial_states, seq_idx, chunk_states = ctx.saved_tensors
+    if dy is None:
+        dy = x.new_zeros(x.shape, dtype=torch.float32)
+    grads = _ssd_scan_bwd(dy.float().contiguous(), dfinal, x, dt, A, B, C, initial_states, seq_idx,
+                          chunk_states, ctx.chunk_size, ctx.backend)
+    inputs = (x, dt, A, B, C, initial_states)
+    res = tuple(None if t is None else g.to(t.dtype) for g, t in zip(grads, inputs))
+    return (*res, None, None, None)
+
+
+_ssd_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- varlen states -------------------------------------------------------------------------------------------
+def varlen_states(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, seq_idx: torch.Tensor,
+                  chunk_states: torch.Tensor, cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """The state after each packed sequence's last step, ``(num_seqs, H, P, N)`` fp32 (0 for an empty one),
+    from the chunk states and at most one chunk of steps per sequence. ``x`` ``(1, L, H, P)``, ``dt`` the
+    effective steps ``(1, L, H)``, ``B`` ``(1, L, G, N)``, ``seq_idx`` ``(1, L)``."""
+    seqlen, nheads = x.shape[1], x.shape[2]
+    ngroups = B.shape[2]
+    ends = cu_seqlens.long()[1:]
+    nonempty = ends > cu_seqlens.long()[:-1]
+    last = (ends - 1).clamp(min=0)  # (S,) position of each sequence's last step
+    first = (last // chunk_size) * chunk_size  # start of the chunk holding it
+    pos = first[:, None] + torch.arange(chunk_size, device=x.device)  # (S, chunk)
+    inside = (pos <= last[:, None]) & (seq_idx[0, pos.clamp(max=seqlen - 1)] == seq_idx[0, last][:, None])
+    pos = pos.clamp(max=seqlen - 1)
+    dA = torch.where(inside[..., None], dt[0, pos].float() * A.float(), 0.0)  # (S, chunk, H)
+    cum = dA.cumsum(1)
+    decay = torch.exp(cum[:, -1:] - cum) * inside[..., None]  # to the last step
+    Bh = B[0, pos].float().repeat_interleave(nheads // ngroups, dim=2)  # (S, chunk, H, N)
+    w = decay * dt[0, pos].float()
+    states = torch.einsum("sth,sthp,sthn->shpn", w, x[0, pos].float(), Bh)
+    # the state entering the chunk carries over when that chunk's first step did not start the sequence
+    chunk = last // chunk_size
+    prev_id = torch.where(first > 0, seq_idx[0, (first - 1).clamp(min=0)], torch.zeros_like(first))
+    carry = (prev_id == seq_idx[0, last]).float()
+    carried = chunk_states[0, chunk] * (torch.exp(cum[:, -1]) * carry[:, None])[..., None, None]
+    return (states + carried) * nonempty.float()[:, None, None, None]
+
+
+# -- the public op -------------------------------------------------------------------------------------------
+def ssd_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int = 256,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    initial_states: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    return_final_states: bool = False,
+    return_varlen_states: bool = False,
+    *,
+    backend: str | None = None,
+) -> Any:
+    """mamba-ssm's ``mamba_chunk_scan_combined``: the SSD scan of the module docstring.
+
+    Args:
+        x: the input ``(batch, L, H, P)``.
+        dt: the time steps ``(batch, L, H)``, before ``dt_bias``, softplus and the clamp.
+        A: ``(H,)``, real (negative for a decaying state).
+        B, C: ``(batch, L, G, N)``, ``G`` dividing ``H``.
+        chunk_size: steps per chunk; the result does not depend on it beyond rounding.
+        D: optional skip weight, ``(H,)`` or ``(H, P)``.
+        z: optional gate ``(batch, L, H, P)``: the output is multiplied by ``silu(z)``.
+        dt_bias: optional ``(H,)`` added to ``dt``.
+        initial_states: optional ``(batch, H, P, N)`` state before the first step.
+        seq_idx: optional ``(batch, L)`` integer sequence numbers; the state restarts where they change.
+        cu_seqlens: optional ``(num_seqs + 1,)`` offsets of packed sequences (batch 1). Without ``seq_idx``,
+            ``seq_idx`` is derived from it, so the sequences never mix.
+        dt_softplus: apply softplus to ``dt + dt_bias``.
+        dt_limit: clamp the steps to ``[low, high]`` (no clamp for the default ``(0, inf)``).
+        return_final_states: also return the state after the last step.
+        return_varlen_states: also return each packed sequence's last state (needs ``cu_seqlens``; not
+            differentiable).
+        backend: force 'cpp', 'triton' or 'torch' (default: the selector's choice).
+
+    Returns:
+        ``out`` ``(batch, L, H, P)`` in ``x.dtype``; ``(out, final_states)`` with ``return_final_states``;
+        ``(out, varlen_states)`` with ``return_varlen_states``; ``(out, final_states, varlen_states)`` with
+        both. States are fp32, ``(batch, H, P, N)`` and ``(num_seqs, H, P, N)``.
+    """
+    _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_limit,
+              return_varlen_states)
+    if cu_seqlens is not None and seq_idx is None:
+        seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, x.shape[1])
+    if x.numel() == 0 or B.shape[3] == 0:
+        return ssd_scan_ref(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
+                            dt_softplus, dt_limit, return_final_states, return_varlen_states)
+    dte = effective_dt(dt, dt_bias, dt_softplus, dt_limit).contiguous()
+    name = resolve(OP, lambda: _call(x, B, chunk_size), backend)
+    y, final, chunk_states = _ssd_scan_fwd(
+        x.contiguous(), dte, A.float().contiguous(), B.contiguous(), C.contiguous(),
+        None if initial_states is None else initial_states.float().contiguous(),
+        None if seq_idx is None else seq_idx.to(torch.int32).contiguous(), chunk_size, name)
+    res: list[torch.Tensor] = [skip_and_gate(y, x, D, z)]
+    if return_final_states:
+        res.append(final)
+    if return_varlen_states:
+        assert cu_seqlens is not None and seq_idx is not None
+        with torch.no_grad():
+            res.append(varlen_states(x, dte, A, B, seq_idx, chunk_states, cu_seqlens, chunk_size))
+    return res[0] if len(res) == 1 else tuple(res)
+
+
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                              return_final_states=False, return_varlen_states=False):
+    """mamba-ssm's name and positional signature (``chunk_size`` required) for :func:`ssd_scan`."""
+    return ssd_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_softplus,
+                    dt_limit, return_final_states, return_varlen_states)
+
+
+# -- the torch backend: the chunked SSD algorithm -----------------------------------------------------------
+def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                initial_states: torch.Tensor | None, seq_idx: torch.Tensor | None, chunk_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The core scan by chunks, fp32: within a chunk the output is a masked ``(chunk, chunk)`` matrix
+    product; between chunks only the ``(H, P, N)`` states pass. Returns (y ``(batch, L, H, P)``,
+    final_states, chunk_states) as the module docstring defines them. Differentiable by autograd."""
+    batch, seqlen, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[2], B.shape[3]
+    rep, cs = nheads // ngroups, chunk_size
+    nc = n_chunks(seqlen, cs)
+    pad = nc * cs - seqlen
+    xf, dtf, Bf, Cf = x.float(), dt.float(), B.float(), C.float()
+    if pad:  # dt = 0 steps neither decay nor add: the states and outputs of real steps are unchanged
+        xf, dtf, Bf, Cf = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (xf, dtf, Bf, Cf))
+    # (batch, chunk, step, group, rep, ...) views
+    xc = xf.view(batch, nc, cs, ngroups, rep, headdim)
+    dtc = dtf.view(batch, nc, cs, ngroups, rep)
+    Bc, Cc = Bf.view(batch, nc, cs, ngroups, dstate), Cf.view(batch, nc, cs, ngroups, dstate)
+    cum = (dtc * A.float().view(ngroups, rep)).cumsum(2)  # (batch, nc, cs, G, R)
+    steps = torch.arange(cs, device=x.device)
+    causal = steps[:, None] >= steps[None, :]  # (t, s)
+    if seq_idx is not None:
+        sid = seq_idx.long()
+        if pad:
+            sid = torch.cat([sid, sid[:, -1:].expand(batch, pad)], dim=1)
+        sidc = sid.view(batch, nc, cs)
+        same = (sidc[:, :, :, None] == sidc[:, :, None, :]) & causal  # (batch, nc, t, s)
+        before = torch.cat([sid.new_zeros(batch, 1), sid[:, cs - 1:-1:cs]], dim=1)[:, :nc]  # id at c*cs - 1
+        carry_in = (sidc == before[:, :, None]).float()  # (batch, nc, t): step t continues the entering state
+        to_end = (sidc == sidc[:, :, -1:]).float()  # step s belongs to the sequence at the chunk's end
+        chunk_keep = carry_in[:, :, -1]  # the entering state survives to the chunk's end
+    else:
+        same = causal.expand(batch, nc, cs, cs)
+        carry_in = to_end = None
+        chunk_keep = None
+    # within chunks: y_t += sum_{s<=t} (C_t . B_s) exp(cum_t - cum_s) dt_s x_s
+    seg = cum[:, :, :, None] - cum[:, :, None, :]  # (batch, nc, t, s, G, R)
+    mask = same[..., None, None]
+    decay = torch.exp(seg.masked_fill(~mask, -math.inf))
+    cb = torch.einsum("bctgn,bcsgn->bctsg", Cc, Bc)
+    w = cb[..., None] * decay * dtc[:, :, None]  # (batch, nc, t, s, G, R)
+    y = torch.einsum("bctsgr,bcsgrp->bctgrp", w, xc)
+    # each chunk's own contribution to the state at its end
+    dec_end = torch.exp(cum[:, :, -1:] - cum) * dtc  # (batch, nc, s, G, R)
+    if to_end is not None:
+        dec_end = dec_end * to_end[..., None, None]
+    own = torch.einsum("bcsgr,bcsgrp,bcsgn->bcgrpn", dec_end, xc, Bc)
+    # between chunks: pass the states along
+    chunk_decay = torch.exp(cum[:, :, -1])  # (batch, nc, G, R)
+    if chunk_keep is not None:
+        chunk_decay = chunk_decay * chunk_keep[..., None, None]
+    state = (initial_states.float().view(batch, ngroups, rep, headdim, dstate) if initial_states is not None
+             else xf.new_zeros(batch, ngroups, rep, headdim, dstate))
+    entering = []
+    for c in range(nc):
+        entering.append(state)
+        state = chunk_decay[:, c, ..., None, None] * state + own[:, c]
+    states_in = torch.stack(entering, dim=1)  # (batch, nc, G, R, P, N)
+    carry = torch.exp(cum)  # (batch, nc, t, G, R)
+    if carry_in is not None:
+        carry = carry * carry_in[..., None, None]
+    y = y + torch.einsum("bctgn,bcgrpn->bctgrp", Cc, states_in) * carry[..., None]
+    y = y.reshape(batch, nc * cs, nheads, headdim)[:, :seqlen]
+    return (y, state.reshape(batch, nheads, headdim, dstate),
+            states_in.reshape(batch, nc, nheads, headdim, dstate))
+
+
+class TorchSsdScan(TorchImplementation):
+    op = OP
+    description = "PyTorch chunked SSD (matrix multiplies within chunks, state passing between); autograd backward"
+
+    def forward(self, x, dt, A, B, C, initial_states, seq_idx, chunk_size):
+        with torch.no_grad():
+            return ssd_chunked(x, dt, A, B, C, initial_states, seq_idx, chunk_size)
+
+    def backward(self, dy, dfinal, x, dt, A, B, C, initial_states, seq_idx, chunk_states, chunk_size):
+        # torch.func.vjp differentiates even where the custom op has turned autograd off
+        primals = tuple(t.float() for t in (x, dt, A, B, C)) + (
+            () if initial_states is None else (initial_states.float(),))
+
+        def core(*ts):
+            init = ts[5] if len(ts) > 5 else None
+            y, final, _ = ssd_chunked(*ts[:5], init, seq_idx, chunk_size)
+            return y, final
+
+        (y, final), vjp = torch.func.vjp(core, *primals)
+        grads = vjp((dy.float(), torch.zeros_like(final) if dfinal is None else dfinal.float()))
+        return (*grads[:5], grads[5] if initial_states is not None else None)
+
+
+register(TorchSsdScan)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import Call, register
-from ._backends import TorchImplementation
+from ._backends import CppImplementation, TorchImplementation
 from ._checks import check_same_device, check_tensor, fail
 from ._dispatch import call_of, in_layout_of, resolve, run, run_backward
 
@@ -472,4 +472,27 @@ class TorchSsdScan(TorchImplementation):
         return (*grads[:5], grads[5] if initial_states is not None else None)
 
 
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous()
+
+
+class CppSsdScan(CppImplementation):
+    op, extension = OP, "ssd_scan"
+    limits: dict[str, int] = {}  # any headdim, dstate and chunk_size: scratch is chunk-sized per thread
+    description = ("C++: chunked SSD, chunk matrix products on ATen's BLAS in parallel over (batch, chunk, group, "
+                   "head block), states passed between chunks; backward recomputes each chunk from its state")
+
+    def forward(self, x, dt, A, B, C, initial_states, seq_idx, chunk_size):
+        return tuple(self.lib.ssd_scan_fwd(_f32(x), _f32(dt), _f32(A), _f32(B), _f32(C),
+                                           None if initial_states is None else _f32(initial_states),
+                                           seq_idx, chunk_size))
+
+    def backward(self, dy, dfinal, x, dt, A, B, C, initial_states, seq_idx, chunk_states, chunk_size):
+        dx, ddt, dA, dB, dC, dinit = self.lib.ssd_scan_bwd(
+            _f32(dy), None if dfinal is None else _f32(dfinal), _f32(x), _f32(dt), _f32(A), _f32(B), _f32(C),
+            None if initial_states is None else _f32(initial_states), seq_idx, _f32(chunk_states), chunk_size)
+        return dx, ddt, dA, dB, dC, dinit if initial_states is not None else None
+
+
 register(TorchSsdScan)
+register(CppSsdScan)

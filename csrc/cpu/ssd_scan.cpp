@@ -1,0 +1,540 @@
+// Mamba-2's SSD scan on CPU, forward and backward: the core recurrence
+//   h_t = exp(dt_t A_h) h_{t-1} + dt_t x_t B_t^T,   y_t = h_t C_t
+// by chunks of `cs` steps. Within a chunk the output is a masked (T, T) matrix product; between chunks only
+// the (P, N) states pass.
+//
+// Layout the Python glue hands us (all fp32 contiguous unless said):
+//   x, y, dy, dx: (batch, L, H, P)   dt, ddt: (batch, L, H)   A: (H,)   B, C, dB, dC: (batch, L, G, N)
+//   initial_states, final_states, dfinal: (batch, H, P, N)   seq_idx: (batch, L) int32
+//   chunk_states: (batch, nc, H, P, N), the state entering each chunk (before any restart at its first step)
+// Head h reads group h / (H / G).
+//
+// For one head and one chunk of T steps (t, s in [0, T)), with cum_t = sum_{r <= t} dt_r A and S the state
+// entering the chunk:
+//   y_t   = sum_{s <= t, same seq} exp(cum_t - cum_s) dt_s (C_t . B_s) x_s  +  carry_t S C_t
+//   S_out = decay S + sum_s wend_s x_s B_s^T
+// where carry_t = exp(cum_t) while step t continues the entering sequence (else 0), wend_s =
+// exp(cum_{T-1} - cum_s) dt_s for steps of the sequence that ends the chunk (else 0), decay = carry_{T-1}.
+//
+// Work is split in three passes so the per-chunk matrix products run in parallel over (batch, chunk, group,
+// block of heads) and only the cheap state pass is sequential over chunks:
+//   forward:  1. per chunk: y = M x (intra-chunk) and each chunk's own end-state contribution;
+//             2. per (batch, head): the states pass from chunk to chunk (in place in chunk_states);
+//             3. per chunk: y += carry * C S^T.
+//   backward: A. per chunk: dY^T diag(carry) C, the output's pull on the entering state;
+//             B. per (batch, head): the state gradients pass backwards from chunk to chunk;
+//             C. per chunk: every input gradient, recomputing the chunk from its entering state.
+// Temporaries are chunk-sized per thread; nothing of size L x P x N is formed. Matrix products go to ATen's
+// BLAS (single-threaded inside the parallel region).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include "fastarch_math.h"
+#include "fastarch_parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+using fastarch::fast_exp;
+
+// The (rows, cols) matrix stored row-major at p with leading dimension ld, or, when trans, the transpose of
+// the (cols, rows) matrix stored there.
+at::Tensor matrix(const float* p, int64_t rows, int64_t cols, int64_t ld, bool trans) {
+  auto opts = at::TensorOptions().dtype(at::kFloat);
+  auto* q = const_cast<float*>(p);
+  return trans ? torch::from_blob(q, {rows, cols}, {1, ld}, opts) : torch::from_blob(q, {rows, cols}, {ld, 1}, opts);
+}
+
+// c (m, n) = op(a) (m, k) op(b) (k, n) + beta c, row-major with leading dimensions.
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+          int64_t ldb, float beta, float* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  auto cm = matrix(c, m, n, ldc, false);
+  if (k == 0) {
+    if (beta == 0.f) cm.zero_();
+    return;
+  }
+  auto am = matrix(a, m, k, lda, ta), bm = matrix(b, k, n, ldb, tb);
+  if (beta == 0.f) {
+    at::mm_out(cm, am, bm);
+  } else {
+    cm.addmm_(am, bm, beta, 1.f);
+  }
+}
+
+struct Scan {
+  const float* x;
+  const float* dt;
+  const float* A;
+  const float* B;
+  const float* C;
+  const float* init;
+  const int32_t* seq;
+  int64_t batch, L, H, P, G, N, cs, nc, rep;
+  int64_t cmax;      // the longest chunk: min(cs, L), what scratch is sized for
+  int64_t nhb, hbs;  // head blocks per group and heads per block
+  int64_t ldx() const { return H * P; }
+  int64_t ldb() const { return G * N; }
+  int64_t tasks() const { return batch * nc * G * nhb; }
+};
+
+void check(const torch::Tensor& t, const char* name, at::IntArrayRef shape) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous(), "ssd_scan (cpp): ",
+              name, " must be a contiguous fp32 CPU tensor, got ", t.scalar_type(), " ", t.sizes());
+  TORCH_CHECK(t.sizes() == shape, "ssd_scan (cpp): ", name, " has shape ", t.sizes(), ", expected ", shape);
+}
+
+Scan make_scan(const torch::Tensor& x, const torch::Tensor& dt, const torch::Tensor& A, const torch::Tensor& B,
+               const torch::Tensor& C, const c10::optional<torch::Tensor>& init,
+               const c10::optional<torch::Tensor>& seq_idx, int64_t chunk_size) {
+  TORCH_CHECK(x.dim() == 4, "ssd_scan (cpp): x must be (batch, L, H, P), got ", x.sizes());
+  TORCH_CHECK(B.dim() == 4, "ssd_scan (cpp): B must be (batch, L, G, N), got ", B.sizes());
+  TORCH_CHECK(chunk_size >= 1, "ssd_scan (cpp): chunk_size must be positive, got ", chunk_size);
+  Scan s;
+  s.batch = x.size(0), s.L = x.size(1), s.H = x.size(2), s.P = x.size(3), s.G = B.size(2), s.N = B.size(3);
+  TORCH_CHECK(s.G >= 1 && s.H % s.G == 0, "ssd_scan (cpp): H=", s.H, " is not a multiple of G=", s.G);
+  check(x, "x", {s.batch, s.L, s.H, s.P});
+  check(dt, "dt", {s.batch, s.L, s.H});
+  check(A, "A", {s.H});
+  check(B, "B", {s.batch, s.L, s.G, s.N});
+  check(C, "C", {s.batch, s.L, s.G, s.N});
+  s.x = x.data_ptr<float>(), s.dt = dt.data_ptr<float>(), s.A = A.data_ptr<float>();
+  s.B = B.data_ptr<float>(), s.C = C.data_ptr<float>();
+  s.init = nullptr, s.seq = nullptr;
+  if (init) {
+    check(*init, "initial_states", {s.batch, s.H, s.P, s.N});
+    s.init = init->data_ptr<float>();
+  }
+  if (seq_idx) {
+    TORCH_CHECK(seq_idx->scalar_type() == torch::kInt && seq_idx->is_contiguous() &&
+                    seq_idx->sizes() == at::IntArrayRef({s.batch, s.L}),
+                "ssd_scan (cpp): seq_idx must be int32 contiguous (batch, L), got ", seq_idx->scalar_type(), " ",
+                seq_idx->sizes());
+    s.seq = seq_idx->data_ptr<int32_t>();
+  }
+  s.cs = chunk_size;
+  s.nc = (s.L + s.cs - 1) / s.cs;
+  s.cmax = std::min(s.cs, s.L);
+  s.rep = s.H / s.G;
+  // Split a group's heads into blocks only when (batch, chunk, group) tasks are too few for the threads:
+  // each block recomputes the group's C B^T.
+  const int64_t base = std::max<int64_t>(s.batch * s.nc * s.G, 1);
+  const int64_t want = 2 * static_cast<int64_t>(at::get_num_threads());
+  s.nhb = std::min<int64_t>(s.rep, std::max<int64_t>(1, (want + base - 1) / base));
+  s.hbs = (s.rep + s.nhb - 1) / s.nhb;
+  s.nhb = (s.rep + s.hbs - 1) / s.hbs;
+  return s;
+}
+
+// One task: a chunk of one batch row, one group, a block of its heads.
+struct Task {
+  int64_t b, c, g, h0, h1;  // heads [h0, h1)
+  int64_t s0, T;            // first step, steps
+  int64_t hb;               // head block index within the group
+};
+
+Task task_of(const Scan& s, int64_t i) {
+  Task k;
+  k.hb = i % s.nhb;
+  i /= s.nhb;
+  k.g = i % s.G;
+  i /= s.G;
+  k.c = i % s.nc;
+  k.b = i / s.nc;
+  k.h0 = k.g * s.rep + k.hb * s.hbs;
+  k.h1 = std::min(k.h0 + s.hbs, (k.g + 1) * s.rep);
+  k.s0 = k.c * s.cs;
+  k.T = std::min(s.cs, s.L - k.s0);
+  return k;
+}
+
+// The chunk's sequence structure, shared by its heads: sid (T), in (step continues the entering sequence),
+// end (step belongs to the sequence that ends the chunk).
+struct ChunkSeq {
+  std::vector<int32_t> sid;
+  std::vector<float> in, end;
+  void fill(const Scan& s, const Task& k) {
+    sid.assign(k.T, 0);
+    in.assign(k.T, 1.f);
+    end.assign(k.T, 1.f);
+    if (!s.seq) return;
+    const int32_t* q = s.seq + k.b * s.L + k.s0;
+    const int32_t before = k.c == 0 ? 0 : q[-1];
+    for (int64_t t = 0; t < k.T; ++t) {
+      sid[t] = q[t];
+      in[t] = q[t] == before ? 1.f : 0.f;
+      end[t] = q[t] == q[k.T - 1] ? 1.f : 0.f;
+    }
+  }
+};
+
+// Per-head decay factors of one chunk.
+struct Decays {
+  std::vector<float> cum, dt, carry, eend, wend;  // T each
+  float decay = 0.f;
+  void fill(const Scan& s, const Task& k, const ChunkSeq& q, int64_t h) {
+    const int64_t T = k.T;
+    cum.resize(T), dt.resize(T), carry.resize(T), eend.resize(T), wend.resize(T);
+    const float a = s.A[h];
+    const float* d = s.dt + (k.b * s.L + k.s0) * s.H + h;
+    float acc = 0.f;
+    for (int64_t t = 0; t < T; ++t) {
+      dt[t] = d[t * s.H];
+      acc += dt[t] * a;
+      cum[t] = acc;
+    }
+    const float last = cum[T - 1];
+    for (int64_t t = 0; t < T; ++t) {
+      carry[t] = q.in[t] * std::exp(cum[t]);
+      eend[t] = q.end[t] * std::exp(last - cum[t]);
+      wend[t] = eend[t] * dt[t];
+    }
+    decay = carry[T - 1];
+  }
+};
+
+// cb (T, T) = C B^T of the task's chunk and group.
+void chunk_cb(const Scan& s, const Task& k, float* cb) {
+  const int64_t off = (k.b * s.L + k.s0) * s.ldb() + k.g * s.N;
+  gemm(false, true, k.T, k.T, s.N, s.C + off, s.ldb(), s.B + off, s.ldb(), 0.f, cb, k.T);
+}
+
+// rows (T, n) scaled row-wise by w into out (T, n), rows read with leading dimension ld.
+void scale_rows(const float* rows, int64_t ld, const float* w, int64_t T, int64_t n, float* out) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float wt = w[t];
+    const float* r = rows + t * ld;
+    float* o = out + t * n;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) o[j] = wt * r[j];
+  }
+}
+
+// Per-thread scratch, sized once per call.
+struct Scratch {
+  std::vector<float> buf;
+  float* get(size_t n) {
+    if (buf.size() < n) buf.resize(n);
+    return buf.data();
+  }
+};
+
+int64_t nthreads() { return std::max<int64_t>(1, at::get_num_threads()); }
+
+// -- forward ---------------------------------------------------------------------------------------------------
+std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
+                                   torch::Tensor C, c10::optional<torch::Tensor> initial_states,
+                                   c10::optional<torch::Tensor> seq_idx, int64_t chunk_size) {
+  at::NoGradGuard ng;
+  const Scan s = make_scan(x, dt, A, B, C, initial_states, seq_idx, chunk_size);
+  const int64_t PN = s.P * s.N, T2 = s.cmax * s.cmax;
+  auto opts = x.options();
+  auto y = torch::empty({s.batch, s.L, s.H, s.P}, opts);
+  auto states = torch::empty({s.batch, s.nc, s.H, s.P, s.N}, opts);
+  auto final_states = torch::empty({s.batch, s.H, s.P, s.N}, opts);
+  auto decays = torch::empty({s.batch, s.nc, s.H}, opts);
+  float* py = y.data_ptr<float>();
+  float* pst = states.data_ptr<float>();
+  float* pfin = final_states.data_ptr<float>();
+  float* pdec = decays.data_ptr<float>();
+  std::vector<Scratch> scratch(nthreads());
+
+  // 1. intra-chunk outputs and each chunk's own end-state contribution (into the next chunk's slot)
+  fastarch::run_tasks(s.tasks(), [&](int64_t i, int64_t) {
+    at::NoGradGuard ng2;
+    const Task k = task_of(s, i);
+    const int64_t T = k.T;
+    float* cb = scratch[at::get_thread_num()].get(2 * T2 + s.cmax * s.N);
+    float* m = cb + T2;
+    float* bw = m + T2;
+    ChunkSeq q;
+    q.fill(s, k);
+    Decays d;
+    chunk_cb(s, k, cb);
+    const float* Bc = s.B + (k.b * s.L + k.s0) * s.ldb() + k.g * s.N;
+    for (int64_t h = k.h0; h < k.h1; ++h) {
+      d.fill(s, k, q, h);
+      for (int64_t t = 0; t < T; ++t) {
+        const float ct = d.cum[t];
+        const float* cbr = cb + t * T;
+        float* mr = m + t * T;
+        if (s.seq) {
+          const int32_t st = q.sid[t];
+#pragma omp simd
+          for (int64_t j = 0; j <= t; ++j)
+            mr[j] = q.sid[j] == st ? cbr[j] * fast_exp(ct - d.cum[j]) * d.dt[j] : 0.f;
+        } else {
+#pragma omp simd
+          for (int64_t j = 0; j <= t; ++j) mr[j] = cbr[j] * fast_exp(ct - d.cum[j]) * d.dt[j];
+        }
+        std::fill(mr + t + 1, mr + T, 0.f);
+      }
+      const int64_t xo = (k.b * s.L + k.s0) * s.ldx() + h * s.P;
+      gemm(false, false, T, s.P, T, m, T, s.x + xo, s.ldx(), 0.f, py + xo, s.ldx());
+      scale_rows(Bc, s.ldb(), d.wend.data(), T, s.N, bw);
+      float* own = k.c + 1 < s.nc ? pst + ((k.b * s.nc + k.c + 1) * s.H + h) * PN : pfin + (k.b * s.H + h) * PN;
+      gemm(true, false, s.P, s.N, T, s.x + xo, s.ldx(), bw, s.N, 0.f, own, s.N);
+      pdec[(k.b * s.nc + k.c) * s.H + h] = d.decay;
+    }
+  });
+
+  // 2. the states pass from chunk to chunk
+  at::parallel_for(0, s.batch * s.H, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / s.H, h = r % s.H;
+      float* first = pst + ((b * s.nc) * s.H + h) * PN;
+      if (s.init) {
+        std::copy(s.init + r * PN, s.init + (r + 1) * PN, first);
+      } else {
+        std::fill(first, first + PN, 0.f);
+      }
+      for (int64_t c = 0; c < s.nc; ++c) {
+        const float* cur = pst + ((b * s.nc + c) * s.H + h) * PN;
+        float* nxt = c + 1 < s.nc ? pst + ((b * s.nc + c + 1) * s.H + h) * PN : pfin + r * PN;
+        const float dc = pdec[(b * s.nc + c) * s.H + h];
+#pragma omp simd
+        for (int64_t j = 0; j < PN; ++j) nxt[j] += dc * cur[j];
+      }
+    }
+  });
+
+  // 3. the entering states' contribution to the outputs
+  fastarch::run_tasks(s.tasks(), [&](int64_t i, int64_t) {
+    at::NoGradGuard ng2;
+    const Task k = task_of(s, i);
+    if (k.c == 0 && !s.init) return;
+    float* cw = scratch[at::get_thread_num()].get(s.cmax * s.N);
+    ChunkSeq q;
+    q.fill(s, k);
+    if (q.in[0] == 0.f) return;  // the chunk starts a new sequence: the entering state is never read
+    Decays d;
+    const float* Cc = s.C + (k.b * s.L + k.s0) * s.ldb() + k.g * s.N;
+    for (int64_t h = k.h0; h < k.h1; ++h) {
+      d.fill(s, k, q, h);
+      scale_rows(Cc, s.ldb(), d.carry.data(), k.T, s.N, cw);
+      const int64_t xo = (k.b * s.L + k.s0) * s.ldx() + h * s.P;
+      const float* S = pst + ((k.b * s.nc + k.c) * s.H + h) * PN;
+      gemm(false, true, k.T, s.P, s.N, cw, s.N, S, s.N, 1.f, py + xo, s.ldx());
+    }
+  });
+  return {y, final_states, states};
+}
+
+// -- backward --------------------------------------------------------------------------------------------------
+std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor> dfinal, torch::Tensor x,
+                                   torch::Tensor dt, torch::Tensor A, torch::Tensor B, torch::Tensor C,
+                                   c10::optional<torch::Tensor> initial_states, c10::optional<torch::Tensor> seq_idx,
+                                   torch::Tensor chunk_states, int64_t chunk_size) {
+  at::NoGradGuard ng;
+  const Scan s = make_scan(x, dt, A, B, C, initial_states, seq_idx, chunk_size);
+  check(dy, "dy", {s.batch, s.L, s.H, s.P});
+  check(chunk_states, "chunk_states", {s.batch, s.nc, s.H, s.P, s.N});
+  if (dfinal) check(*dfinal, "dfinal", {s.batch, s.H, s.P, s.N});
+  const int64_t PN = s.P * s.N, T2 = s.cmax * s.cmax;
+  auto opts = x.options();
+  auto dx = torch::empty_like(x);
+  auto ddt = torch::empty_like(dt);
+  // dB, dC: one partial sum per head block, added up at the end
+  auto dB = torch::zeros({s.nhb, s.batch, s.L, s.G, s.N}, opts);
+  auto dC = torch::zeros({s.nhb, s.batch, s.L, s.G, s.N}, opts);
+  auto dA = torch::empty({s.batch, s.nc, s.H}, opts);
+  auto dstates = torch::empty({s.batch, s.nc, s.H, s.P, s.N}, opts);  // gradient of the state leaving chunk c
+  auto dinit = torch::empty({s.batch, s.H, s.P, s.N}, opts);
+  auto decays = torch::empty({s.batch, s.nc, s.H}, opts);
+  const float* pdy = dy.data_ptr<float>();
+  const float* pst = chunk_states.data_ptr<float>();
+  float* pdx = dx.data_ptr<float>();
+  float* pddt = ddt.data_ptr<float>();
+  float* pdB = dB.data_ptr<float>();
+  float* pdC = dC.data_ptr<float>();
+  float* pdA = dA.data_ptr<float>();
+  float* pds = dstates.data_ptr<float>();
+  float* pdi = dinit.data_ptr<float>();
+  float* pdec = decays.data_ptr<float>();
+  const int64_t part = s.batch * s.L * s.G * s.N;
+  std::vector<Scratch> scratch(nthreads());
+
+  // A. each chunk's outputs pull on its entering state: dY^T diag(carry) C, into the previous chunk's slot
+  fastarch::run_tasks(s.tasks(), [&](int64_t i, int64_t) {
+    at::NoGradGuard ng2;
+    const Task k = task_of(s, i);
+    float* cw = scratch[at::get_thread_num()].get(s.cmax * s.N);
+    ChunkSeq q;
+    q.fill(s, k);
+    Decays d;
+    const float* Cc = s.C + (k.b * s.L + k.s0) * s.ldb() + k.g * s.N;
+    for (int64_t h = k.h0; h < k.h1; ++h) {
+      d.fill(s, k, q, h);
+      pdec[(k.b * s.nc + k.c) * s.H + h] = d.decay;
+      float* out = k.c > 0 ? pds + ((k.b * s.nc + k.c - 1) * s.H + h) * PN : pdi + (k.b * s.H + h) * PN;
+      if (q.in[0] == 0.f) {
+        std::fill(out, out + PN, 0.f);
+        continue;
+      }
+      scale_rows(Cc, s.ldb(), d.carry.data(), k.T, s.N, cw);
+      const int64_t xo = (k.b * s.L + k.s0) * s.ldx() + h * s.P;
+      gemm(true, false, s.P, s.N, k.T, pdy + xo, s.ldx(), cw, s.N, 0.f, out, s.N);
+    }
+  });
+
+  // B. the state gradients pass backwards
+  at::parallel_for(0, s.batch * s.H, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / s.H, h = r % s.H;
+      float* last = pds + ((b * s.nc + s.nc - 1) * s.H + h) * PN;
+      if (dfinal) {
+        const float* df = dfinal->data_ptr<float>() + r * PN;
+        std::copy(df, df + PN, last);
+      } else {
+        std::fill(last, last + PN, 0.f);
+      }
+      for (int64_t c = s.nc - 1; c >= 0; --c) {
+        const float* cur = pds + ((b * s.nc + c) * s.H + h) * PN;
+        float* prev = c > 0 ? pds + ((b * s.nc + c - 1) * s.H + h) * PN : pdi + r * PN;
+        const float dc = pdec[(b * s.nc + c) * s.H + h];
+#pragma omp simd
+        for (int64_t j = 0; j < PN; ++j) prev[j] += dc * cur[j];
+      }
+    }
+  });
+
+  // C. every input gradient, chunk by chunk
+  fastarch::run_tasks(s.tasks(), [&](int64_t i, int64_t) {
+    at::NoGradGuard ng2;
+    const Task k = task_of(s, i);
+    const int64_t T = k.T, N = s.N, P = s.P;
+    float* cb = scratch[at::get_thread_num()].get(3 * T2 + 2 * s.cmax * N + 4 * s.cmax);
+    float* m = cb + T2;
+    float* z = m + T2;
+    float* tn = z + T2;         // (T, N)
+    float* tn2 = tn + s.cmax * N;  // (T, N)
+    float* colf = tn2 + s.cmax * N;
+    float* dcum = colf + s.cmax;
+    float* u = dcum + s.cmax;
+    float* ex = u + s.cmax;
+    ChunkSeq q;
+    q.fill(s, k);
+    Decays d;
+    chunk_cb(s, k, cb);
+    const int64_t bo = (k.b * s.L + k.s0) * s.ldb() + k.g * N;
+    const float* Bc = s.B + bo;
+    const float* Cc = s.C + bo;
+    float* dBc = pdB + k.hb * part + bo;
+    float* dCc = pdC + k.hb * part + bo;
+    for (int64_t h = k.h0; h < k.h1; ++h) {
+      d.fill(s, k, q, h);
+      const int64_t xo = (k.b * s.L + k.s0) * s.ldx() + h * P;
+      const float* X = s.x + xo;
+      const float* dY = pdy + xo;
+      const float* S = pst + ((k.b * s.nc + k.c) * s.H + h) * PN;
+      const float* Gs = pds + ((k.b * s.nc + k.c) * s.H + h) * PN;
+      // z = dY X^T; then m = K*CB*dt_s (the forward's mixing matrix) and z <- K*dt_s*z, with the pair terms'
+      // pulls on the steps (colf) and on the decays (dcum)
+      gemm(false, true, T, T, P, dY, s.ldx(), X, s.ldx(), 0.f, z, T);
+      std::fill(colf, colf + T, 0.f);
+      for (int64_t t = 0; t < T; ++t) {
+        const float ct = d.cum[t];
+        const int32_t st = q.sid[t];
+        const float* cbr = cb + t * T;
+        float* mr = m + t * T;
+        float* zr = z + t * T;
+        float row = 0.f;
+#pragma omp simd reduction(+ : row)
+        for (int64_t j = 0; j <= t; ++j) {
+          const float kk = q.sid[j] == st ? fast_exp(ct - d.cum[j]) : 0.f;
+          const float f = kk * cbr[j] * zr[j];
+          colf[j] += f;
+          row += f * d.dt[j];
+          mr[j] = kk * cbr[j] * d.dt[j];
+          zr[j] = kk * d.dt[j] * zr[j];
+        }
+        std::fill(mr + t + 1, mr + T, 0.f);
+        std::fill(zr + t + 1, zr + T, 0.f);
+        dcum[t] = row;
+      }
+      // dX = M^T dY + diag(wend) B G^T
+      float* dX = pdx + xo;
+      gemm(true, false, T, P, T, m, T, dY, s.ldx(), 0.f, dX, s.ldx());
+      scale_rows(Bc, s.ldb(), d.wend.data(), T, N, tn);
+      gemm(false, true, T, P, N, tn, N, Gs, N, 1.f, dX, s.ldx());
+      // dB += Z^T C + diag(wend) X G;  u_s = x_s^T G B_s
+      gemm(true, false, T, N, T, z, T, Cc, s.ldb(), 1.f, dBc, s.ldb());
+      gemm(false, false, T, N, P, X, s.ldx(), Gs, N, 0.f, tn, N);
+      for (int64_t t = 0; t < T; ++t) {
+        const float* r = tn + t * N;
+        const float* br = Bc + t * s.ldb();
+        float* o = dBc + t * s.ldb();
+        const float w = d.wend[t];
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < N; ++j) {
+          acc += r[j] * br[j];
+          o[j] += w * r[j];
+        }
+        u[t] = acc;
+      }
+      // dC += Z B + diag(carry) dY S;  v_t = carry_t dy_t^T S C_t
+      gemm(false, false, T, N, T, z, T, Bc, s.ldb(), 1.f, dCc, s.ldb());
+      const bool reads_state = q.in[0] != 0.f;
+      if (reads_state) gemm(false, false, T, N, P, dY, s.ldx(), S, N, 0.f, tn2, N);
+      float end_pull = 0.f;
+      for (int64_t t = 0; t < T; ++t) {
+        float v = 0.f;
+        if (reads_state && d.carry[t] != 0.f) {
+          const float* r = tn2 + t * N;
+          const float* cr = Cc + t * s.ldb();
+          float* o = dCc + t * s.ldb();
+          const float w = d.carry[t];
+#pragma omp simd reduction(+ : v)
+          for (int64_t j = 0; j < N; ++j) {
+            v += r[j] * cr[j];
+            o[j] += w * r[j];
+          }
+          v *= w;
+        }
+        const float own = d.wend[t] * u[t];
+        end_pull += own;
+        dcum[t] += v - d.dt[t] * colf[t] - own;
+        ex[t] = colf[t] + d.eend[t] * u[t];  // the explicit pull on dt_t
+      }
+      if (d.decay != 0.f) {
+        float gs = 0.f;
+#pragma omp simd reduction(+ : gs)
+        for (int64_t j = 0; j < PN; ++j) gs += Gs[j] * S[j];
+        end_pull += d.decay * gs;
+      }
+      dcum[T - 1] += end_pull;
+      // cum is the running sum of dt A: its gradient flows back as a reverse running sum
+      const float a = s.A[h];
+      float run = 0.f, da = 0.f;
+      float* ddt_c = pddt + (k.b * s.L + k.s0) * s.H + h;
+      for (int64_t t = T - 1; t >= 0; --t) {
+        run += dcum[t];
+        ddt_c[t * s.H] = ex[t] + a * run;
+        da += d.dt[t] * run;
+      }
+      pdA[(k.b * s.nc + k.c) * s.H + h] = da;
+    }
+  });
+
+  auto dBs = s.nhb == 1 ? dB[0] : dB.sum(0);
+  auto dCs = s.nhb == 1 ? dC[0] : dC.sum(0);
+  auto dAs = dA.sum({0, 1});
+  return {dx, ddt, dAs, dBs, dCs, dinit};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fastarch: Mamba-2's SSD chunked scan on CPU";
+  m.def("ssd_scan_fwd", &ssd_fwd, "SSD scan forward -> (y, final_states, chunk_states)", py::arg("x"),
+        py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("initial_states"), py::arg("seq_idx"),
+        py::arg("chunk_size"));
+  m.def("ssd_scan_bwd", &ssd_bwd, "SSD scan backward -> (dx, ddt, dA, dB, dC, dinitial_states)", py::arg("dy"),
+        py::arg("dfinal"), py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"),
+        py::arg("initial_states"), py::arg("seq_idx"), py::arg("chunk_states"), py::arg("chunk_size"));
+}

@@ -407,10 +407,11 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
     at::NoGradGuard ng2;
     const Task k = task_of(s, i);
     const int64_t T = k.T, N = s.N, P = s.P;
-    float* cb = scratch[at::get_thread_num()].get(3 * T2 + 2 * s.cmax * N + 4 * s.cmax);
+    float* cb = scratch[at::get_thread_num()].get(4 * T2 + 2 * s.cmax * N + 4 * s.cmax);
     float* m = cb + T2;
     float* z = m + T2;
-    float* tn = z + T2;         // (T, N)
+    float* zs = z + T2;          // sum over the block's heads of K*dt_s*(dY X^T): B and C are shared by them
+    float* tn = zs + T2;         // (T, N)
     float* tn2 = tn + s.cmax * N;  // (T, N)
     float* colf = tn2 + s.cmax * N;
     float* dcum = colf + s.cmax;
@@ -425,6 +426,7 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
     const float* Cc = s.C + bo;
     float* dBc = pdB + k.hb * part + bo;
     float* dCc = pdC + k.hb * part + bo;
+    std::fill(zs, zs + T * T, 0.f);
     for (int64_t h = k.h0; h < k.h1; ++h) {
       d.fill(s, k, q, h);
       const int64_t xo = (k.b * s.L + k.s0) * s.ldx() + h * P;
@@ -432,7 +434,7 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
       const float* dY = pdy + xo;
       const float* S = pst + ((k.b * s.nc + k.c) * s.H + h) * PN;
       const float* Gs = pds + ((k.b * s.nc + k.c) * s.H + h) * PN;
-      // z = dY X^T; then m = K*CB*dt_s (the forward's mixing matrix) and z <- K*dt_s*z, with the pair terms'
+      // z = dY X^T; then m = K*CB*dt_s (the forward's mixing matrix) and zs += K*dt_s*z, with the pair terms'
       // pulls on the steps (colf) and on the decays (dcum)
       gemm(false, true, T, T, P, dY, s.ldx(), X, s.ldx(), 0.f, z, T);
       std::fill(colf, colf + T, 0.f);
@@ -441,7 +443,8 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
         const int32_t st = q.sid[t];
         const float* cbr = cb + t * T;
         float* mr = m + t * T;
-        float* zr = z + t * T;
+        const float* zr = z + t * T;
+        float* zsr = zs + t * T;
         float row = 0.f;
 #pragma omp simd reduction(+ : row)
         for (int64_t j = 0; j <= t; ++j) {
@@ -450,10 +453,9 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
           colf[j] += f;
           row += f * d.dt[j];
           mr[j] = kk * cbr[j] * d.dt[j];
-          zr[j] = kk * d.dt[j] * zr[j];
+          zsr[j] += kk * d.dt[j] * zr[j];
         }
         std::fill(mr + t + 1, mr + T, 0.f);
-        std::fill(zr + t + 1, zr + T, 0.f);
         dcum[t] = row;
       }
       // dX = M^T dY + diag(wend) B G^T
@@ -461,8 +463,7 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
       gemm(true, false, T, P, T, m, T, dY, s.ldx(), 0.f, dX, s.ldx());
       scale_rows(Bc, s.ldb(), d.wend.data(), T, N, tn);
       gemm(false, true, T, P, N, tn, N, Gs, N, 1.f, dX, s.ldx());
-      // dB += Z^T C + diag(wend) X G;  u_s = x_s^T G B_s
-      gemm(true, false, T, N, T, z, T, Cc, s.ldb(), 1.f, dBc, s.ldb());
+      // dB += diag(wend) X G;  u_s = x_s^T G B_s
       gemm(false, false, T, N, P, X, s.ldx(), Gs, N, 0.f, tn, N);
       for (int64_t t = 0; t < T; ++t) {
         const float* r = tn + t * N;
@@ -477,8 +478,7 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
         }
         u[t] = acc;
       }
-      // dC += Z B + diag(carry) dY S;  v_t = carry_t dy_t^T S C_t
-      gemm(false, false, T, N, T, z, T, Bc, s.ldb(), 1.f, dCc, s.ldb());
+      // dC += diag(carry) dY S;  v_t = carry_t dy_t^T S C_t
       const bool reads_state = q.in[0] != 0.f;
       if (reads_state) gemm(false, false, T, N, P, dY, s.ldx(), S, N, 0.f, tn2, N);
       float end_pull = 0.f;
@@ -519,6 +519,9 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
       }
       pdA[(k.b * s.nc + k.c) * s.H + h] = da;
     }
+    // the pair terms of the whole block: dB += Zs^T C, dC += Zs B
+    gemm(true, false, T, N, T, zs, T, Cc, s.ldb(), 1.f, dBc, s.ldb());
+    gemm(false, false, T, N, T, zs, T, Bc, s.ldb(), 1.f, dCc, s.ldb());
   });
 
   auto dBs = s.nhb == 1 ? dB[0] : dB.sum(0);

@@ -225,6 +225,32 @@ struct Scratch {
 
 int64_t nthreads() { return std::max<int64_t>(1, at::get_num_threads()); }
 
+// Below this many multiply-adds a pass runs on the calling thread: forking costs more than it saves.
+constexpr int64_t kSerialWork = 1 << 20;
+
+// Multiply-adds of one pass over the chunks (roughly: C B^T, the (T, T) mixes and the (P, N) products).
+int64_t pass_work(const Scan& s) {
+  return s.batch * s.L * (s.cmax * (s.N + s.H * s.P) + 2 * s.H * s.P * s.N);
+}
+
+// body(i) for every task of the chunk passes: in parallel, or on this thread for small problems.
+template <class Body>
+void for_tasks(const Scan& s, const Body& body) {
+  const int64_t n = s.tasks();
+  if (pass_work(s) < kSerialWork || nthreads() == 1) {
+    for (int64_t i = 0; i < n; ++i) body(i, i + 1);
+  } else {
+    fastarch::run_tasks(n, body);
+  }
+}
+
+// body(r0, r1) over the (batch, head) rows of the state passes, each touching nc * P * N floats.
+template <class Body>
+void for_rows(const Scan& s, const Body& body) {
+  const int64_t per_row = std::max<int64_t>(1, s.nc * s.P * s.N);
+  at::parallel_for(0, s.batch * s.H, std::max<int64_t>(1, kSerialWork / per_row), body);
+}
+
 // -- forward ---------------------------------------------------------------------------------------------------
 std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
                                    torch::Tensor C, c10::optional<torch::Tensor> initial_states,
@@ -244,7 +270,7 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
   std::vector<Scratch> scratch(nthreads());
 
   // 1. intra-chunk outputs and each chunk's own end-state contribution (into the next chunk's slot)
-  fastarch::run_tasks(s.tasks(), [&](int64_t i, int64_t) {
+  for_tasks(s, [&](int64_t i, int64_t) {
     at::NoGradGuard ng2;
     const Task k = task_of(s, i);
     const int64_t T = k.T;
@@ -283,7 +309,7 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
   });
 
   // 2. the states pass from chunk to chunk
-  at::parallel_for(0, s.batch * s.H, 1, [&](int64_t r0, int64_t r1) {
+  for_rows(s, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / s.H, h = r % s.H;
       float* first = pst + ((b * s.nc) * s.H + h) * PN;
@@ -303,7 +329,7 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
   });
 
   // 3. the entering states' contribution to the outputs
-  fastarch::run_tasks(s.tasks(), [&](int64_t i, int64_t) {
+  for_tasks(s, [&](int64_t i, int64_t) {
     at::NoGradGuard ng2;
     const Task k = task_of(s, i);
     if (k.c == 0 && !s.init) return;
@@ -359,7 +385,7 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
   std::vector<Scratch> scratch(nthreads());
 
   // A. each chunk's outputs pull on its entering state: dY^T diag(carry) C, into the previous chunk's slot
-  fastarch::run_tasks(s.tasks(), [&](int64_t i, int64_t) {
+  for_tasks(s, [&](int64_t i, int64_t) {
     at::NoGradGuard ng2;
     const Task k = task_of(s, i);
     float* cw = scratch[at::get_thread_num()].get(s.cmax * s.N);
@@ -382,7 +408,7 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
   });
 
   // B. the state gradients pass backwards
-  at::parallel_for(0, s.batch * s.H, 1, [&](int64_t r0, int64_t r1) {
+  for_rows(s, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / s.H, h = r % s.H;
       float* last = pds + ((b * s.nc + s.nc - 1) * s.H + h) * PN;
@@ -403,7 +429,7 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
   });
 
   // C. every input gradient, chunk by chunk
-  fastarch::run_tasks(s.tasks(), [&](int64_t i, int64_t) {
+  for_tasks(s, [&](int64_t i, int64_t) {
     at::NoGradGuard ng2;
     const Task k = task_of(s, i);
     const int64_t T = k.T, N = s.N, P = s.P;

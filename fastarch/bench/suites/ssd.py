@@ -11,8 +11,8 @@ so the table shows how many such units each backend needs; a ``B·L·H·P·N`` t
 first term.
 
 The headline (case set ``ssd-headline``, also in ``--full``): B=1, L=4096, H=24, P=64, N=128, chunk 256,
-``fastarch-cpp`` at least 3x ``fastarch-torch``, forward and forward+backward. ``--quick`` runs L=512, H=8,
-P=32, N=64, chunk 64, with the reference.
+``fastarch-cpp`` at least 3x ``fastarch-torch``, forward and forward+backward. ``--quick`` runs L=128, H=4,
+P=16, N=32, chunk 32 with the reference; ``--full`` adds L=512 (with the reference), L=2048 and the headline.
 """
 
 from __future__ import annotations
@@ -101,11 +101,11 @@ def headline_cases(cfg: BenchConfig) -> list[Case]:
 def cases(cfg: BenchConfig) -> list[Case]:
     if cfg.toy:
         return [_case(cfg, (1, 32, 2, 4, 8), 8, bw, reference=True) for bw in (False, True)]
-    small = [_case(cfg, (1, 512, 8, 32, 64), 64, bw, reference=True) for bw in (False, True)]
     if cfg.quick:
-        return small
-    return small + [_case(cfg, (2, 2048, 8, 64, 64), 128, bw, reference=False) for bw in (False, True)] + \
-        headline_cases(cfg)
+        return [_case(cfg, (1, 128, 4, 16, 32), 32, bw, reference=True) for bw in (False, True)]
+    small = [_case(cfg, (1, 512, 8, 32, 64), 64, bw, reference=True) for bw in (False, True)]
+    mid = [_case(cfg, (2, 2048, 8, 64, 64), 128, bw, reference=False) for bw in (False, True)]
+    return small + mid + headline_cases(cfg)
 
 
 SUITE = Suite(name="ssd", description="Mamba-2's SSD chunked scan (mamba-ssm mamba_chunk_scan_combined semantics)",

@@ -251,6 +251,34 @@ void for_rows(const Scan& s, const Body& body) {
   at::parallel_for(0, s.batch * s.H, std::max<int64_t>(1, kSerialWork / per_row), body);
 }
 
+// The pass between chunks for every (batch, head) row of the (batch, nc, H, P, N) slots, each already holding
+// its chunk's own part: forward, slot c+1 += decay_c slot c (slot 0 first set to `start`, or 0; `past`
+// (batch, H, P, N) stands for slot nc); reverse, slot c-1 += decay_c slot c (slot nc-1 first set to `start`,
+// or 0; `past` stands for slot -1).
+void pass_states(const Scan& s, float* slots, const float* start, float* past, const float* decays, bool reverse) {
+  const int64_t PN = s.P * s.N, step = reverse ? -1 : 1;
+  for_rows(s, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / s.H, h = r % s.H;
+      auto slot = [&](int64_t c) { return slots + ((b * s.nc + c) * s.H + h) * PN; };
+      const int64_t c0 = reverse ? s.nc - 1 : 0;
+      float* first = slot(c0);
+      if (start) {
+        std::copy(start + r * PN, start + (r + 1) * PN, first);
+      } else {
+        std::fill(first, first + PN, 0.f);
+      }
+      for (int64_t i = 0, c = c0; i < s.nc; ++i, c += step) {
+        const float* cur = slot(c);
+        float* nxt = c + step >= 0 && c + step < s.nc ? slot(c + step) : past + r * PN;
+        const float dc = decays[(b * s.nc + c) * s.H + h];
+#pragma omp simd
+        for (int64_t j = 0; j < PN; ++j) nxt[j] += dc * cur[j];
+      }
+    }
+  });
+}
+
 // -- forward ---------------------------------------------------------------------------------------------------
 std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
                                    torch::Tensor C, c10::optional<torch::Tensor> initial_states,
@@ -309,24 +337,7 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
   });
 
   // 2. the states pass from chunk to chunk
-  for_rows(s, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / s.H, h = r % s.H;
-      float* first = pst + ((b * s.nc) * s.H + h) * PN;
-      if (s.init) {
-        std::copy(s.init + r * PN, s.init + (r + 1) * PN, first);
-      } else {
-        std::fill(first, first + PN, 0.f);
-      }
-      for (int64_t c = 0; c < s.nc; ++c) {
-        const float* cur = pst + ((b * s.nc + c) * s.H + h) * PN;
-        float* nxt = c + 1 < s.nc ? pst + ((b * s.nc + c + 1) * s.H + h) * PN : pfin + r * PN;
-        const float dc = pdec[(b * s.nc + c) * s.H + h];
-#pragma omp simd
-        for (int64_t j = 0; j < PN; ++j) nxt[j] += dc * cur[j];
-      }
-    }
-  });
+  pass_states(s, pst, s.init, pfin, pdec, false);
 
   // 3. the entering states' contribution to the outputs
   for_tasks(s, [&](int64_t i, int64_t) {
@@ -408,25 +419,7 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
   });
 
   // B. the state gradients pass backwards
-  for_rows(s, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / s.H, h = r % s.H;
-      float* last = pds + ((b * s.nc + s.nc - 1) * s.H + h) * PN;
-      if (dfinal) {
-        const float* df = dfinal->data_ptr<float>() + r * PN;
-        std::copy(df, df + PN, last);
-      } else {
-        std::fill(last, last + PN, 0.f);
-      }
-      for (int64_t c = s.nc - 1; c >= 0; --c) {
-        const float* cur = pds + ((b * s.nc + c) * s.H + h) * PN;
-        float* prev = c > 0 ? pds + ((b * s.nc + c - 1) * s.H + h) * PN : pdi + r * PN;
-        const float dc = pdec[(b * s.nc + c) * s.H + h];
-#pragma omp simd
-        for (int64_t j = 0; j < PN; ++j) prev[j] += dc * cur[j];
-      }
-    }
-  });
+  pass_states(s, pds, dfinal ? dfinal->data_ptr<float>() : nullptr, pdi, pdec, true);
 
   // C. every input gradient, chunk by chunk
   for_tasks(s, [&](int64_t i, int64_t) {

@@ -66,6 +66,34 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int
   }
 }
 
+// Below this many steps the triangular products below are one plain product.
+constexpr int64_t kSplitSteps = 64;
+
+// c (T, n) = a b (lower-triangular a (T, T)) or a^T b (trans), skipping the quarter of a above the diagonal:
+// the top half of the rows (lower) or the bottom half (trans) needs only half of the sum.
+void gemm_tri(bool trans, int64_t T, int64_t n, const float* a, int64_t lda, const float* b, int64_t ldb,
+              float beta, float* c, int64_t ldc) {
+  if (T < kSplitSteps) return gemm(trans, false, T, n, T, a, lda, b, ldb, beta, c, ldc);
+  const int64_t h = T / 2;
+  if (!trans) {
+    gemm(false, false, h, n, h, a, lda, b, ldb, beta, c, ldc);
+    gemm(false, false, T - h, n, T, a + h * lda, lda, b, ldb, beta, c + h * ldc, ldc);
+  } else {
+    gemm(true, false, h, n, T, a, lda, b, ldb, beta, c, ldc);
+    gemm(true, false, T - h, n, T - h, a + h * lda + h, lda, b + h * ldb, ldb, beta, c + h * ldc, ldc);
+  }
+}
+
+// The lower triangle (diagonal included) of c (T, T) = a b^T for a, b (T, k); some entries above it are left
+// unwritten.
+void gemm_lower_abt(int64_t T, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+                    int64_t ldc) {
+  if (T < kSplitSteps) return gemm(false, true, T, T, k, a, lda, b, ldb, 0.f, c, ldc);
+  const int64_t h = T / 2;
+  gemm(false, true, h, h, k, a, lda, b, ldb, 0.f, c, ldc);
+  gemm(false, true, T - h, T, k, a + h * lda, lda, b, ldb, 0.f, c + h * ldc, ldc);
+}
+
 struct Scan {
   const float* x;
   const float* dt;
@@ -197,10 +225,10 @@ struct Decays {
   }
 };
 
-// cb (T, T) = C B^T of the task's chunk and group.
+// cb (T, T) = C B^T of the task's chunk and group, its lower triangle.
 void chunk_cb(const Scan& s, const Task& k, float* cb) {
   const int64_t off = (k.b * s.L + k.s0) * s.ldb() + k.g * s.N;
-  gemm(false, true, k.T, k.T, s.N, s.C + off, s.ldb(), s.B + off, s.ldb(), 0.f, cb, k.T);
+  gemm_lower_abt(k.T, s.N, s.C + off, s.ldb(), s.B + off, s.ldb(), cb, k.T);
 }
 
 // rows (T, n) scaled row-wise by w into out (T, n), rows read with leading dimension ld.
@@ -328,7 +356,7 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
         std::fill(mr + t + 1, mr + T, 0.f);
       }
       const int64_t xo = (k.b * s.L + k.s0) * s.ldx() + h * s.P;
-      gemm(false, false, T, s.P, T, m, T, s.x + xo, s.ldx(), 0.f, py + xo, s.ldx());
+      gemm_tri(false, T, s.P, m, T, s.x + xo, s.ldx(), 0.f, py + xo, s.ldx());
       scale_rows(Bc, s.ldb(), d.wend.data(), T, s.N, bw);
       float* own = k.c + 1 < s.nc ? pst + ((k.b * s.nc + k.c + 1) * s.H + h) * PN : pfin + (k.b * s.H + h) * PN;
       gemm(true, false, s.P, s.N, T, s.x + xo, s.ldx(), bw, s.N, 0.f, own, s.N);
@@ -453,9 +481,9 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
       const float* dY = pdy + xo;
       const float* S = pst + ((k.b * s.nc + k.c) * s.H + h) * PN;
       const float* Gs = pds + ((k.b * s.nc + k.c) * s.H + h) * PN;
-      // z = dY X^T; then m = K*CB*dt_s (the forward's mixing matrix) and zs += K*dt_s*z, with the pair terms'
-      // pulls on the steps (colf) and on the decays (dcum)
-      gemm(false, true, T, T, P, dY, s.ldx(), X, s.ldx(), 0.f, z, T);
+      // z = dY X^T (its lower triangle); then m = K*CB*dt_s (the forward's mixing matrix) and
+      // zs += K*dt_s*z, with the pair terms' pulls on the steps (colf) and on the decays (dcum)
+      gemm_lower_abt(T, P, dY, s.ldx(), X, s.ldx(), z, T);
       std::fill(colf, colf + T, 0.f);
       for (int64_t t = 0; t < T; ++t) {
         const float ct = d.cum[t];
@@ -479,7 +507,7 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
       }
       // dX = M^T dY + diag(wend) B G^T
       float* dX = pdx + xo;
-      gemm(true, false, T, P, T, m, T, dY, s.ldx(), 0.f, dX, s.ldx());
+      gemm_tri(true, T, P, m, T, dY, s.ldx(), 0.f, dX, s.ldx());
       scale_rows(Bc, s.ldb(), d.wend.data(), T, N, tn);
       gemm(false, true, T, P, N, tn, N, Gs, N, 1.f, dX, s.ldx());
       // dB += diag(wend) X G;  u_s = x_s^T G B_s
@@ -539,8 +567,8 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
       pdA[(k.b * s.nc + k.c) * s.H + h] = da;
     }
     // the pair terms of the whole block: dB += Zs^T C, dC += Zs B
-    gemm(true, false, T, N, T, zs, T, Cc, s.ldb(), 1.f, dBc, s.ldb());
-    gemm(false, false, T, N, T, zs, T, Bc, s.ldb(), 1.f, dCc, s.ldb());
+    gemm_tri(true, T, N, zs, T, Cc, s.ldb(), 1.f, dBc, s.ldb());
+    gemm_tri(false, T, N, zs, T, Bc, s.ldb(), 1.f, dCc, s.ldb());
   });
 
   auto dBs = s.nhb == 1 ? dB[0] : dB.sum(0);

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import Call, register
-from ._backends import TorchImplementation
+from ._backends import TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
 from ._dispatch import call_of, in_layout_of, resolve, run, run_backward
 
@@ -472,4 +472,19 @@ class TorchSsdScan(TorchImplementation):
         return (*grads[:5], grads[5] if initial_states is not None else None)
 
 
-register(TorchSsdScan)
+class TritonSsdScan(TritonImplementation):
+    op, kernel_module = OP, "ssd_scan"
+    limits = {"headdim": 128, "dstate": 256}  # a program holds a (headdim, dstate) state tile
+    description = ("Triton chunked SSD: per-chunk cumsum, state terms and outputs as block matrix products, a "
+                   "sequential pass over chunk states; backward by a reverse pass and per-chunk row/column kernels")
+
+    def forward(self, x, dt, A, B, C, initial_states, seq_idx, chunk_size):
+        return self.lib.ssd_scan_fwd(x, dt, A, B, C, initial_states, seq_idx, chunk_size)
+
+    def backward(self, dy, dfinal, x, dt, A, B, C, initial_states, seq_idx, chunk_states, chunk_size):
+        return self.lib.ssd_scan_bwd(dy, dfinal, x, dt, A, B, C, initial_states, seq_idx, chunk_states,
+                                     chunk_size)
+
+
+for _impl in (TorchSsdScan, TritonSsdScan):
+    register(_impl)

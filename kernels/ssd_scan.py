@@ -32,6 +32,8 @@ registers); the rest is fp32. Products run in fp32 (tf32 for 16-bit inputs).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -330,6 +332,11 @@ def _ssd_bwd_row_kernel(x_ptr, dt_ptr, cum_ptr, seq_ptr, B_ptr, C_ptr, dy_ptr, s
 
 
 # -- launchers ---------------------------------------------------------------------------------------------
+# The interpreter pays per program and per operation, not per element: larger step tiles there (still more
+# than one per chunk for chunks over 128 steps, so the multi-tile paths run in tests).
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _pow2(n: int, low: int = 16) -> int:
     return max(low, triton.next_power_of_2(n))
 
@@ -339,7 +346,7 @@ def blocks(chunk_size: int, headdim: int, dstate: int) -> dict[str, int]:
     ``P``/``N`` tiles of the outer products, ``Q``/``H`` of the per-chunk cumulative sums, and the state block
     of the pass."""
     full_p, full_n = _pow2(headdim), _pow2(dstate)
-    block_t = min(64 if full_p * full_n <= 64 * 64 else 32, _pow2(chunk_size))
+    block_t = min(128 if _INTERPRET else 64 if full_p * full_n <= 64 * 64 else 32, _pow2(chunk_size))
     block_q = _pow2(chunk_size)
     return dict(T=block_t, P=full_p, N=full_n, outer_P=min(64, full_p), outer_N=min(64, full_n),
                 out_P=min(64, full_p), Q=block_q, H=max(1, min(16, 4096 // block_q)), state=1024)

@@ -344,12 +344,13 @@ def _pow2(n: int, low: int = 16) -> int:
 def blocks(chunk_size: int, headdim: int, dstate: int) -> dict[str, int]:
     """Block sizes: ``T`` steps per tile of a chunk, full ``P``/``N`` for the kernels that reduce over them,
     ``P``/``N`` tiles of the outer products, ``Q``/``H`` of the per-chunk cumulative sums, and the state block
-    of the pass."""
+    of the pass; ``warps`` for the kernels holding whole ``(P, N)`` tiles."""
     full_p, full_n = _pow2(headdim), _pow2(dstate)
     block_t = min(128 if _INTERPRET else 64 if full_p * full_n <= 64 * 64 else 32, _pow2(chunk_size))
     block_q = _pow2(chunk_size)
     return dict(T=block_t, P=full_p, N=full_n, outer_P=min(64, full_p), outer_N=min(64, full_n),
-                out_P=min(64, full_p), Q=block_q, H=max(1, min(16, 4096 // block_q)), state=1024)
+                out_P=min(64, full_p), Q=block_q, H=max(1, min(16, 4096 // block_q)), state=1024,
+                warps=8 if full_p * full_n >= 64 * 128 else 4)
 
 
 def _prec(x: torch.Tensor) -> str:
@@ -404,7 +405,7 @@ def ssd_scan_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Te
     nt = triton.cdiv(chunk_size, bk["T"])
     _ssd_output_kernel[(batch * nc, H, nt * triton.cdiv(P, bk["out_P"]))](
         x, dt, cum, seq, B, C, states, y, L, H, G, H // G, P, N, chunk_size, nc, nt, HAS_SEQ=has_seq, PREC=prec,
-        BLOCK_T=bk["T"], BLOCK_P=bk["out_P"], BLOCK_N=bk["N"])
+        BLOCK_T=bk["T"], BLOCK_P=bk["out_P"], BLOCK_N=bk["N"], num_warps=bk["warps"])
     return y, final, states
 
 
@@ -433,7 +434,8 @@ def ssd_scan_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor,
     ddt = torch.empty(batch, L, H, **f32)
     v = torch.empty(batch, L, H, **f32)
     dB = torch.empty(batch, L, H, N, **f32)  # per head, summed over each group below
-    common = dict(HAS_SEQ=has_seq, PREC=prec, BLOCK_T=bk["T"], BLOCK_P=bk["P"], BLOCK_N=bk["N"])
+    common = dict(HAS_SEQ=has_seq, PREC=prec, BLOCK_T=bk["T"], BLOCK_P=bk["P"], BLOCK_N=bk["N"],
+                  num_warps=bk["warps"])
     _ssd_bwd_col_kernel[(batch * nc, H, nt)](x, dt, cum, seq, B, C, dy, dstates, dx, ddt, dB, v,
                                              L, H, G, H // G, P, N, chunk_size, nc, nt, **common)
     dC = torch.empty(batch, L, H, N, **f32)

@@ -29,20 +29,20 @@ PRECISION = {"fp16": "tf32", "bf16": "tf32", "fp32": "ieee"}
 
 
 def kernels(bk: dict[str, int], prec: str, has_seq: bool) -> list[tuple]:
-    """(kernel, constexprs) for every kernel the launchers run at block sizes ``bk``; the outer-product
+    """(kernel, constexprs, warps) for every kernel the launchers run at block sizes ``bk``; the outer-product
     kernel's ``U`` is ``x`` without ``ENTERING`` and the fp32 ``dy`` with it."""
     common = dict(HAS_SEQ=has_seq, PREC=prec, BLOCK_T=bk["T"], BLOCK_P=bk["P"], BLOCK_N=bk["N"])
     cums = dict(BLOCK_Q=bk["Q"], BLOCK_H=bk["H"])
     return [
-        (K._ssd_cumsum_kernel, cums),
-        (K._ssd_dcum_kernel, cums),
+        (K._ssd_cumsum_kernel, cums, 4),
+        (K._ssd_dcum_kernel, cums, 4),
         *((K._ssd_outer_kernel, dict(ENTERING=e, HAS_SEQ=has_seq, PREC=prec, BLOCK_T=bk["T"],
-                                     BLOCK_P=bk["outer_P"], BLOCK_N=bk["outer_N"])) for e in (False, True)),
-        *((K._ssd_pass_kernel, dict(HAS_INIT=True, REVERSE=r, HAS_SEQ=has_seq, BLOCK=bk["state"]))
+                                     BLOCK_P=bk["outer_P"], BLOCK_N=bk["outer_N"]), 4) for e in (False, True)),
+        *((K._ssd_pass_kernel, dict(HAS_INIT=True, REVERSE=r, HAS_SEQ=has_seq, BLOCK=bk["state"]), 4)
           for r in (False, True)),
-        (K._ssd_output_kernel, dict(common, BLOCK_P=bk["out_P"])),
-        (K._ssd_bwd_col_kernel, common),
-        (K._ssd_bwd_row_kernel, common),
+        (K._ssd_output_kernel, dict(common, BLOCK_P=bk["out_P"]), bk["warps"]),
+        (K._ssd_bwd_col_kernel, common, bk["warps"]),
+        (K._ssd_bwd_row_kernel, common, bk["warps"]),
     ]
 
 
@@ -58,17 +58,17 @@ def main() -> int:
     shapes = [(256, 64, 128)] if args.quick else [(256, 64, 128), (64, 64, 64), (128, 128, 128), (256, 64, 256)]
     worst = 0
     for name in args.dtypes:
-        ptrs = {n: "*fp32" for kern, _ in kernels(K.blocks(64, 64, 64), "ieee", True)
+        ptrs = {n: "*fp32" for kern, _, _ in kernels(K.blocks(64, 64, 64), "ieee", True)
                 for n in _jit(kern).arg_names if n.endswith("_ptr")}
         ptrs.update({n: f"*{name}" for n in ("x_ptr", "B_ptr", "C_ptr", "V_ptr")}, seq_ptr="*i32")
         for cs, p, n in shapes:
             bk = K.blocks(cs, p, n)
             print(f"-- {name} chunk_size={cs} headdim={p} dstate={n}: {bk}", flush=True)
             for has_seq in (False, True):
-                for kern, consts in kernels(bk, PRECISION[name], has_seq):
+                for kern, consts, warps in kernels(bk, PRECISION[name], has_seq):
                     u = "*fp32" if consts.get("ENTERING") else f"*{name}"
                     try:
-                        shared = compile_one(kern, dict(ptrs, U_ptr=u), consts, target, {}, 4, 2)
+                        shared = compile_one(kern, dict(ptrs, U_ptr=u), consts, target, {}, warps, 2)
                     except SharedMemoryError as exc:
                         print(f"   {exc}", flush=True)
                         return 1

@@ -94,6 +94,42 @@ def _decay(loc_t, valid_t, cum_t, sid_t, loc_s, valid_s, cum_s, sid_s):
     return tl.where(keep, tl.exp(tl.where(keep, cum_t[:, None] - cum_s[None, :], 0.0)), 0.0)
 
 
+@triton.jit
+def _program(seq_ptr, cum_ptr, nc, R, H, Q, L, HAS_SEQ: tl.constexpr):
+    """Of a (batch * chunk, head, ...) program: its first index, batch, chunk, head, group and its chunk's
+    bounds (:func:`_chunk_bounds`)."""
+    pid = tl.program_id(0)
+    b = pid // nc
+    c = pid % nc
+    h = tl.program_id(1)
+    start, end, before, last, cum_end = _chunk_bounds(seq_ptr, cum_ptr, b, c, h, H, Q, L, HAS_SEQ)
+    return pid, b, h, h // R, start, before, last, cum_end
+
+
+@triton.jit
+def _step_tiles(seq_ptr, cum_ptr, dt_ptr, U_ptr, V_ptr, b, h, g, start, first, L, H, G, Q, P, N, offs_p, offs_n,
+                HAS_SEQ: tl.constexpr, BLOCK_T: tl.constexpr):
+    """:func:`_steps` and the rows of ``U`` ``(batch, L, H, P)`` and ``V`` ``(batch, L, G, N)`` there."""
+    loc, valid, row, cum, dt, sid = _steps(seq_ptr, cum_ptr, dt_ptr, b, h, start, first, L, H, Q, HAS_SEQ, BLOCK_T)
+    u = _load_rows(U_ptr, row, H, h, valid, offs_p, P)
+    v = _load_rows(V_ptr, row, G, g, valid, offs_n, N)
+    return loc, valid, row, cum, dt, sid, u, v
+
+
+@triton.jit
+def _state_tile(ptr, slot, offs_p, offs_n, P, N):
+    """``(BLOCK_P, BLOCK_N)`` tile of the ``(P, N)`` state at ``slot`` (batch * chunk, head or batch, head)."""
+    idx = slot.to(tl.int64) * P * N + offs_p[:, None] * N + offs_n[None, :]
+    return tl.load(ptr + idx, mask=(offs_p < P)[:, None] & (offs_n < N)[None, :], other=0.0)
+
+
+@triton.jit
+def _carry(valid, sid, before, cum):
+    """``exp(cum_t)`` on the steps that continue the state entering the chunk, 0 elsewhere."""
+    keep = valid & (sid == before)
+    return tl.where(keep, tl.exp(tl.where(keep, cum, 0.0)), 0.0)
+
+
 # -- kernels -----------------------------------------------------------------------------------------------
 @triton.jit
 def _ssd_cumsum_kernel(dt_ptr, A_ptr, cum_ptr, L, H, Q, nc, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -146,26 +182,18 @@ def _ssd_outer_kernel(U_ptr, V_ptr, cum_ptr, dt_ptr, seq_ptr, out_ptr, L, H, G, 
     # H, P) and V (batch, L, G, N). ENTERING=False: the chunk's own state term (U=x, V=B, w_t = exp(cum_end -
     # cum_t) dt_t on steps of the sequence at the end). ENTERING=True: the gradient it sends to the entering
     # state (U=dy, V=C, w_t = exp(cum_t) on steps that continue it).
-    pid = tl.program_id(0)
-    b = pid // nc
-    c = pid % nc
-    h = tl.program_id(1)
-    g = h // R
+    pid, b, h, g, start, before, last, cum_end = _program(seq_ptr, cum_ptr, nc, R, H, Q, L, HAS_SEQ)
     offs_p = (tl.program_id(2) % n_pb) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = (tl.program_id(2) // n_pb) * BLOCK_N + tl.arange(0, BLOCK_N)
-    start, end, before, last, cum_end = _chunk_bounds(seq_ptr, cum_ptr, b, c, h, H, Q, L, HAS_SEQ)
     acc = tl.zeros([BLOCK_P, BLOCK_N], tl.float32)
     for first in range(0, Q, BLOCK_T):
-        loc, valid, row, cum, dt, sid = _steps(seq_ptr, cum_ptr, dt_ptr, b, h, start, first, L, H, Q, HAS_SEQ,
-                                               BLOCK_T)
+        loc, valid, row, cum, dt, sid, u, v = _step_tiles(seq_ptr, cum_ptr, dt_ptr, U_ptr, V_ptr, b, h, g, start,
+                                                          first, L, H, G, Q, P, N, offs_p, offs_n, HAS_SEQ, BLOCK_T)
         if ENTERING:
-            keep = valid & (sid == before)
-            w = tl.where(keep, tl.exp(tl.where(keep, cum, 0.0)), 0.0)
+            w = _carry(valid, sid, before, cum)
         else:
             keep = valid & (sid == last)
             w = tl.where(keep, tl.exp(tl.where(keep, cum_end - cum, 0.0)), 0.0) * dt
-        u = _load_rows(U_ptr, row, H, h, valid, offs_p, P)
-        v = _load_rows(V_ptr, row, G, g, valid, offs_n, N)
         acc += tl.dot(tl.trans(u * w[:, None]), v, input_precision=PREC)
     idx = ((pid * H + h).to(tl.int64) * P + offs_p[:, None]) * N + offs_n[None, :]
     tl.store(out_ptr + idx, acc, mask=(offs_p < P)[:, None] & (offs_n < N)[None, :])
@@ -209,33 +237,23 @@ def _ssd_output_kernel(x_ptr, dt_ptr, cum_ptr, seq_ptr, B_ptr, C_ptr, states_ptr
                        BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     # Program (batch * chunk, head, block of steps t x P block): y_t over the chunk's earlier steps and its
     # entering state.
-    pid = tl.program_id(0)
-    b = pid // nc
-    c = pid % nc
-    h = tl.program_id(1)
-    g = h // R
+    pid, b, h, g, start, before, last, cum_end = _program(seq_ptr, cum_ptr, nc, R, H, Q, L, HAS_SEQ)
     mt = tl.program_id(2) % nt
     offs_p = (tl.program_id(2) // nt) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
-    start, end, before, last, cum_end = _chunk_bounds(seq_ptr, cum_ptr, b, c, h, H, Q, L, HAS_SEQ)
     loc_t, valid_t, row_t, cum_t, dt_t, sid_t = _steps(seq_ptr, cum_ptr, dt_ptr, b, h, start, mt * BLOCK_T, L, H,
                                                        Q, HAS_SEQ, BLOCK_T)
     Ct = _load_rows(C_ptr, row_t, G, g, valid_t, offs_n, N)
     acc = tl.zeros([BLOCK_T, BLOCK_P], tl.float32)
     for k in range(0, mt + 1):
-        loc_s, valid_s, row_s, cum_s, dt_s, sid_s = _steps(seq_ptr, cum_ptr, dt_ptr, b, h, start, k * BLOCK_T, L,
-                                                           H, Q, HAS_SEQ, BLOCK_T)
-        Bs = _load_rows(B_ptr, row_s, G, g, valid_s, offs_n, N)
-        xs = _load_rows(x_ptr, row_s, H, h, valid_s, offs_p, P)
+        loc_s, valid_s, row_s, cum_s, dt_s, sid_s, xs, Bs = _step_tiles(
+            seq_ptr, cum_ptr, dt_ptr, x_ptr, B_ptr, b, h, g, start, k * BLOCK_T, L, H, G, Q, P, N, offs_p, offs_n,
+            HAS_SEQ, BLOCK_T)
         cb = tl.dot(Ct, tl.trans(Bs), input_precision=PREC)
         E = _decay(loc_t, valid_t, cum_t, sid_t, loc_s, valid_s, cum_s, sid_s)
         acc += tl.dot(cb * E * dt_s[None, :], xs, input_precision=PREC)
-    mpn = (offs_p < P)[None, :] & (offs_n < N)[:, None]
-    s_in_t = tl.load(states_ptr + (pid * H + h).to(tl.int64) * P * N + offs_p[None, :] * N + offs_n[:, None],
-                     mask=mpn, other=0.0)  # (N, P)
-    carry = valid_t & (sid_t == before)
-    a = tl.where(carry, tl.exp(tl.where(carry, cum_t, 0.0)), 0.0)
-    acc += a[:, None] * tl.dot(Ct, s_in_t, input_precision=PREC)
+    s_in = _state_tile(states_ptr, pid * H + h, offs_p, offs_n, P, N)
+    acc += _carry(valid_t, sid_t, before, cum_t)[:, None] * tl.dot(Ct, tl.trans(s_in), input_precision=PREC)
     tl.store(y_ptr + (row_t * H + h)[:, None] * P + offs_p[None, :], acc,
              mask=valid_t[:, None] & (offs_p < P)[None, :])
 
@@ -246,36 +264,27 @@ def _ssd_bwd_col_kernel(x_ptr, dt_ptr, cum_ptr, seq_ptr, B_ptr, C_ptr, dy_ptr, d
                         BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     # Program (batch * chunk, head, block of steps s): dx_s, the direct ddt_s and dB_s (per head) over the
     # chunk's later steps t and its end state; v_s = dt_s ddt^state_s for the chunk-end term of dcum.
-    pid = tl.program_id(0)
-    b = pid // nc
-    c = pid % nc
-    h = tl.program_id(1)
-    g = h // R
+    pid, b, h, g, start, before, last, cum_end = _program(seq_ptr, cum_ptr, nc, R, H, Q, L, HAS_SEQ)
     ms = tl.program_id(2)
     offs_p = tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
-    start, end, before, last, cum_end = _chunk_bounds(seq_ptr, cum_ptr, b, c, h, H, Q, L, HAS_SEQ)
-    loc_s, valid_s, row_s, cum_s, dt_s, sid_s = _steps(seq_ptr, cum_ptr, dt_ptr, b, h, start, ms * BLOCK_T, L, H,
-                                                       Q, HAS_SEQ, BLOCK_T)
-    xs = _load_rows(x_ptr, row_s, H, h, valid_s, offs_p, P)
-    Bs = _load_rows(B_ptr, row_s, G, g, valid_s, offs_n, N)
+    loc_s, valid_s, row_s, cum_s, dt_s, sid_s, xs, Bs = _step_tiles(
+        seq_ptr, cum_ptr, dt_ptr, x_ptr, B_ptr, b, h, g, start, ms * BLOCK_T, L, H, G, Q, P, N, offs_p, offs_n,
+        HAS_SEQ, BLOCK_T)
     dx = tl.zeros([BLOCK_T, BLOCK_P], tl.float32)
     dB = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     ddt = tl.zeros([BLOCK_T], tl.float32)
     for k in range(ms, nt):
-        loc_t, valid_t, row_t, cum_t, dt_t, sid_t = _steps(seq_ptr, cum_ptr, dt_ptr, b, h, start, k * BLOCK_T, L,
-                                                           H, Q, HAS_SEQ, BLOCK_T)
-        Ct = _load_rows(C_ptr, row_t, G, g, valid_t, offs_n, N)
-        dyt = _load_rows(dy_ptr, row_t, H, h, valid_t, offs_p, P)
+        loc_t, valid_t, row_t, cum_t, dt_t, sid_t, dyt, Ct = _step_tiles(
+            seq_ptr, cum_ptr, dt_ptr, dy_ptr, C_ptr, b, h, g, start, k * BLOCK_T, L, H, G, Q, P, N, offs_p, offs_n,
+            HAS_SEQ, BLOCK_T)
         cb = tl.dot(Bs, tl.trans(Ct), input_precision=PREC)  # (s, t)
         E = tl.trans(_decay(loc_t, valid_t, cum_t, sid_t, loc_s, valid_s, cum_s, sid_s))
         dm = tl.dot(xs, tl.trans(dyt), input_precision=PREC)  # (s, t): dy_t . x_s
         dx += tl.dot(cb * E * dt_s[:, None], dyt, input_precision=PREC)
         ddt += tl.sum(dm * cb * E, axis=1)
         dB += tl.dot(dm * E * dt_s[:, None], Ct, input_precision=PREC)
-    mpn = (offs_p < P)[:, None] & (offs_n < N)[None, :]
-    ds_out = tl.load(dstates_ptr + (pid * H + h).to(tl.int64) * P * N + offs_p[:, None] * N + offs_n[None, :],
-                     mask=mpn, other=0.0)  # (P, N)
+    ds_out = _state_tile(dstates_ptr, pid * H + h, offs_p, offs_n, P, N)
     to_end = valid_s & (sid_s == last)
     e = tl.where(to_end, tl.exp(tl.where(to_end, cum_end - cum_s, 0.0)), 0.0)
     q = tl.dot(Bs, tl.trans(ds_out), input_precision=PREC)  # (s, P)
@@ -297,34 +306,23 @@ def _ssd_bwd_row_kernel(x_ptr, dt_ptr, cum_ptr, seq_ptr, B_ptr, C_ptr, dy_ptr, s
                         BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     # Program (batch * chunk, head, block of steps t): dC_t (per head) over the chunk's earlier steps s and
     # its entering state, and dcum_t = C_t . dC_t - dt_t ddt_t (the chunk-end term comes later).
-    pid = tl.program_id(0)
-    b = pid // nc
-    c = pid % nc
-    h = tl.program_id(1)
-    g = h // R
+    pid, b, h, g, start, before, last, cum_end = _program(seq_ptr, cum_ptr, nc, R, H, Q, L, HAS_SEQ)
     mt = tl.program_id(2)
     offs_p = tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
-    start, end, before, last, cum_end = _chunk_bounds(seq_ptr, cum_ptr, b, c, h, H, Q, L, HAS_SEQ)
-    loc_t, valid_t, row_t, cum_t, dt_t, sid_t = _steps(seq_ptr, cum_ptr, dt_ptr, b, h, start, mt * BLOCK_T, L, H,
-                                                       Q, HAS_SEQ, BLOCK_T)
-    Ct = _load_rows(C_ptr, row_t, G, g, valid_t, offs_n, N)
-    dyt = _load_rows(dy_ptr, row_t, H, h, valid_t, offs_p, P)
+    loc_t, valid_t, row_t, cum_t, dt_t, sid_t, dyt, Ct = _step_tiles(
+        seq_ptr, cum_ptr, dt_ptr, dy_ptr, C_ptr, b, h, g, start, mt * BLOCK_T, L, H, G, Q, P, N, offs_p, offs_n,
+        HAS_SEQ, BLOCK_T)
     dC = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for k in range(0, mt + 1):
-        loc_s, valid_s, row_s, cum_s, dt_s, sid_s = _steps(seq_ptr, cum_ptr, dt_ptr, b, h, start, k * BLOCK_T, L,
-                                                           H, Q, HAS_SEQ, BLOCK_T)
-        xs = _load_rows(x_ptr, row_s, H, h, valid_s, offs_p, P)
-        Bs = _load_rows(B_ptr, row_s, G, g, valid_s, offs_n, N)
+        loc_s, valid_s, row_s, cum_s, dt_s, sid_s, xs, Bs = _step_tiles(
+            seq_ptr, cum_ptr, dt_ptr, x_ptr, B_ptr, b, h, g, start, k * BLOCK_T, L, H, G, Q, P, N, offs_p, offs_n,
+            HAS_SEQ, BLOCK_T)
         dm = tl.dot(dyt, tl.trans(xs), input_precision=PREC)  # (t, s)
         E = _decay(loc_t, valid_t, cum_t, sid_t, loc_s, valid_s, cum_s, sid_s)
         dC += tl.dot(dm * E * dt_s[None, :], Bs, input_precision=PREC)
-    mpn = (offs_p < P)[:, None] & (offs_n < N)[None, :]
-    s_in = tl.load(states_ptr + (pid * H + h).to(tl.int64) * P * N + offs_p[:, None] * N + offs_n[None, :],
-                   mask=mpn, other=0.0)  # (P, N)
-    carry = valid_t & (sid_t == before)
-    a = tl.where(carry, tl.exp(tl.where(carry, cum_t, 0.0)), 0.0)
-    dC += a[:, None] * tl.dot(dyt, s_in, input_precision=PREC)
+    s_in = _state_tile(states_ptr, pid * H + h, offs_p, offs_n, P, N)
+    dC += _carry(valid_t, sid_t, before, cum_t)[:, None] * tl.dot(dyt, s_in, input_precision=PREC)
     tl.store(dC_ptr + (row_t * H + h)[:, None] * N + offs_n[None, :], dC,
              mask=valid_t[:, None] & (offs_n < N)[None, :])
     ddt = tl.load(ddt_ptr + row_t * H + h, mask=valid_t, other=0.0)

@@ -46,6 +46,21 @@ def kernels(bk: dict[str, int], prec: str, has_seq: bool) -> list[tuple]:
     ]
 
 
+def specialisations(dtypes: list[str], quick: bool):
+    """(kernel, pointer types, constexprs, warps) for each dtype, shape and with/without seq_idx."""
+    # (chunk size, head dim, state size)
+    shapes = [(256, 64, 128)] if quick else [(256, 64, 128), (64, 64, 64), (128, 128, 128), (256, 64, 256)]
+    for name in dtypes:
+        ptrs = {n: "*fp32" for kern, _, _ in kernels(K.blocks(64, 64, 64), "ieee", True)
+                for n in _jit(kern).arg_names if n.endswith("_ptr")}
+        ptrs.update({n: f"*{name}" for n in ("x_ptr", "B_ptr", "C_ptr", "V_ptr")}, seq_ptr="*i32")
+        for cs, p, n in shapes:
+            bk = K.blocks(cs, p, n)
+            print(f"-- {name} chunk_size={cs} headdim={p} dstate={n}: {bk}", flush=True)
+            for kern, consts, warps in (k for has_seq in (False, True) for k in kernels(bk, PRECISION[name], has_seq)):
+                yield kern, dict(ptrs, U_ptr="*fp32" if consts.get("ENTERING") else f"*{name}"), consts, warps
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("dtypes", nargs="*", default=["fp16", "fp32"], choices=sorted(PRECISION))
@@ -53,27 +68,14 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     target = GPUTarget("cuda", args.arch, 32)
-    limit = SHARED_LIMIT.get(args.arch, 99 * 1024)
-    # (chunk size, head dim, state size)
-    shapes = [(256, 64, 128)] if args.quick else [(256, 64, 128), (64, 64, 64), (128, 128, 128), (256, 64, 256)]
-    worst = 0
-    for name in args.dtypes:
-        ptrs = {n: "*fp32" for kern, _, _ in kernels(K.blocks(64, 64, 64), "ieee", True)
-                for n in _jit(kern).arg_names if n.endswith("_ptr")}
-        ptrs.update({n: f"*{name}" for n in ("x_ptr", "B_ptr", "C_ptr", "V_ptr")}, seq_ptr="*i32")
-        for cs, p, n in shapes:
-            bk = K.blocks(cs, p, n)
-            print(f"-- {name} chunk_size={cs} headdim={p} dstate={n}: {bk}", flush=True)
-            for has_seq in (False, True):
-                for kern, consts, warps in kernels(bk, PRECISION[name], has_seq):
-                    u = "*fp32" if consts.get("ENTERING") else f"*{name}"
-                    try:
-                        shared = compile_one(kern, dict(ptrs, U_ptr=u), consts, target, {}, warps, 2)
-                    except SharedMemoryError as exc:
-                        print(f"   {exc}", flush=True)
-                        return 1
-                    worst = max(worst, shared)
-    print(f"all kernels fit: largest shared memory {worst} B of sm_{args.arch}'s {limit} B")
+    try:
+        worst = max(compile_one(kern, ptrs, consts, target, {}, warps, 2)
+                    for kern, ptrs, consts, warps in specialisations(args.dtypes, args.quick))
+    except SharedMemoryError as exc:
+        print(f"   {exc}", flush=True)
+        return 1
+    print(f"all kernels fit: largest shared memory {worst} B of sm_{args.arch}'s "
+          f"{SHARED_LIMIT.get(args.arch, 99 * 1024)} B")
     return 0
 
 

@@ -293,7 +293,7 @@ def varlen_states(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.T
     decay = torch.exp(cum[:, -1:] - cum) * inside[..., None]  # to the last step
     Bh = B[0, pos].float().repeat_interleave(nheads // ngroups, dim=2)  # (S, chunk, H, N)
     w = decay * dt[0, pos].float()
-    states = torch.einsum("sth,sthp,sthn->shpn", w, x[0, pos].float(), Bh)
+    states = torch.einsum("sthp,sthn->shpn", w[..., None] * x[0, pos].float(), Bh)
     # the state entering the chunk carries over when that chunk's first step did not start the sequence
     chunk = last // chunk_size
     prev_id = torch.where(first > 0, seq_idx[0, (first - 1).clamp(min=0)], torch.zeros_like(first))
@@ -382,94 +382,161 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
 
 # -- the torch backend: the chunked SSD algorithm -----------------------------------------------------------
+class _Chunks:
+    """The inputs cut into chunks, in the group view ``(batch, chunk, step, G, R, ...)`` (``R = H // G``
+    heads per group), padded to whole chunks with ``dt = 0`` steps, which neither decay nor add, and the
+    masks ``seq_idx`` implies. Shared by the chunked forward and its backward."""
+
+    def __init__(self, x, dt, A, B, C, seq_idx, chunk_size):
+        self.batch, self.seqlen, self.nheads, self.headdim = x.shape
+        self.ngroups, self.dstate = B.shape[2], B.shape[3]
+        self.rep, self.cs = self.nheads // self.ngroups, chunk_size
+        self.nc = n_chunks(self.seqlen, chunk_size)
+        self.pad = self.nc * chunk_size - self.seqlen
+        b, nc, cs, g, r = self.batch, self.nc, self.cs, self.ngroups, self.rep
+        self.x = self.chunked(x.float()).view(b, nc, cs, g, r, self.headdim)
+        self.dt = self.chunked(dt.float()).view(b, nc, cs, g, r)
+        self.B = self.chunked(B.float()).view(b, nc, cs, g, self.dstate)
+        self.C = self.chunked(C.float()).view(b, nc, cs, g, self.dstate)
+        self.A = A.float().view(g, r)
+        self.cum = (self.dt * self.A).cumsum(2)  # (batch, nc, cs, G, R), inclusive
+        steps = torch.arange(cs, device=x.device)
+        causal = steps[:, None] >= steps[None, :]  # (t, s)
+        if seq_idx is None:
+            self.same = causal.expand(b, nc, cs, cs)
+            self.carry_in = self.to_end = self.keep = None
+            return
+        sid = seq_idx.long()
+        if self.pad:
+            sid = torch.cat([sid, sid[:, -1:].expand(b, self.pad)], dim=1)
+        sidc = sid.view(b, nc, cs)
+        self.same = (sidc[:, :, :, None] == sidc[:, :, None, :]) & causal  # (batch, nc, t, s)
+        before = torch.cat([sid.new_zeros(b, 1), sid[:, cs - 1:-1:cs]], dim=1)[:, :nc]  # id at c*cs - 1
+        self.carry_in = (sidc == before[:, :, None]).float()[..., None, None]  # step t continues the entering state
+        self.to_end = (sidc == sidc[:, :, -1:]).float()[..., None, None]  # step s reaches the chunk's end
+        self.keep = self.carry_in[:, :, -1]  # (batch, nc, 1, 1): the entering state survives the chunk
+
+    def chunked(self, t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t, (0, 0) * (t.dim() - 2) + (0, self.pad)) if self.pad else t
+
+    def unchunked(self, t: torch.Tensor, *tail: int) -> torch.Tensor:
+        return t.reshape(self.batch, self.nc * self.cs, *tail)[:, :self.seqlen]
+
+    def masked(self, t: torch.Tensor | None, m: torch.Tensor | None) -> torch.Tensor | None:
+        return t if m is None else t * m
+
+    def intra_decay(self) -> torch.Tensor:
+        """``exp(cum_t - cum_s)`` where step s reaches step t, else 0: ``(batch, nc, t, s, G, R)``."""
+        seg = self.cum[:, :, :, None] - self.cum[:, :, None, :]
+        return torch.exp(seg.masked_fill(~self.same[..., None, None], -math.inf))
+
+    def to_end_weight(self) -> torch.Tensor:
+        """``exp(cum_last - cum_s) dt_s`` for the steps that reach the chunk's end: ``(batch, nc, s, G, R)``."""
+        return self.masked(torch.exp(self.cum[:, :, -1:] - self.cum) * self.dt, self.to_end)
+
+    def carry_weight(self) -> torch.Tensor:
+        """``exp(cum_t)`` where step t continues the entering state: ``(batch, nc, t, G, R)``."""
+        return self.masked(torch.exp(self.cum), self.carry_in)
+
+    def chunk_decay(self) -> torch.Tensor:
+        """What is left of the entering state at the chunk's end: ``(batch, nc, G, R)``."""
+        return self.masked(torch.exp(self.cum[:, :, -1]), self.keep)
+
+
 def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 initial_states: torch.Tensor | None, seq_idx: torch.Tensor | None, chunk_size: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The core scan by chunks, fp32: within a chunk the output is a masked ``(chunk, chunk)`` matrix
     product; between chunks only the ``(H, P, N)`` states pass. Returns (y ``(batch, L, H, P)``,
-    final_states, chunk_states) as the module docstring defines them. Differentiable by autograd."""
-    batch, seqlen, nheads, headdim = x.shape
-    ngroups, dstate = B.shape[2], B.shape[3]
-    rep, cs = nheads // ngroups, chunk_size
-    nc = n_chunks(seqlen, cs)
-    pad = nc * cs - seqlen
-    xf, dtf, Bf, Cf = x.float(), dt.float(), B.float(), C.float()
-    if pad:  # dt = 0 steps neither decay nor add: the states and outputs of real steps are unchanged
-        xf, dtf, Bf, Cf = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) for t in (xf, dtf, Bf, Cf))
-    # (batch, chunk, step, group, rep, ...) views
-    xc = xf.view(batch, nc, cs, ngroups, rep, headdim)
-    dtc = dtf.view(batch, nc, cs, ngroups, rep)
-    Bc, Cc = Bf.view(batch, nc, cs, ngroups, dstate), Cf.view(batch, nc, cs, ngroups, dstate)
-    cum = (dtc * A.float().view(ngroups, rep)).cumsum(2)  # (batch, nc, cs, G, R)
-    steps = torch.arange(cs, device=x.device)
-    causal = steps[:, None] >= steps[None, :]  # (t, s)
-    if seq_idx is not None:
-        sid = seq_idx.long()
-        if pad:
-            sid = torch.cat([sid, sid[:, -1:].expand(batch, pad)], dim=1)
-        sidc = sid.view(batch, nc, cs)
-        same = (sidc[:, :, :, None] == sidc[:, :, None, :]) & causal  # (batch, nc, t, s)
-        before = torch.cat([sid.new_zeros(batch, 1), sid[:, cs - 1:-1:cs]], dim=1)[:, :nc]  # id at c*cs - 1
-        carry_in = (sidc == before[:, :, None]).float()  # (batch, nc, t): step t continues the entering state
-        to_end = (sidc == sidc[:, :, -1:]).float()  # step s belongs to the sequence at the chunk's end
-        chunk_keep = carry_in[:, :, -1]  # the entering state survives to the chunk's end
-    else:
-        same = causal.expand(batch, nc, cs, cs)
-        carry_in = to_end = None
-        chunk_keep = None
-    # within chunks: y_t += sum_{s<=t} (C_t . B_s) exp(cum_t - cum_s) dt_s x_s
-    seg = cum[:, :, :, None] - cum[:, :, None, :]  # (batch, nc, t, s, G, R)
-    mask = same[..., None, None]
-    decay = torch.exp(seg.masked_fill(~mask, -math.inf))
-    cb = torch.einsum("bctgn,bcsgn->bctsg", Cc, Bc)
-    w = cb[..., None] * decay * dtc[:, :, None]  # (batch, nc, t, s, G, R)
-    y = torch.einsum("bctsgr,bcsgrp->bctgrp", w, xc)
-    # each chunk's own contribution to the state at its end
-    dec_end = torch.exp(cum[:, :, -1:] - cum) * dtc  # (batch, nc, s, G, R)
-    if to_end is not None:
-        dec_end = dec_end * to_end[..., None, None]
-    own = torch.einsum("bcsgr,bcsgrp,bcsgn->bcgrpn", dec_end, xc, Bc)
-    # between chunks: pass the states along
-    chunk_decay = torch.exp(cum[:, :, -1])  # (batch, nc, G, R)
-    if chunk_keep is not None:
-        chunk_decay = chunk_decay * chunk_keep[..., None, None]
-    state = (initial_states.float().view(batch, ngroups, rep, headdim, dstate) if initial_states is not None
-             else xf.new_zeros(batch, ngroups, rep, headdim, dstate))
+    final_states, chunk_states) as the module docstring defines them."""
+    k = _Chunks(x, dt, A, B, C, seq_idx, chunk_size)
+    # within chunks: y_t = sum_{s<=t} (C_t . B_s) exp(cum_t - cum_s) dt_s x_s
+    cb = torch.einsum("bctgn,bcsgn->bctsg", k.C, k.B)
+    w = cb[..., None] * k.intra_decay() * k.dt[:, :, None]  # (batch, nc, t, s, G, R)
+    y = torch.einsum("bctsgr,bcsgrp->bctgrp", w, k.x)
+    # each chunk's own contribution to the state at its end, then the states passed along
+    own = torch.einsum("bcsgrp,bcsgn->bcgrpn", k.to_end_weight()[..., None] * k.x, k.B)
+    decay = k.chunk_decay()
+    shape = (k.batch, k.ngroups, k.rep, k.headdim, k.dstate)
+    state = initial_states.float().view(shape) if initial_states is not None else x.new_zeros(shape, dtype=torch.float32)
     entering = []
-    for c in range(nc):
+    for c in range(k.nc):
         entering.append(state)
-        state = chunk_decay[:, c, ..., None, None] * state + own[:, c]
+        state = decay[:, c, ..., None, None] * state + own[:, c]
     states_in = torch.stack(entering, dim=1)  # (batch, nc, G, R, P, N)
-    carry = torch.exp(cum)  # (batch, nc, t, G, R)
-    if carry_in is not None:
-        carry = carry * carry_in[..., None, None]
-    y = y + torch.einsum("bctgn,bcgrpn->bctgrp", Cc, states_in) * carry[..., None]
-    y = y.reshape(batch, nc * cs, nheads, headdim)[:, :seqlen]
-    return (y, state.reshape(batch, nheads, headdim, dstate),
-            states_in.reshape(batch, nc, nheads, headdim, dstate))
+    # and what the entering state gives each step: exp(cum_t) C_t h_in
+    y = y + torch.einsum("bctgn,bcgrpn->bctgrp", k.C, states_in) * k.carry_weight()[..., None]
+    return (k.unchunked(y, k.nheads, k.headdim).contiguous(), state.reshape(k.batch, k.nheads, k.headdim, k.dstate),
+            states_in.reshape(k.batch, k.nc, k.nheads, k.headdim, k.dstate))
+
+
+def ssd_chunked_backward(dy, dfinal, x, dt, A, B, C, initial_states, seq_idx, chunk_states, chunk_size):
+    """The analytic backward of :func:`ssd_chunked`, chunk by chunk from the saved ``chunk_states``:
+    fp32 (dx, ddt, dA, dB, dC, dinitial_states or None)."""
+    k = _Chunks(x, dt, A, B, C, seq_idx, chunk_size)
+    b, nc, g, r, p, n = k.batch, k.nc, k.ngroups, k.rep, k.headdim, k.dstate
+    dyc = k.chunked(dy.float()).view(b, nc, k.cs, g, r, p)
+    states_in = chunk_states.float().view(b, nc, g, r, p, n)
+    # within chunks: y_t = sum_s M_ts x_s, M_ts = (C_t . B_s) L_ts dt_s
+    L = k.intra_decay()
+    cb = torch.einsum("bctgn,bcsgn->bctsg", k.C, k.B)
+    M = cb[..., None] * L * k.dt[:, :, None]
+    dx = torch.einsum("bctsgr,bctgrp->bcsgrp", M, dyc)
+    dM = torch.einsum("bctgrp,bcsgrp->bctsgr", dyc, k.x)
+    dcb = (dM * L * k.dt[:, :, None]).sum(-1)
+    dC = torch.einsum("bctsg,bcsgn->bctgn", dcb, k.B)
+    dB = torch.einsum("bctsg,bctgn->bcsgn", dcb, k.C)
+    ddt = (dM * cb[..., None] * L).sum(2)
+    dML = dM * M  # d(cum_t - cum_s) of each term
+    dcum = dML.sum(3) - dML.sum(2)
+    del L, M, dM, dML
+    # the entering state's part of the output: exp(cum_t) C_t h_in
+    E = k.carry_weight()
+    dyE = dyc * E[..., None]
+    dC = dC + torch.einsum("bctgrp,bcgrpn->bctgn", dyE, states_in)
+    dcum = dcum + (dyE * torch.einsum("bctgn,bcgrpn->bctgrp", k.C, states_in)).sum(-1)
+    from_out = torch.einsum("bctgrp,bctgn->bcgrpn", dyE, k.C)  # d(h_in) through the outputs
+    # state passing, reversed: d(h_in[c]) = from_out[c] + decay_c d(h_end[c])
+    decay = k.chunk_decay()
+    grad = (dfinal.float().view(b, g, r, p, n) if dfinal is not None
+            else x.new_zeros(b, g, r, p, n, dtype=torch.float32))
+    ends = [None] * nc
+    ddecay = x.new_empty(b, nc, g, r, dtype=torch.float32)
+    for c in range(nc - 1, -1, -1):
+        ends[c] = grad
+        ddecay[:, c] = (grad * states_in[:, c]).sum((-1, -2))
+        grad = from_out[:, c] + decay[:, c, ..., None, None] * grad
+    dend = torch.stack(ends, dim=1)  # (batch, nc, G, R, P, N)
+    dcum[:, :, -1] += ddecay * decay
+    # each chunk's own contribution to its end state: sum_s w_s x_s B_s^T
+    w = k.to_end_weight()
+    GB = torch.einsum("bcgrpn,bcsgn->bcsgrp", dend, k.B)
+    dx = dx + w[..., None] * GB
+    dB = dB + torch.einsum("bcsgrp,bcgrpn->bcsgn", w[..., None] * k.x, dend)
+    dw = (k.x * GB).sum(-1)
+    ddt = ddt + dw * k.masked(torch.exp(k.cum[:, :, -1:] - k.cum), k.to_end)
+    dww = dw * w
+    dcum[:, :, -1] += dww.sum(2)
+    dcum = dcum - dww
+    # cum = cumsum(dt * A) over each chunk's steps
+    da = dcum.flip(2).cumsum(2).flip(2)
+    ddt = ddt + da * k.A
+    dA = (da * k.dt).sum((0, 1, 2)).reshape(k.nheads)
+    dinit = grad.reshape(b, k.nheads, p, n) if initial_states is not None else None
+    return (k.unchunked(dx, k.nheads, p), k.unchunked(ddt, k.nheads), dA, k.unchunked(dB, g, n),
+            k.unchunked(dC, g, n), dinit)
 
 
 class TorchSsdScan(TorchImplementation):
     op = OP
-    description = "PyTorch chunked SSD (matrix multiplies within chunks, state passing between); autograd backward"
+    description = "PyTorch chunked SSD (matrix multiplies within chunks, state passing between); analytic backward"
 
     def forward(self, x, dt, A, B, C, initial_states, seq_idx, chunk_size):
-        with torch.no_grad():
-            return ssd_chunked(x, dt, A, B, C, initial_states, seq_idx, chunk_size)
+        return ssd_chunked(x, dt, A, B, C, initial_states, seq_idx, chunk_size)
 
     def backward(self, dy, dfinal, x, dt, A, B, C, initial_states, seq_idx, chunk_states, chunk_size):
-        # torch.func.vjp differentiates even where the custom op has turned autograd off
-        primals = tuple(t.float() for t in (x, dt, A, B, C)) + (
-            () if initial_states is None else (initial_states.float(),))
-
-        def core(*ts):
-            init = ts[5] if len(ts) > 5 else None
-            y, final, _ = ssd_chunked(*ts[:5], init, seq_idx, chunk_size)
-            return y, final
-
-        (y, final), vjp = torch.func.vjp(core, *primals)
-        grads = vjp((dy.float(), torch.zeros_like(final) if dfinal is None else dfinal.float()))
-        return (*grads[:5], grads[5] if initial_states is not None else None)
+        return ssd_chunked_backward(dy, dfinal, x, dt, A, B, C, initial_states, seq_idx, chunk_states,
+                                    chunk_size)
 
 
 class TritonSsdScan(TritonImplementation):

@@ -395,6 +395,40 @@ def _ssu_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tensor, ...
     return out, state
 
 
+# -- SSD scan -------------------------------------------------------------------------------------------------
+@st.composite
+def _ssd_cases(draw, tiny: bool) -> dict:
+    heads = draw(st.sampled_from([1, 2, 4]))
+    return dict(B=draw(st.integers(1, 2)), L=draw(st.integers(1, 12 if tiny else 70)), H=heads,
+                G=draw(st.sampled_from([g for g in (1, 2, 4) if heads % g == 0])), P=draw(st.integers(1, 8)),
+                N=draw(st.integers(1, 8)), chunk=draw(st.integers(1, 32)),
+                D=draw(st.sampled_from([None, "h", "hp"])), has_z=draw(st.booleans()),
+                has_bias=draw(st.booleans()), softplus=draw(st.booleans()), has_init=draw(st.booleans()),
+                seq=draw(st.booleans()), layout=draw(st.sampled_from(LAYOUTS)))
+
+
+def _ssd_build(c: dict, dtype: torch.dtype, g: torch.Generator) -> Inputs:
+    B, L, H, G, P, N = c["B"], c["L"], c["H"], c["G"], c["P"], c["N"]
+    D = {None: None, "h": lambda: _randn(g, H), "hp": lambda: _randn(g, H, P)}[c["D"]]
+    # x, dt, B, C, z in the activation dtype; A, D, dt_bias, states in fp32 (Mamba-2's parameters)
+    return dict(x=_randn(g, B, L, H, P).to(dtype), dt=(_rand(g, B, L, H) * 0.5).to(dtype), A=-(_rand(g, H) + 0.2),
+                B=_randn(g, B, L, G, N).to(dtype), C=_randn(g, B, L, G, N).to(dtype), D=D() if D else None,
+                z=_randn(g, B, L, H, P).to(dtype) if c["has_z"] else None,
+                dt_bias=_randn(g, H, scale=0.2) if c["has_bias"] else None,
+                initial_states=_randn(g, B, H, P, N) if c["has_init"] else None,
+                seq_idx=torch.sort(torch.randint(0, 3, (B, L), generator=g), dim=1).values.to(torch.int32)
+                if c["seq"] else None)
+
+
+def _ssd_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tensor, ...]:
+    args = [x[k] for k in ("x", "dt", "A", "B", "C")]
+    kw = {k: x[k] for k in ("D", "z", "dt_bias", "initial_states", "seq_idx")}
+    kw.update(dt_softplus=c["softplus"], return_final_states=True)
+    if backend is None:
+        return tuple(ops.ssd_scan_ref(*args, c["chunk"], **kw))
+    return tuple(ops.ssd_scan(*args, c["chunk"], **kw, backend=backend))
+
+
 SPECS: dict[str, Spec] = {
     "attention": Spec(_attention_cases, _attention_build, _attention_run, ("q", "k", "v", "bias"),
                       examples=ATTENTION_EXAMPLES, same_dtype=_attention_same_dtype),
@@ -425,6 +459,10 @@ SPECS: dict[str, Spec] = {
                            ("u", "delta", "A", "B", "C", "D", "z", "delta_bias"), rtol=1e-4, atol=1e-4,
                            examples=[dict(B=2, D=4, L=9, N=3, groups=2, bform="grouped", cform="var", has_D=True,
                                           has_z=True, has_bias=True, softplus=True, layout="strided")]),
+    "ssd_scan": Spec(_ssd_cases, _ssd_build, _ssd_run,
+                     ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"), rtol=1e-4, atol=1e-4,
+                     examples=[dict(B=2, L=9, H=4, G=2, P=3, N=5, chunk=4, D="hp", has_z=True, has_bias=True,
+                                    softplus=True, has_init=True, seq=True, layout="strided")]),
     "selective_state_update": Spec(
         _ssu_cases, _ssu_build, _ssu_run, rtol=1e-5, atol=1e-5,
         examples=[dict(B=2, heads=2, dim=3, N=5, groups=2, has_D=True, has_z=True, has_bias=True, softplus=True,

@@ -355,6 +355,11 @@ def _prec(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
+def _contiguous(*ts: torch.Tensor | None) -> tuple:
+    """The kernels index dense row-major arrays (an upstream gradient may come expanded, with stride 0)."""
+    return tuple(None if t is None else t.contiguous() for t in ts)
+
+
 def _dims(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> tuple[int, int, int, int, int, int, int]:
     batch, L, H, P = x.shape
     G, N = B.shape[2], B.shape[3]
@@ -388,6 +393,7 @@ def ssd_scan_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Te
     N)``, initial_states fp32 ``(batch, H, P, N)`` or None, seq_idx int32 ``(batch, L)`` or None; all
     contiguous. Returns fp32 (y ``(batch, L, H, P)``, final_states ``(batch, H, P, N)``, chunk_states
     ``(batch, n_chunks, H, P, N)``)."""
+    x, dt, A, B, C, initial_states, seq_idx = _contiguous(x, dt, A, B, C, initial_states, seq_idx)
     batch, L, H, P, G, N, nc = _dims(x, B, chunk_size)
     bk, prec = blocks(chunk_size, P, N), _prec(x)
     has_seq = seq_idx is not None
@@ -414,6 +420,8 @@ def ssd_scan_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor,
     """Gradients of :func:`ssd_scan_fwd` from dy fp32 ``(batch, L, H, P)`` and dfinal fp32 ``(batch, H, P, N)``
     or None, given its chunk_states. Returns fp32 (dx, ddt, dA, dB, dC, dinitial_states or None) in the
     inputs' shapes."""
+    dy, dfinal, x, dt, A, B, C, seq_idx, chunk_states = _contiguous(dy, dfinal, x, dt, A, B, C, seq_idx,
+                                                                    chunk_states)
     batch, L, H, P, G, N, nc = _dims(x, B, chunk_size)
     bk, prec = blocks(chunk_size, P, N), _prec(x)
     has_seq = seq_idx is not None

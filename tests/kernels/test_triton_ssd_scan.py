@@ -75,3 +75,23 @@ def test_forward_and_gradients_match_the_oracle(name):
     for what, a, b in zip(names, grads, again):
         if a is not None:
             assert torch.equal(a, b), f"{what} differs between two runs"
+
+
+def test_strided_and_expanded_arguments():
+    """The launchers take any strides: ``final_states.sum()`` sends an expanded (stride 0) gradient."""
+    g = torch.Generator().manual_seed(2)
+    batch, L, H, G, P, N, cs = 1, 20, 2, 1, 16, 16, 16
+    x = torch.randn(batch, H, L, P, generator=g).transpose(1, 2)
+    dt = torch.rand(batch, L, H, generator=g) * 0.5
+    A = -torch.rand(H, generator=g) - 0.3
+    B, C = (torch.randn(batch, L, G, N, generator=g) for _ in range(2))
+    init = torch.randn(batch, H, P, N, generator=g)
+    dy = torch.zeros(1, 1, 1, 1).expand(batch, L, H, P)
+    dfinal = torch.ones(1, 1, 1, 1).expand(batch, H, P, N)
+    y, final, states = K.ssd_scan_fwd(x, dt, A, B, C, init, None, cs)
+    grads = K.ssd_scan_bwd(dy, dfinal, x, dt, A, B, C, init, None, states, cs)
+    dense = K.ssd_scan_bwd(dy.contiguous(), dfinal.contiguous(), x.contiguous(), dt, A, B, C, init, None, states, cs)
+    torch.testing.assert_close(y, K.ssd_scan_fwd(x.contiguous(), dt, A, B, C, init, None, cs)[0])
+    for a, b in zip(grads, dense):
+        torch.testing.assert_close(a, b)
+    assert grads[0].abs().max() > 0

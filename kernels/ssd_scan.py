@@ -27,7 +27,8 @@ The gradient of ``cum`` needs no second pass over the ``(t, s)`` pairs: per head
 
 Layouts: ``x``, ``dy`` ``(batch, L, H, P)``; ``dt``, ``cum`` ``(batch, L, H)``; ``B``, ``C`` ``(batch, L, G, N)``;
 states ``(batch, n_chunks, H, P, N)``; all contiguous. ``x``, ``B``, ``C`` may be fp16/bf16/fp32 (upcast in
-registers); the rest is fp32. Products run in fp32 (tf32 for 16-bit inputs).
+registers); the rest is fp32. Products run in tf32 (in fp32 for fp32 inputs unless PyTorch allows tf32 matmuls,
+as the attention kernels do).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from .attention import _prec
 
 
 # -- shared pieces -----------------------------------------------------------------------------------------
@@ -351,10 +354,6 @@ def blocks(chunk_size: int, headdim: int, dstate: int) -> dict[str, int]:
                 warps=8 if full_p * full_n >= 64 * 128 else 4)
 
 
-def _prec(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"
-
-
 def _contiguous(*ts: torch.Tensor | None) -> tuple:
     """The kernels index dense row-major arrays (an upstream gradient may come expanded, with stride 0)."""
     return tuple(None if t is None else t.contiguous() for t in ts)
@@ -395,7 +394,7 @@ def ssd_scan_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Te
     ``(batch, n_chunks, H, P, N)``)."""
     x, dt, A, B, C, initial_states, seq_idx = _contiguous(x, dt, A, B, C, initial_states, seq_idx)
     batch, L, H, P, G, N, nc = _dims(x, B, chunk_size)
-    bk, prec = blocks(chunk_size, P, N), _prec(x)
+    bk, prec = blocks(chunk_size, P, N), _prec(x.dtype)
     has_seq = seq_idx is not None
     seq = seq_idx if has_seq else dt.new_empty(1, dtype=torch.int32)
     cum = _cumsum(dt, A, chunk_size, nc, bk)
@@ -423,7 +422,7 @@ def ssd_scan_bwd(dy: torch.Tensor, dfinal: torch.Tensor | None, x: torch.Tensor,
     dy, dfinal, x, dt, A, B, C, seq_idx, chunk_states = _contiguous(dy, dfinal, x, dt, A, B, C, seq_idx,
                                                                     chunk_states)
     batch, L, H, P, G, N, nc = _dims(x, B, chunk_size)
-    bk, prec = blocks(chunk_size, P, N), _prec(x)
+    bk, prec = blocks(chunk_size, P, N), _prec(x.dtype)
     has_seq = seq_idx is not None
     f32 = dict(device=x.device, dtype=torch.float32)
     seq = seq_idx if has_seq else dt.new_empty(1, dtype=torch.int32)

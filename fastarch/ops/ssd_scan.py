@@ -541,9 +541,16 @@ class TorchSsdScan(TorchImplementation):
 
 class TritonSsdScan(TritonImplementation):
     op, kernel_module = OP, "ssd_scan"
-    limits = {"headdim": 128, "dstate": 256}  # a program holds a (headdim, dstate) state tile
+    limits = {"headdim": 128, "dstate": 256}
+    max_state_tile = 128 * 128  # the backward holds a whole (headdim, dstate) tile, padded to powers of two
     description = ("Triton chunked SSD: per-chunk cumsum, state terms and outputs as block matrix products, a "
                    "sequential pass over chunk states; backward by a reverse pass and per-chunk row/column kernels")
+
+    def check(self, call: Call) -> list[str]:
+        tile = math.prod(1 << max(int(call.get(k, 1)) - 1, 0).bit_length() for k in ("headdim", "dstate"))
+        if tile > self.max_state_tile:
+            return [f"state tile headdim x dstate (padded to powers of two) {tile} > {self.max_state_tile}"]
+        return []
 
     def forward(self, x, dt, A, B, C, initial_states, seq_idx, chunk_size):
         return self.lib.ssd_scan_fwd(x, dt, A, B, C, initial_states, seq_idx, chunk_size)

@@ -33,13 +33,11 @@ as the attention kernels do).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .attention import _prec
+from .attention import _INTERPRET, _prec
 
 
 # -- shared pieces -----------------------------------------------------------------------------------------
@@ -333,11 +331,6 @@ def _ssd_bwd_row_kernel(x_ptr, dt_ptr, cum_ptr, seq_ptr, B_ptr, C_ptr, dy_ptr, s
 
 
 # -- launchers ---------------------------------------------------------------------------------------------
-# The interpreter pays per program and per operation, not per element: larger step tiles there (still more
-# than one per chunk for chunks over 128 steps, so the multi-tile paths run in tests).
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _pow2(n: int, low: int = 16) -> int:
     return max(low, triton.next_power_of_2(n))
 
@@ -347,6 +340,8 @@ def blocks(chunk_size: int, headdim: int, dstate: int) -> dict[str, int]:
     ``P``/``N`` tiles of the outer products, ``Q``/``H`` of the per-chunk cumulative sums, and the state block
     of the pass; ``warps`` for the kernels holding whole ``(P, N)`` tiles."""
     full_p, full_n = _pow2(headdim), _pow2(dstate)
+    # The interpreter pays per program and per operation, not per element: larger step tiles there (still
+    # more than one per chunk for chunks over 128 steps, so the multi-tile paths run in tests).
     block_t = min(128 if _INTERPRET else 64 if full_p * full_n <= 64 * 64 else 32, _pow2(chunk_size))
     block_q = _pow2(chunk_size)
     return dict(T=block_t, P=full_p, N=full_n, outer_P=min(64, full_p), outer_N=min(64, full_n),

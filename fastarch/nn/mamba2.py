@@ -135,6 +135,8 @@ class Mamba2(nn.Module):
         self.dt_limit = tuple(dt_limit)
         self.activation = "silu"
         self.chunk_size, self.use_mem_eff_path, self.layer_idx = chunk_size, use_mem_eff_path, layer_idx
+        self.dt_min, self.dt_max, self.dt_init_floor = dt_min, dt_max, dt_init_floor
+        self.A_init_range = tuple(A_init_range)
 
         d_in_proj = 2 * self.d_inner + 2 * ngroups * d_state + self.nheads  # [z0, x0, z, x, B, C, dt]
         self.in_proj = nn.Linear(d_model, d_in_proj, bias=bias, **fk)

@@ -11,6 +11,7 @@ or the load fails, and a config value the fastarch model cannot honour raises: n
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -275,6 +276,13 @@ _MAMBA2_MIXER = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias
                  "norm.weight", "out_proj.weight", "out_proj.bias")
 
 
+def _json_float(value: Any) -> float:
+    """A float from config.json; transformers writes infinities as ``{"__float__": "Infinity"}``."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
 def _mamba2(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[str, Any]) -> Mamba2LM:
     t = "mamba2"
     _require(config, "hidden_act", ("silu",), t, "silu")
@@ -296,7 +304,7 @@ def _mamba2(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict
                               ngroups=config.get("n_groups", 8), chunk_size=config.get("chunk_size", 256),
                               tie_embeddings=tie, norm_eps=eps, bias=config.get("use_bias", False),
                               conv_bias=config.get("use_conv_bias", True),
-                              dt_limit=tuple(float(v) for v in config.get("time_step_limit", (0.0, float("inf")))),
+                              dt_limit=tuple(_json_float(v) for v in config.get("time_step_limit", (0.0, math.inf))),
                               dt_min=config.get("time_step_min", 0.001), dt_max=config.get("time_step_max", 0.1),
                               dt_init_floor=config.get("time_step_floor", 1e-4))
     kw.update(overrides)

@@ -4,8 +4,6 @@ split-conv1d scan), greedy generation, and what register()/unregister() patch.""
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 
@@ -14,6 +12,11 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.mamba2 import modeling_mamba2 as mm  # noqa: E402
 
 from fastarch.integrations import transformers as fh  # noqa: E402
+from tests.integrations import test_transformers as mamba1_tests  # noqa: E402
+
+# The Mamba tests' fixture (counts the calls reaching fastarch's kernel functions) and training step.
+kernel_calls = mamba1_tests.kernel_calls
+_fwd_bwd = mamba1_tests._fwd_bwd
 
 VOCAB = 101
 KERNEL_ATTRS = ["causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan", "mamba2_selective_state_update",
@@ -33,42 +36,11 @@ def _mamba2(**kw):
     cfg.update(kw)
     torch.manual_seed(0)
     model = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**cfg))
-    with torch.no_grad():  # larger than HF's init, so that the comparisons see every term
+    with torch.no_grad():  # away from HF's near-uniform init, so that the comparisons see every term
         for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.log(torch.rand_like(p) * 4 + 1))
-            elif name.endswith("D") or "norm" in name:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif not name.endswith("dt_bias"):
-                p.normal_(0, 0.2)
+            if not name.endswith(("A_log", "dt_bias")):
+                p.add_(0.2 * torch.randn_like(p))
     return model
-
-
-@pytest.fixture
-def kernel_calls(monkeypatch):
-    """Counts the calls of fastarch's functions behind the patched kernel functions."""
-    calls: dict[str, int] = {}
-
-    def counting(name, fn):
-        def run(*args, **kwargs):
-            calls[name] = calls.get(name, 0) + 1
-            return fn(*args, **kwargs)
-        run.__signature__ = inspect.signature(fn)
-        return run
-
-    fh.unregister()
-    for name, fn in list(fh._KERNELS.items()):
-        monkeypatch.setitem(fh._KERNELS, name, counting(name, fn))
-    fh.register()
-    return calls
-
-
-def _fwd_bwd(model, ids, training: bool):
-    model.train(training)
-    model.zero_grad()
-    logits = model(input_ids=ids).logits
-    logits.square().mean().backward()
-    return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("kw", [{}, dict(time_step_limit=(0.01, 0.08)), dict(n_groups=1, chunk_size=256)],

@@ -106,6 +106,22 @@ def test_step_equals_forward(variant):
     torch.testing.assert_close(torch.cat(outs, 1), full, **TOL)
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_step_equals_forward_on_every_decode_backend(backend):
+    from fastarch.backend import use_backend
+
+    m = _mamba2(ngroups=2, d_model=32)
+    u = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        full = m(u)
+        conv, ssm = m.allocate_inference_cache(2, 6)
+        with use_backend(selective_state_update=backend, causal_conv1d_update=backend, causal_conv1d=backend):
+            outs = [m.step(u[:, t:t + 1], conv, ssm)[0] for t in range(6)]
+            again = m(u)
+    torch.testing.assert_close(torch.cat(outs, 1), full, **TOL)
+    torch.testing.assert_close(again, full, **TOL)
+
+
 @pytest.mark.parametrize("variant", ["default", "groups", "mlp"])
 def test_prefill_then_decode_through_inference_params(variant):
     kw = dict(VARIANTS[variant])

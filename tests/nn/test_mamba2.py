@@ -273,3 +273,10 @@ def test_lm_trains():
     loss.backward()
     assert math.isfinite(loss.item())
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in lm.parameters())
+
+
+def test_forward_compiles_without_graph_breaks():
+    m = _mamba2()
+    u = torch.randn(2, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(m, fullgraph=True)(u), m(u), **TOL)

@@ -22,13 +22,15 @@ bias. A 4-D mask a model or user passes in (boolean, True = attend, or additive 
 HF's ``sliding_window=w`` is ``window=(w - 1, 0)`` for causal models (a token sees itself and the ``w - 1``
 before it: ``q - w < k <= q``) and ``window=(w, w)`` for bidirectional sliding masks (``|q - k| <= w``).
 
-**Mamba.** transformers' Mamba mixers call five module-level kernel functions of their modeling module
-(``causal_conv1d_fn``, ``causal_conv1d_update``, ``mamba_selective_scan``, ``mamba_selective_state_update``,
-``mamba_inner_fn``), each made by ``use_kernel_func_from_hub_with_fallback(kernel_name, package)``, which
+**Mamba.** transformers' Mamba and Mamba-2 mixers call module-level kernel functions of their modeling
+modules (Mamba: ``causal_conv1d_fn``, ``causal_conv1d_update``, ``mamba_selective_scan``,
+``mamba_selective_state_update``, ``mamba_inner_fn``; Mamba-2: ``causal_conv1d_fn``, ``causal_conv1d_update``,
+``mamba2_chunk_scan`` (``mamba_chunk_scan_combined``), ``mamba2_selective_state_update`` and, in training,
+``mamba2_split_conv1d_scan_combined``), each made by ``use_kernel_func_from_hub_with_fallback(kernel_name, package)``, which
 picks the implementation once, when the modeling module is imported: a hub kernel when ``kernels`` is
 installed and enabled, else the function from the original package (``mamba_ssm``, ``causal_conv1d``) when
-that imports, else the PyTorch version (for ``mamba_inner_fn`` a stub returning None, which sends the mixer
-down its unfused path). :func:`register` replaces these module attributes in
+that imports, else the PyTorch version (for ``mamba_inner_fn`` and ``mamba_split_conv1d_scan_combined`` a
+stub returning None, which sends the mixer down its unfused path). :func:`register` replaces these module attributes in
 :data:`MAMBA_MODULES` with dispatchers onto :mod:`fastarch.compat` (mamba-ssm's and causal-conv1d's
 signatures on fastarch's ops); :func:`unregister` puts the originals back. Where transformers found the real
 package, tensors on an accelerator still go to it; CPU tensors (which the real kernels refuse) and every call
@@ -67,6 +69,10 @@ from transformers.utils.import_utils import is_torchdynamo_exporting  # noqa: E4
 from ..compat.causal_conv1d import causal_conv1d_fn, causal_conv1d_update  # noqa: E402
 from ..compat.mamba_ssm.ops.selective_scan_interface import mamba_inner_fn, selective_scan_fn  # noqa: E402
 from ..compat.mamba_ssm.ops.triton.selective_state_update import selective_state_update  # noqa: E402
+from ..compat.mamba_ssm.ops.triton.ssd_combined import (  # noqa: E402
+    mamba_chunk_scan_combined,
+    mamba_split_conv1d_scan_combined,
+)
 from ..ops import attention as _attention  # noqa: E402
 
 __all__ = [
@@ -83,7 +89,8 @@ __all__ = [
 # The modeling modules whose Mamba kernel functions register() routes to fastarch.
 # FalconMamba is not among them: its PyTorch path normalises dt over dt_rank before dt_proj, mamba-ssm's fused
 # mamba_inner_fn (and fastarch's) over d_inner after it, so its training forward would change meaning.
-MAMBA_MODULES: tuple[str, ...] = ("transformers.models.mamba.modeling_mamba",)
+MAMBA_MODULES: tuple[str, ...] = ("transformers.models.mamba.modeling_mamba",
+                                   "transformers.models.mamba2.modeling_mamba2")
 
 # transformers' kernel name -> fastarch's function with the original package's signature.
 _KERNELS: dict[str, Callable] = {
@@ -92,6 +99,8 @@ _KERNELS: dict[str, Callable] = {
     "selective_scan_fn": selective_scan_fn,
     "selective_state_update": selective_state_update,
     "mamba_inner_fn": mamba_inner_fn,
+    "mamba_chunk_scan_combined": mamba_chunk_scan_combined,
+    "mamba_split_conv1d_scan_combined": mamba_split_conv1d_scan_combined,
 }
 
 _OP_PARAMS = frozenset(inspect.signature(_attention).parameters)

@@ -2,7 +2,8 @@
 ``to_hf`` writes one that transformers loads. Neither needs ``transformers`` (``safetensors`` is used).
 
 Supported ``model_type``: ``bert`` (``fastarch.nn.BERT``), ``gpt2`` (``fastarch.nn.GPTModel`` with
-``activation="gelu_new"``), ``mamba`` (``fastarch.nn.MambaLM``) and, for ``from_hf`` only, ``vit``
+``activation="gelu_new"``), ``mamba`` (``fastarch.nn.MambaLM``), ``mamba2`` (``fastarch.nn.Mamba2LM``) and,
+for ``from_hf`` only, ``vit``
 (``fastarch.nn.PreNormViT``). Every checkpoint key maps to a parameter
 or the load fails, and a config value the fastarch model cannot honour raises: no partial loads.
 """
@@ -10,6 +11,7 @@ or the load fails, and a config value the fastarch model cannot honour raises: n
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -22,6 +24,7 @@ import torch.nn as nn
 from ..nn.bert import BERT
 from ..nn.gpt import GPTModel
 from ..nn.mamba import MambaLM
+from ..nn.mamba2 import Mamba2LM
 from ..nn.vision import PreNormViT
 from .hf_bert import bert_from_hf
 
@@ -209,10 +212,16 @@ def _mamba(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[
                               norm_eps=config.get("layer_norm_epsilon", 1e-5), bias=config.get("use_bias", False),
                               conv_bias=config.get("use_conv_bias", True))
     kw.update(overrides)
+    return _load(MambaLM(**kw), _map_mamba_lm(sd, tie, _MAMBA_MIXER, "embeddings.weight", t), t)
+
+
+def _map_mamba_lm(sd: dict[str, torch.Tensor], tie: bool, mixer_keys: tuple[str, ...], embedding: str,
+                  model_type: str) -> dict[str, torch.Tensor]:
+    """A Mamba-family backbone's keys (``backbone.`` stripped) as MambaLM/Mamba2LM state-dict keys."""
     mapped: dict[str, torch.Tensor] = {}
     unmapped: list[str] = []
     for k, v in sd.items():
-        if k == "embeddings.weight":
+        if k == embedding:
             mapped["embedding.weight"] = v
         elif k == "norm_f.weight":
             mapped[k] = v
@@ -222,20 +231,21 @@ def _mamba(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[
         else:
             parts = k.split(".", 2)
             ok = len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and (
-                parts[2] == "norm.weight" or (parts[2].startswith("mixer.") and parts[2][6:] in _MAMBA_MIXER))
+                parts[2] == "norm.weight" or (parts[2].startswith("mixer.") and parts[2][6:] in mixer_keys))
             if ok:
                 mapped[k] = v
             else:
                 unmapped.append(k)
-    _fail_unmapped(unmapped, t)
+    _fail_unmapped(unmapped, model_type)
     if not tie and "lm_head.weight" not in mapped:
-        raise KeyError("from_hf: mamba config has untied embeddings but the checkpoint lacks lm_head.weight")
+        raise KeyError(f"from_hf: {model_type} config has untied embeddings but the checkpoint lacks lm_head.weight")
     if tie and "embedding.weight" in mapped:
         mapped["lm_head.weight"] = mapped["embedding.weight"]
-    return _load(MambaLM(**kw), mapped, t)
+    return mapped
 
 
-def _mamba_to_hf(model: MambaLM) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _mamba_lm_to_hf(model: MambaLM | Mamba2LM) -> tuple[dict[str, torch.Tensor], bool]:
+    """(HF state dict, tied) of a MambaLM or Mamba2LM: ``backbone.`` names, the head only when untied."""
     tied = model.lm_head.weight is model.embedding.weight
     sd: dict[str, torch.Tensor] = {}
     for k, v in model.state_dict().items():
@@ -246,6 +256,11 @@ def _mamba_to_hf(model: MambaLM) -> tuple[dict[str, torch.Tensor], dict[str, Any
             sd["backbone.embeddings.weight"] = v
         else:
             sd[f"backbone.{k}"] = v
+    return sd, tied
+
+
+def _mamba_to_hf(model: MambaLM) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    sd, tied = _mamba_lm_to_hf(model)
     mixer = model.layers[0].mixer
     config = dict(model_type="mamba", architectures=["MambaForCausalLM"], vocab_size=model.vocab_size,
                   hidden_size=model.d_model, num_hidden_layers=model.n_layers, state_size=mixer.d_state,
@@ -253,6 +268,79 @@ def _mamba_to_hf(model: MambaLM) -> tuple[dict[str, torch.Tensor], dict[str, Any
                   time_step_rank=mixer.dt_rank, use_bias=mixer.in_proj.bias is not None,
                   use_conv_bias=mixer.conv1d.bias is not None, hidden_act="silu",
                   layer_norm_epsilon=model.norm_f.eps, tie_word_embeddings=tied, residual_in_fp32=True)
+    return sd, config
+
+
+# ---------------------------------------------------------------------------------------------- Mamba-2
+_MAMBA2_MIXER = ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
+                 "norm.weight", "out_proj.weight", "out_proj.bias")
+
+
+def _json_float(value: Any) -> float:
+    """A float from config.json; transformers writes infinities as ``{"__float__": "Infinity"}``."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
+def _mamba2(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[str, Any]) -> Mamba2LM:
+    t = "mamba2"
+    _require(config, "hidden_act", ("silu",), t, "silu")
+    hidden, expand = config.get("hidden_size", 4096), config.get("expand", 2)
+    heads, head_dim = config.get("num_heads", 128), config.get("head_dim", 64)
+    if heads * head_dim != int(expand * hidden):
+        raise ValueError(f"from_hf: mamba2 config num_heads * head_dim = {heads} * {head_dim} is not expand * "
+                         f"hidden_size = {expand} * {hidden}; fastarch's Mamba2 derives the heads from them")
+    tie = config.get("tie_word_embeddings", False)
+    sd = _strip(sd, "backbone.")
+    emb = "embedding.weight" if "embedding.weight" in sd else "embeddings.weight"  # transformers reads both
+    if tie and not _tied(sd, "lm_head.weight", emb):
+        raise ValueError("from_hf: mamba2 config ties the embeddings but lm_head.weight differs from "
+                         "embeddings.weight")
+    eps = config.get("layer_norm_epsilon", 1e-5)
+    kw: dict[str, Any] = dict(vocab_size=config.get("vocab_size", 32768), d_model=hidden,
+                              n_layers=config.get("num_hidden_layers", 64), d_state=config.get("state_size", 128),
+                              d_conv=config.get("conv_kernel", 4), expand=expand, headdim=head_dim,
+                              ngroups=config.get("n_groups", 8), chunk_size=config.get("chunk_size", 256),
+                              tie_embeddings=tie, norm_eps=eps, bias=config.get("use_bias", False),
+                              conv_bias=config.get("use_conv_bias", True),
+                              dt_limit=tuple(_json_float(v) for v in config.get("time_step_limit", (0.0, math.inf))),
+                              dt_min=config.get("time_step_min", 0.001), dt_max=config.get("time_step_max", 0.1),
+                              dt_init_floor=config.get("time_step_floor", 1e-4))
+    kw.update(overrides)
+    mapped = _map_mamba_lm(sd, tie, _MAMBA2_MIXER, emb, t)
+    model = Mamba2LM(**kw)
+    for layer in model.layers:  # transformers' gated norm takes layer_norm_epsilon too
+        layer.mixer.norm.eps = kw["norm_eps"]
+    return _load(model, mapped, t)
+
+
+def _mamba2_to_hf(model: Mamba2LM) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    mixers = [layer.mixer for layer in model.layers]
+    if not mixers:
+        raise ValueError("to_hf: a Mamba2LM without layers has no Hugging Face Mamba2 form")
+    m, eps = mixers[0], model.norm_f.eps
+    for i, x in enumerate(mixers):
+        alike = all(getattr(x, a) == getattr(m, a) for a in ("d_state", "d_conv", "expand", "headdim", "ngroups",
+                                                              "chunk_size", "dt_limit"))
+        one_bias = (x.in_proj.bias is None) == (x.out_proj.bias is None) == (m.in_proj.bias is None)
+        if not (alike and one_bias and x.rmsnorm and not x.norm_before_gate and x.d_ssm == x.d_inner
+                and not x.D_has_hdim and (x.conv1d.bias is None) == (m.conv1d.bias is None)):
+            raise ValueError(f"to_hf: Mamba2LM layer {i} has no Hugging Face Mamba2 form (its mixers are alike, "
+                             "with rmsnorm=True, norm_before_gate=False, d_ssm=None, D_has_hdim=False and one bias "
+                             "flag for in_proj and out_proj)")
+        if x.norm.eps != eps or model.layers[i].norm.eps != eps:
+            raise ValueError(f"to_hf: Mamba2LM layer {i}'s norms have eps {x.norm.eps} (mixer) and "
+                             f"{model.layers[i].norm.eps} (block), norm_f {eps}; Hugging Face's Mamba2 has one "
+                             "layer_norm_epsilon")
+    sd, tied = _mamba_lm_to_hf(model)
+    config = dict(model_type="mamba2", architectures=["Mamba2ForCausalLM"], vocab_size=model.vocab_size,
+                  hidden_size=model.d_model, num_hidden_layers=model.n_layers, num_heads=m.nheads,
+                  head_dim=m.headdim, state_size=m.d_state, expand=m.expand, conv_kernel=m.d_conv,
+                  n_groups=m.ngroups, chunk_size=m.chunk_size, use_bias=m.in_proj.bias is not None,
+                  use_conv_bias=m.conv1d.bias is not None, hidden_act="silu", layer_norm_epsilon=eps,
+                  time_step_limit=list(m.dt_limit), time_step_min=m.dt_min, time_step_max=m.dt_max,
+                  time_step_floor=m.dt_init_floor, residual_in_fp32=True, tie_word_embeddings=tied)
     return sd, config
 
 
@@ -350,7 +438,7 @@ def _bert_to_hf(model: BERT) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 _FROM: dict[str, Callable[[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]], nn.Module]] = {
-    "bert": _bert, "gpt2": _gpt2, "mamba": _mamba, "vit": _vit}
+    "bert": _bert, "gpt2": _gpt2, "mamba": _mamba, "mamba2": _mamba2, "vit": _vit}
 
 
 def from_hf(path_or_model: Any, **overrides: Any) -> nn.Module:
@@ -361,7 +449,8 @@ def from_hf(path_or_model: Any, **overrides: Any) -> nn.Module:
             read with ``torch.load(weights_only=True)``), or an in-memory transformers model.
         overrides: constructor arguments of the fastarch class, over the ones the config gives.
 
-    Returns: ``BERT`` (``model_type`` ``bert``), ``GPTModel`` (``gpt2``), ``MambaLM`` (``mamba``) or
+    Returns: ``BERT`` (``model_type`` ``bert``), ``GPTModel`` (``gpt2``), ``MambaLM`` (``mamba``), ``Mamba2LM``
+    (``mamba2``) or
     ``PreNormViT`` (``vit``; ``ViTForImageClassification`` with its classifier, ``ViTModel`` without a pooler).
 
     Raises ``ValueError`` for another ``model_type`` or a config value fastarch cannot honour, ``KeyError``
@@ -388,9 +477,9 @@ def _atomic_write(path: str, write: Callable[[str], None]) -> None:
 
 
 def to_hf(model: nn.Module, path: str | os.PathLike) -> None:
-    """Write ``model`` (``BERT``, ``GPTModel`` or ``MambaLM``) to the directory ``path`` as ``config.json`` and
-    ``model.safetensors`` that transformers' ``from_pretrained`` loads (``BertModel``, ``GPT2LMHeadModel``,
-    ``MambaForCausalLM``). Each file is written to a temporary name and renamed into place, weights first,
+    """Write ``model`` (``BERT``, ``GPTModel``, ``MambaLM`` or ``Mamba2LM``) to the directory ``path`` as
+    ``config.json`` and ``model.safetensors`` that transformers' ``from_pretrained`` loads (``BertModel``,
+    ``GPT2LMHeadModel``, ``MambaForCausalLM``, ``Mamba2ForCausalLM``). Each file is written to a temporary name and renamed into place, weights first,
     so a reader never sees a half-written file; ``from_hf(path)`` gives back the same tensors."""
     from safetensors.torch import save_file
 
@@ -398,10 +487,13 @@ def to_hf(model: nn.Module, path: str | os.PathLike) -> None:
         sd, config = _gpt2_to_hf(model)
     elif isinstance(model, MambaLM):
         sd, config = _mamba_to_hf(model)
+    elif isinstance(model, Mamba2LM):
+        sd, config = _mamba2_to_hf(model)
     elif isinstance(model, BERT):
         sd, config = _bert_to_hf(model)
     else:
-        raise TypeError(f"to_hf: argument 'model' must be a BERT, GPTModel or MambaLM, got {type(model).__name__}")
+        raise TypeError(f"to_hf: argument 'model' must be a BERT, GPTModel, MambaLM or Mamba2LM, got "
+                        f"{type(model).__name__}")
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in sd.items()}

@@ -19,6 +19,7 @@ from . import (
     kv_cache,
     linformer,
     mamba,
+    mamba2,
     multimodal,
     norms,
     performer,
@@ -32,7 +33,7 @@ from . import (
 )
 
 _FAMILIES = (additive_attention, attention, bert, clip, cnn, feedforward, gpt, graph, kv_attention, kv_cache,
-             linformer, mamba, multimodal, norms, performer, positional, recurrent, reformer, s4, swin, transformer,
+             linformer, mamba, mamba2, multimodal, norms, performer, positional, recurrent, reformer, s4, swin, transformer,
              vision)
 
 __all__: list[str] = []

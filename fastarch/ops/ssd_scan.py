@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import Call, register
-from ._backends import CppImplementation, TorchImplementation
+from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
 from ._dispatch import call_of, in_layout_of, resolve, run, run_backward
 
@@ -561,5 +561,26 @@ class CppSsdScan(CppImplementation):
         return dx, ddt, dA, dB, dC, dinit if initial_states is not None else None
 
 
-register(TorchSsdScan)
-register(CppSsdScan)
+class TritonSsdScan(TritonImplementation):
+    op, kernel_module = OP, "ssd_scan"
+    limits = {"headdim": 128, "dstate": 256}
+    max_state_tile = 128 * 128  # the backward holds a whole (headdim, dstate) tile, padded to powers of two
+    description = ("Triton chunked SSD: per-chunk cumsum, state terms and outputs as block matrix products, a "
+                   "sequential pass over chunk states; backward by a reverse pass and per-chunk row/column kernels")
+
+    def check(self, call: Call) -> list[str]:
+        tile = math.prod(1 << max(int(call.get(k, 1)) - 1, 0).bit_length() for k in ("headdim", "dstate"))
+        if tile > self.max_state_tile:
+            return [f"state tile headdim x dstate (padded to powers of two) {tile} > {self.max_state_tile}"]
+        return []
+
+    def forward(self, x, dt, A, B, C, initial_states, seq_idx, chunk_size):
+        return self.lib.ssd_scan_fwd(x, dt, A, B, C, initial_states, seq_idx, chunk_size)
+
+    def backward(self, dy, dfinal, x, dt, A, B, C, initial_states, seq_idx, chunk_states, chunk_size):
+        return self.lib.ssd_scan_bwd(dy, dfinal, x, dt, A, B, C, initial_states, seq_idx, chunk_states,
+                                     chunk_size)
+
+
+for _impl in (TorchSsdScan, CppSsdScan, TritonSsdScan):
+    register(_impl)

@@ -22,6 +22,7 @@ ROOT = HERE.parents[1]
 CASES = {
     "attention": ["compile_triton_attention.py", "fp16", "--quick"],
     "lsh_attention": ["compile_triton_lsh.py", "fp16", "--quick", "--max-head-dim", "64"],
+    "ssd_scan": ["compile_triton_ssd_scan.py", "fp16", "--quick"],
 }
 
 

@@ -71,8 +71,8 @@ def test_gpt_tiny_is_deterministic_in_train_mode():
 # Every registered builder builds; the small ones also run a forward on a tiny input chosen by family.
 # ------------------------------------------------------------------------------------------------------
 BIG_PARAMS = 6_000_000  # above this (the standard sizes, gpt_bench, mamba_small, ...) only build on meta
-EFFICIENT_FAMILIES = ["mamba_tiny", "reformer_tiny", "performer_lm_tiny", "linformer_encoder_tiny", "s4_lm_tiny",
-                      "longformer_tiny"]
+EFFICIENT_FAMILIES = ["mamba_tiny", "mamba2_tiny", "reformer_tiny", "performer_lm_tiny", "linformer_encoder_tiny",
+                      "s4_lm_tiny", "longformer_tiny"]
 
 
 def _ids(m, b=2, n=16):
@@ -88,8 +88,8 @@ def _in_features(m) -> int:
 
 def _tiny_input(m) -> tuple:
     kind = type(m).__name__
-    if kind in ("BERT", "BERTTransformer", "GPTModel", "GPTTransformer", "EfficientLM", "MambaLM", "ReformerLM",
-                "TransformerLM", "LongformerEncoder"):
+    if kind in ("BERT", "BERTTransformer", "GPTModel", "GPTTransformer", "EfficientLM", "MambaLM", "Mamba2LM",
+                "ReformerLM", "TransformerLM", "LongformerEncoder"):
         return (_ids(m),)
     if kind == "BERTModel":
         return (_ids(m), torch.zeros(2, 16, dtype=torch.long))

@@ -9,7 +9,11 @@ Cases and providers:
 - ``mamba fwd L``: HF's ``MambaForCausalLM`` (d_model 768, 4 layers), one forward: after
   :func:`~fastarch.integrations.transformers.register` (fastarch's scan and conv kernels) against its own
   PyTorch path (the reference);
-- ``mamba generate``: the same model, greedy generation of 64 tokens after a 512-token prompt.
+- ``mamba generate``: the same model, greedy generation of 64 tokens after a 512-token prompt;
+- ``mamba2 fwd L``: HF's ``Mamba2ForCausalLM`` (d_model 768, 4 layers, 24 heads of 64, d_state 128, one group,
+  chunk 256), one forward: fastarch's kernels (SSD scan, conv) against its own PyTorch chunked path. Slow on
+  CPU: only in ``--full`` runs (L=1024) and in the case set ``hf-mamba2`` (L=2048, ``fastarch bench --case
+  hf-mamba2``), whose bar is 3x.
 
 Needs transformers (``pip install 'fastarch[hf]'``); without it every provider is skipped.
 """
@@ -21,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..core import BenchConfig, Case, Provider, Skip, Suite
+from ..core import BenchConfig, Case, Provider, Ratio, Skip, Suite
 from ..helpers import require_package
 
 VOCAB = 1024
@@ -86,9 +90,18 @@ def _mamba_model(cfg: BenchConfig):
     return tf.MambaForCausalLM(conf).to(device=cfg.device, dtype=cfg.dtype).eval(), fh
 
 
-def _mamba_provider(cfg: BenchConfig, fastarch: bool, make_run) -> Callable[[], Callable[[], Any]]:
+def _mamba2_model(cfg: BenchConfig):
+    tf, fh = _hf()
+    torch.manual_seed(cfg.seed)
+    conf = tf.Mamba2Config(vocab_size=VOCAB, hidden_size=768, num_heads=24, head_dim=64, state_size=128,
+                           num_hidden_layers=4, n_groups=1, conv_kernel=4, expand=2, chunk_size=256)
+    return tf.Mamba2ForCausalLM(conf).to(device=cfg.device, dtype=cfg.dtype).eval(), fh
+
+
+def _mamba_provider(cfg: BenchConfig, fastarch: bool, make_run, build=_mamba_model
+                    ) -> Callable[[], Callable[[], Any]]:
     def setup() -> Callable[[], Any]:
-        model, fh = _mamba_model(cfg)
+        model, fh = build(cfg)
         body = make_run(model)
 
         def run() -> Any:
@@ -102,16 +115,18 @@ def _mamba_provider(cfg: BenchConfig, fastarch: bool, make_run) -> Callable[[], 
     return setup
 
 
-def _mamba_case(cfg: BenchConfig, group: str, name: str, params: dict, make_run) -> Case:
+def _mamba_case(cfg: BenchConfig, group: str, name: str, params: dict, make_run, model: str = "mamba",
+                build=_mamba_model, ratios: tuple[Ratio, ...] = ()) -> Case:
     return Case(
         name=name,
-        params={**params, "model": "mamba"},
+        params={**params, "model": model},
         flops=None,
-        providers=[Provider("fastarch", "fastarch", _mamba_provider(cfg, True, make_run)),
-                   Provider("hf-pytorch", "reference", _mamba_provider(cfg, False, make_run))],
+        providers=[Provider("fastarch", "fastarch", _mamba_provider(cfg, True, make_run, build)),
+                   Provider("hf-pytorch", "reference", _mamba_provider(cfg, False, make_run, build))],
         reference="hf-pytorch",
         group=group,
         x="L",
+        ratios=ratios,
     )
 
 
@@ -132,6 +147,17 @@ def _mamba_generate_case(cfg: BenchConfig, prompt: int, new: int) -> Case:
                        {"L": prompt, "new_tokens": new}, make_run)
 
 
+def _mamba2_forward_case(cfg: BenchConfig, L: int) -> Case:
+    ids = _tokens(cfg, L)
+    return _mamba_case(cfg, "mamba2 fwd", f"mamba2 fwd L={L}", {"L": L},
+                       lambda model: lambda: model(input_ids=ids, logits_to_keep=1).logits, model="mamba2",
+                       build=_mamba2_model, ratios=(Ratio("fastarch", "hf-pytorch", target=3.0),))
+
+
+def mamba2_cases(cfg: BenchConfig) -> list[Case]:
+    return [_mamba2_forward_case(cfg, 64 if cfg.toy else 2048)]
+
+
 def cases(cfg: BenchConfig) -> list[Case]:
     if cfg.toy:
         return [_attention_case(cfg, "mistral", 16, 64), _mamba_forward_case(cfg, 32)]
@@ -139,12 +165,14 @@ def cases(cfg: BenchConfig) -> list[Case]:
            _mamba_forward_case(cfg, 1024), _mamba_generate_case(cfg, 512, 64)]
     if not cfg.quick:
         out.insert(1, _attention_case(cfg, "mistral", 256, 16384))
+        out.append(_mamba2_forward_case(cfg, 1024))
     return out
 
 
 SUITE = Suite(
     name="hf",
-    description="Hugging Face models with fastarch registered (attn_implementation='fastarch', Mamba kernels) "
-                "vs sdpa and HF's PyTorch Mamba path",
+    description="Hugging Face models with fastarch registered (attn_implementation='fastarch', Mamba and Mamba-2 "
+                "kernels) vs sdpa and HF's PyTorch Mamba paths",
     cases=cases,
+    case_sets={"hf-mamba2": mamba2_cases},
 )

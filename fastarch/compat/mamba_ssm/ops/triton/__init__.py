@@ -1,1 +1,2 @@
-"""``mamba_ssm.ops.triton``: ``selective_state_update`` (runs on every fastarch backend, CPU included)."""
+"""``mamba_ssm.ops.triton``: ``selective_state_update``, ``ssd_combined`` and ``layernorm_gated`` (on every
+fastarch backend, CPU included)."""

@@ -1,0 +1,102 @@
+"""HF ``Mamba2ForCausalLM`` on CPU with fastarch's kernels (after ``register()``) against its own PyTorch path,
+from a small config with random weights (nothing downloaded): logits, gradients in training (the fused
+split-conv1d scan), greedy generation, and what register()/unregister() patch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.models.mamba2 import modeling_mamba2 as mm  # noqa: E402
+
+from fastarch.integrations import transformers as fh  # noqa: E402
+from tests.integrations import test_transformers as mamba1_tests  # noqa: E402
+
+# The Mamba tests' fixture (counts the calls reaching fastarch's kernel functions) and training step.
+kernel_calls = mamba1_tests.kernel_calls
+_fwd_bwd = mamba1_tests._fwd_bwd
+
+VOCAB = 101
+KERNEL_ATTRS = ["causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan", "mamba2_selective_state_update",
+                "mamba2_split_conv1d_scan_combined"]
+
+
+@pytest.fixture(autouse=True)
+def _registered():
+    fh.register()
+    yield
+    fh.unregister()
+
+
+def _mamba2(**kw):
+    cfg = dict(vocab_size=VOCAB, hidden_size=32, num_heads=8, head_dim=8, state_size=8, num_hidden_layers=2,
+               n_groups=2, conv_kernel=4, expand=2, chunk_size=8)
+    cfg.update(kw)
+    torch.manual_seed(0)
+    model = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**cfg))
+    with torch.no_grad():  # away from HF's near-uniform init, so that the comparisons see every term
+        for name, p in model.named_parameters():
+            if not name.endswith(("A_log", "dt_bias")):
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("kw", [{}, dict(time_step_limit=(0.01, 0.08)), dict(n_groups=1, chunk_size=256)],
+                         ids=["default", "dt-limit", "one-group"])
+def test_logits_match_pytorch_path(kw, kernel_calls):
+    model = _mamba2(**kw).eval()
+    ids = torch.randint(0, VOCAB, (2, 19))
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    assert set(kernel_calls) == {"causal_conv1d_fn", "mamba_chunk_scan_combined"}
+    fh.unregister()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    assert (got - want).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_forward_backward_match_pytorch_path(training, kernel_calls):
+    model = _mamba2()
+    ids = torch.randint(0, VOCAB, (2, 13))
+    got = _fwd_bwd(model, ids, training)
+    expected = {"mamba_split_conv1d_scan_combined"} if training else {"causal_conv1d_fn", "mamba_chunk_scan_combined"}
+    assert set(kernel_calls) == expected
+    fh.unregister()
+    want = _fwd_bwd(model, ids, training)
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-4)
+    for name, g in want[1].items():
+        torch.testing.assert_close(got[1][name], g, atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_greedy_generation_identical(kernel_calls):
+    model = _mamba2().eval()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=0)
+    got = model.generate(ids, **kw)
+    assert {"causal_conv1d_update", "selective_state_update", "mamba_chunk_scan_combined"} <= set(kernel_calls)
+    fh.unregister()
+    assert torch.equal(got, model.generate(ids, **kw))
+
+
+def test_register_patches_and_unregister_restores():
+    patched = sorted(a for a, f in vars(mm).items() if hasattr(f, "__fastarch_original__"))
+    assert patched == sorted(KERNEL_ATTRS)
+    fh.unregister()
+    assert all(not hasattr(getattr(mm, a), "__fastarch_original__") for a in KERNEL_ATTRS)
+    # transformers' own fused stub (no mamba_ssm here) sends the mixer down its unfused path again
+    assert mm.mamba2_split_conv1d_scan_combined(torch.zeros(1, 1, 1), None, None, None, None, None, 1) is None
+
+
+def test_accelerator_tensors_keep_the_real_kernel():
+    """Where transformers found the real mamba_ssm, non-CPU tensors still reach it."""
+    seen = []
+
+    def real(zxbcdt, *args, **kwargs):
+        seen.append(zxbcdt.device.type)
+        return "real"
+
+    run = fh._dispatcher(real, "mamba_split_conv1d_scan_combined", real_package=True)
+    assert run(torch.empty(1, 2, 3, device="meta")) == "real" and seen == ["meta"]

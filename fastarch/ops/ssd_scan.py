@@ -544,6 +544,11 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 class CppSsdScan(CppImplementation):
+    """The core scan of the module docstring in ``csrc/cpu/ssd_scan.cpp``. ``x``, ``B``, ``C`` (any float dtype)
+    are read as fp32; every output is fp32: ``forward`` returns (y ``(batch, L, H, P)``, final_states
+    ``(batch, H, P, N)``, chunk_states ``(batch, n_chunks, H, P, N)``), ``backward`` the gradients of (x, dt,
+    A, B, C, initial_states) in their shapes, None for absent initial states."""
+
     op, extension = OP, "ssd_scan"
     limits: dict[str, int] = {}  # any headdim, dstate and chunk_size: scratch is chunk-sized per thread
     description = ("C++: chunked SSD, chunk matrix products on ATen's BLAS in parallel over (batch, chunk, group, "

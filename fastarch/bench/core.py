@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BenchConfig", "Case", "Provider", "Ratio", "Skip", "Suite", "PROVIDER_KINDS"]
+__all__ = ["BenchConfig", "Case", "MemoryBound", "Provider", "Ratio", "Skip", "Suite", "PROVIDER_KINDS"]
 
 PROVIDER_KINDS: tuple[str, ...] = ("fastarch", "reference", "torch", "peer")
 
@@ -102,6 +102,18 @@ class Ratio:
         return value <= self.target if self.at_most else value >= self.target
 
 
+@dataclass(frozen=True)
+class MemoryBound:
+    """An upper bound on the peak memory of provider ``provider`` in one case, in MB (the report says met
+    or missed; measured where the case measures memory)."""
+
+    provider: str
+    limit_mb: float
+
+    def met(self, mb: float) -> bool:
+        return mb <= self.limit_mb
+
+
 @dataclass
 class Case:
     """One problem size of a suite, run by every provider.
@@ -112,7 +124,8 @@ class Case:
     one call, for GB/s), ``group`` (cases with the same group share a plot line family, e.g. "fwd" vs
     "fwd+bwd"; default: the case name up to the first size), ``x`` (the params key on the plot's x axis;
     default: the first of L, seq_len, seqlen, N, rows, n found), ``measure_memory`` (measure peak memory
-    in --quick mode too; --full measures every case), ``ratios`` (the comparisons reported for this case).
+    in --quick mode too; --full measures every case), ``ratios`` (the comparisons reported for this case),
+    ``memory_bounds`` (peak-memory bounds checked for this case; they imply ``measure_memory``).
     """
 
     name: str
@@ -125,16 +138,20 @@ class Case:
     x: str | None = None
     measure_memory: bool = False
     ratios: tuple[Ratio, ...] = ()
+    memory_bounds: tuple[MemoryBound, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.memory_bounds:
+            self.measure_memory = True
         names = [p.name for p in self.providers]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"Case {self.name!r}: duplicate provider names {dup}")
-        unknown = sorted({n for r in self.ratios for n in (r.faster, r.slower)} - set(names))
+        unknown = sorted(({n for r in self.ratios for n in (r.faster, r.slower)}
+                          | {m.provider for m in self.memory_bounds}) - set(names))
         if unknown:
-            raise ValueError(f"Case {self.name!r}: argument 'ratios' names providers {unknown}, expected some of "
-                             f"{names}")
+            raise ValueError(f"Case {self.name!r}: arguments 'ratios'/'memory_bounds' name providers {unknown}, "
+                             f"expected some of {names}")
 
     def only(self, *names: str) -> Case:
         """This case with just the providers ``names`` (in that order), keeping the ratios between them."""
@@ -143,8 +160,9 @@ class Case:
         if missing:
             raise ValueError(f"Case {self.name!r}: no providers {missing} (has {list(by)})")
         ratios = tuple(r for r in self.ratios if r.faster in names and r.slower in names)
+        bounds = tuple(m for m in self.memory_bounds if m.provider in names)
         ref = self.reference if self.reference in names else names[0]
-        return replace(self, providers=[by[n] for n in names], ratios=ratios, reference=ref)
+        return replace(self, providers=[by[n] for n in names], ratios=ratios, memory_bounds=bounds, reference=ref)
 
 
 @dataclass

@@ -228,6 +228,11 @@ def format_table(run: RunResult) -> str:
 
 
 def _ratio_line(q: RatioResult) -> str:
+    if q.metric == "peak memory":
+        if q.value is None:
+            return f"{q.faster} peak memory: not measured"
+        return (f"{q.faster} peak memory: {q.value:.4g} MB (bound <= {q.target:g} MB: "
+                f"{'met' if q.met else 'MISSED'})")
     what = f"{q.faster} vs {q.slower}: "
     if q.value is None:
         return what + "not measured (a side did not run)"

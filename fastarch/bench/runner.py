@@ -69,7 +69,9 @@ class ProviderResult:
 @dataclass
 class RatioResult:
     """One :class:`fastarch.bench.core.Ratio` of a case as measured: ``value`` is None when either side
-    did not run; ``met`` is None without a target."""
+    did not run; ``met`` is None without a target. A :class:`fastarch.bench.core.MemoryBound` is reported
+    the same way with ``metric="peak memory"``: ``faster`` the provider, ``value`` its peak in MB and
+    ``target`` the bound."""
 
     suite: str
     case: str
@@ -79,6 +81,7 @@ class RatioResult:
     target: float | None
     at_most: bool
     met: bool | None
+    metric: str = "time"
 
 
 @dataclass
@@ -392,4 +395,10 @@ def _derive(rs: list[ProviderResult], case: Case, peak: float | None) -> list[Ra
         out.append(RatioResult(suite=rs[0].suite, case=case.name, faster=q.faster, slower=q.slower,
                                value=value, target=q.target, at_most=q.at_most,
                                met=q.met(value) if value is not None else None))
+    mems = {r.provider: r.mem_bytes / 2**20 for r in rs if r.status == "ok" and r.mem_bytes is not None}
+    for m in case.memory_bounds:
+        mb = mems.get(m.provider)
+        out.append(RatioResult(suite=rs[0].suite, case=case.name, faster=m.provider, slower="", value=mb,
+                               target=m.limit_mb, at_most=True, met=m.met(mb) if mb is not None else None,
+                               metric="peak memory"))
     return out

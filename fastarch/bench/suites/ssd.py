@@ -11,7 +11,8 @@ so the table shows how many such units each backend needs; a ``B·L·H·P·N`` t
 first term.
 
 The headline (case set ``ssd-headline``, also in ``--full``): B=1, L=4096, H=24, P=64, N=128, chunk 256,
-``fastarch-cpp`` at least 3x ``fastarch-torch``, forward and forward+backward. ``--quick`` runs L=128, H=4,
+``fastarch-cpp`` at least 3x ``fastarch-torch``, forward and forward+backward, and the compiled backends'
+forward+backward peak within ``MEMORY_UNITS`` units. ``--quick`` runs L=128, H=4,
 P=16, N=32, chunk 32 with the reference; ``--full`` adds L=512 (with the reference), L=2048 and the headline.
 """
 
@@ -22,11 +23,12 @@ from typing import Any
 
 import torch
 
-from ..core import BenchConfig, Case, Provider, Ratio, Skip, Suite
+from ..core import BenchConfig, Case, MemoryBound, Provider, Ratio, Skip, Suite
 from ..helpers import randn, require_backend, timed_call
 
 BACKENDS = ("cpp", "triton", "torch")
 REFERENCE_MAX_L = 1024  # the oracle loops over L in Python; its autograd graph has L steps
+MEMORY_UNITS = 4  # the compiled backends' forward+backward peak, in mem_unit_MB (checked at the headline)
 
 
 def _inputs(cfg: BenchConfig, b: int, L: int, h: int, p: int, n: int, grad: bool) -> list[torch.Tensor]:
@@ -50,7 +52,7 @@ def _call(fn: Callable[..., Any], chunk: int) -> Callable[..., Any]:
 
 
 def _case(cfg: BenchConfig, shape: tuple[int, int, int, int, int], chunk: int, backward: bool,
-          reference: bool, target: float | None = None) -> Case:
+          reference: bool, target: float | None = None, memory_bound: bool = False) -> Case:
     b, L, h, p, n = shape
     mode = "fwd+bwd" if backward else "fwd"
 
@@ -78,13 +80,16 @@ def _case(cfg: BenchConfig, shape: tuple[int, int, int, int, int], chunk: int, b
     nc = (L + chunk - 1) // chunk
     # within chunks: C B^T, the (chunk, chunk) mix of x, the chunk's own state and the entering state's output
     flops = 2.0 * b * nc * min(chunk, L) * (min(chunk, L) * (n + h * p) + 2 * h * p * n)
+    unit_mb = 4 * (b * L * h * p + b * nc * h * p * n) / 2**20
+    bounds = tuple(MemoryBound(f"fastarch-{be}", MEMORY_UNITS * unit_mb) for be in ("cpp", "triton")
+                   ) if memory_bound and backward else ()
     return Case(name=f"{mode} B={b},L={L},H={h},P={p},N={n},chunk={chunk}",
                 params={"B": b, "L": L, "H": h, "P": p, "N": n, "chunk": chunk, "mode": mode,
-                        "mem_unit_MB": round(4 * (b * L * h * p + b * nc * h * p * n) / 2**20, 1)},
+                        "mem_unit_MB": round(unit_mb, 1)},
                 flops=flops * (3 if backward else 1), providers=providers,
                 reference="reference" if reference else "fastarch-torch", group=mode, x="L",
                 measure_memory=backward,
-                ratios=(Ratio("fastarch-cpp", "fastarch-torch", target=target),))
+                ratios=(Ratio("fastarch-cpp", "fastarch-torch", target=target),), memory_bounds=bounds)
 
 
 HEADLINE = (1, 4096, 24, 64, 128)
@@ -95,7 +100,7 @@ def headline_cases(cfg: BenchConfig) -> list[Case]:
     backend, forward and forward+backward (target 3x each), with the forward+backward's peak memory."""
     if cfg.toy:
         return [_case(cfg, (1, 64, 2, 8, 8), 16, bw, reference=True, target=3.0) for bw in (False, True)]
-    return [_case(cfg, HEADLINE, 256, bw, reference=False, target=3.0) for bw in (False, True)]
+    return [_case(cfg, HEADLINE, 256, bw, reference=False, target=3.0, memory_bound=True) for bw in (False, True)]
 
 
 def cases(cfg: BenchConfig) -> list[Case]:

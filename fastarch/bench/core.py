@@ -147,11 +147,12 @@ class Case:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"Case {self.name!r}: duplicate provider names {dup}")
-        unknown = sorted(({n for r in self.ratios for n in (r.faster, r.slower)}
-                          | {m.provider for m in self.memory_bounds}) - set(names))
-        if unknown:
-            raise ValueError(f"Case {self.name!r}: arguments 'ratios'/'memory_bounds' name providers {unknown}, "
-                             f"expected some of {names}")
+        for arg, named in (("ratios", {n for r in self.ratios for n in (r.faster, r.slower)}),
+                           ("memory_bounds", {m.provider for m in self.memory_bounds})):
+            unknown = sorted(named - set(names))
+            if unknown:
+                raise ValueError(f"Case {self.name!r}: argument '{arg}' names providers {unknown}, expected some "
+                                 f"of {names}")
 
     def only(self, *names: str) -> Case:
         """This case with just the providers ``names`` (in that order), keeping the ratios between them."""

@@ -397,6 +397,28 @@ def test_ratio_and_case_only():
         Suite("s", "d", lambda cfg: [], case_sets={"x": lambda cfg: []}).cases_for(BenchConfig(), "y")
 
 
+def test_memory_bounds_are_checked_and_reported():
+    from fastarch.bench.core import MemoryBound
+    from fastarch.bench.report import format_ratios
+    from fastarch.bench.runner import ProviderResult, RunResult, _derive
+
+    ps = [Provider(n, "fastarch", lambda: (lambda: None)) for n in ("a", "b")]
+    with pytest.raises(ValueError, match="argument 'memory_bounds' names providers \\['z'\\]"):
+        Case("c", {}, None, ps, memory_bounds=(MemoryBound("z", 1.0),))
+    c = Case("c", {}, None, ps, reference="a", memory_bounds=(MemoryBound("a", 10.0), MemoryBound("b", 10.0)))
+    assert c.measure_memory and c.only("b").memory_bounds == (MemoryBound("b", 10.0),)
+    rs = []
+    for name, mb in (("a", 8.0), ("b", 12.0)):
+        r = ProviderResult(suite="s", case="c", group=None, params={}, x_name=None, x=None, provider=name,
+                           kind="fastarch", reference=name == "a", status="ok", flops=None, bytes=None)
+        r.mem_bytes = int(mb * 2**20)
+        rs.append(r)
+    got = _derive(rs, c, None)
+    assert [(q.faster, q.met, q.metric) for q in got] == [("a", True, "peak memory"), ("b", False, "peak memory")]
+    text = format_ratios(RunResult(results=rs, suites={}, matmul_peak_gflops=None, wall_s=0.0, ratios=got))
+    assert "a peak memory: 8 MB (bound <= 10 MB: met)" in text and "b peak memory: 12 MB" in text and "MISSED" in text
+
+
 def test_timed_call_forward_and_backward():
     from fastarch.bench.helpers import timed_call
 

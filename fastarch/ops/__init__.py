@@ -9,6 +9,7 @@ from . import (
     attention,
     causal_conv1d,
     layer_norm,
+    linear,
     linear_attention,
     lsh_attention,
     rms_norm,
@@ -19,7 +20,7 @@ from . import (
     ssm_convolution,
 )
 
-_OPS = (attention, causal_conv1d, layer_norm, linear_attention, lsh_attention, rms_norm, rotary, s4_kernel,
+_OPS = (attention, causal_conv1d, layer_norm, linear, linear_attention, lsh_attention, rms_norm, rotary, s4_kernel,
         selective_scan, selective_state_update, ssm_convolution)
 
 # Each op's public names, re-exported here (the function ``attention`` replaces the module's name).

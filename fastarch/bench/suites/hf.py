@@ -112,13 +112,15 @@ def _mamba_provider(cfg: BenchConfig, fastarch: bool, make_run) -> Callable[[], 
     return setup
 
 
-def _mamba_case(cfg: BenchConfig, group: str, name: str, params: dict, make_run) -> Case:
+def _mamba_case(cfg: BenchConfig, group: str, name: str, params: dict, make_run,
+                own: Provider | None = None) -> Case:
     return Case(
         name=name,
         params={**params, "model": "mamba"},
         flops=None,
         providers=[Provider("fastarch", "fastarch", _mamba_provider(cfg, True, make_run)),
-                   Provider("hf-pytorch", "reference", _mamba_provider(cfg, False, make_run))],
+                   Provider("hf-pytorch", "reference", _mamba_provider(cfg, False, make_run))]
+        + ([own] if own is not None else []),
         reference="hf-pytorch",
         group=group,
         x="L",
@@ -138,8 +140,14 @@ def _mamba_generate_case(cfg: BenchConfig, prompt: int, new: int) -> Case:
         return lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                                       min_new_tokens=new, do_sample=False, pad_token_id=0)
 
+    def own_setup() -> Callable[[], Any]:
+        from fastarch.models import from_hf
+
+        model = from_hf(_mamba_model(cfg)[0]).eval()
+        return lambda: model.generate(ids, max_new_tokens=new)
+
     return _mamba_case(cfg, "mamba generate", f"mamba generate prompt={prompt},new={new}",
-                       {"L": prompt, "new_tokens": new}, make_run)
+                       {"L": prompt, "new_tokens": new}, make_run, Provider("fastarch-MambaLM", "fastarch", own_setup))
 
 
 def _gpt2_case(cfg: BenchConfig, prompt: int, new: int, toy: bool) -> Case:

@@ -19,13 +19,26 @@ namespace {
 
 using fastarch::check_cpu_contig;
 
-constexpr int64_t R = 4;         // weight rows per tile (four independent streams and accumulators)
+constexpr int64_t R = 8;  // weight rows per tile: eight independent streams and accumulators keep enough loads
+                          // in flight to read the weights near the memory bandwidth
 // Weight elements per thread task at least: a smaller matrix is read faster by one thread than split over
 // threads that must first be woken.
 constexpr int64_t GRAIN = int64_t(1) << 20;
 
-#ifdef FA_AVX2
-inline float hsum(__m256 v) {
+#if defined(__AVX512F__)
+constexpr int64_t VW = 16;  // floats per vector
+using vec = __m512;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(FA_AVX2)
+constexpr int64_t VW = 8;
+using vec = __m256;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -33,44 +46,25 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// out[r] = dot(w + r * K, x) for r < nr (nr <= R).
-inline void dot_rows(const float* w, int64_t K, int64_t nr, const float* x, float* out) {
+// out[r] = dot(w + r * K, x) for r < NR.
+template <int NR>
+inline void dot_rows(const float* w, int64_t K, const float* x, float* out) {
   int64_t k = 0;
-#ifdef FA_AVX2
-  if (nr == R) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-           a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
-           b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
-    for (; k + 16 <= K; k += 16) {
-      const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), x0, a0);
-      b0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + k + 8), x1, b0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + K + k), x0, a1);
-      b1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + K + k + 8), x1, b1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * K + k), x0, a2);
-      b2 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 2 * K + k + 8), x1, b2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * K + k), x0, a3);
-      b3 = _mm256_fmadd_ps(_mm256_loadu_ps(w + 3 * K + k + 8), x1, b3);
-    }
-    out[0] = hsum(_mm256_add_ps(a0, b0));
-    out[1] = hsum(_mm256_add_ps(a1, b1));
-    out[2] = hsum(_mm256_add_ps(a2, b2));
-    out[3] = hsum(_mm256_add_ps(a3, b3));
-  } else {
-    for (int64_t r = 0; r < nr; ++r) out[r] = 0.f;
-    k = 0;
-    for (int64_t r = 0; r < nr; ++r) {
-      __m256 a = _mm256_setzero_ps();
-      int64_t kk = 0;
-      for (; kk + 8 <= K; kk += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + kk), _mm256_loadu_ps(x + kk), a);
-      out[r] = hsum(a);
-      k = kk;
-    }
+#if defined(__AVX512F__) || defined(FA_AVX2)
+  vec acc[NR];
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r) acc[r] = vzero();
+  for (; k + VW <= K; k += VW) {
+    const vec xv = vload(x + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) acc[r] = vfma(vload(w + r * K + k), xv, acc[r]);
   }
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r) out[r] = vsum(acc[r]);
 #else
-  for (int64_t r = 0; r < nr; ++r) out[r] = 0.f;
+  for (int r = 0; r < NR; ++r) out[r] = 0.f;
 #endif
-  for (int64_t r = 0; r < nr; ++r) {
+  for (int r = 0; r < NR; ++r) {
     float s = 0.f;
     for (int64_t kk = k; kk < K; ++kk) s += w[r * K + kk] * x[kk];
     out[r] += s;
@@ -100,7 +94,11 @@ torch::Tensor linear_fwd(const torch::Tensor& x, const torch::Tensor& weight, co
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * R, nr = std::min<int64_t>(R, N - n0);
       for (int64_t m = 0; m < M; ++m) {
-        dot_rows(wp + n0 * K, K, nr, xp + m * K, acc);
+        if (nr == R) {
+          dot_rows<R>(wp + n0 * K, K, xp + m * K, acc);
+        } else {
+          for (int64_t r = 0; r < nr; ++r) dot_rows<1>(wp + (n0 + r) * K, K, xp + m * K, acc + r);
+        }
         for (int64_t r = 0; r < nr; ++r) yp[m * N + n0 + r] = acc[r] + (bp ? bp[n0 + r] : 0.f);
       }
     }

@@ -315,6 +315,12 @@ def _vit(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[st
     return _load(PreNormViT(**kw), mapped, t)
 
 
+def _put_qkv(sd: dict[str, torch.Tensor], prefix: str, leaf: str, qkv: torch.Tensor) -> None:
+    """A fused ``qkv`` weight or bias (3E, ...) as transformers' ``prefix.{query,key,value}.leaf`` entries."""
+    for name, part in zip(("query", "key", "value"), qkv.chunk(3, 0)):
+        sd[f"{prefix}.{name}.{leaf}"] = part
+
+
 def _vit_to_hf(model: PreNormViT) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Checkpoint names as transformers saves them: ``ViTForImageClassification`` (``vit.`` prefix and a
     ``classifier``) with a head, ``ViTModel`` without (a model loaded with ``add_pooling_layer=False``)."""
@@ -331,8 +337,7 @@ def _vit_to_hf(model: PreNormViT) -> tuple[dict[str, torch.Tensor], dict[str, An
         _, i, rest = k.split(".", 2)
         base, leaf = rest.rsplit(".", 1)
         if base == "attention.qkv":
-            for name, part in zip(("query", "key", "value"), v.chunk(3, 0)):
-                sd[f"{prefix}encoder.layer.{i}.attention.attention.{name}.{leaf}"] = part
+            _put_qkv(sd, f"{prefix}encoder.layer.{i}.attention.attention", leaf, v)
         else:
             sd[f"{prefix}encoder.layer.{i}.{layer[base]}.{leaf}"] = v
     block = model.blocks[0] if len(model.blocks) else None
@@ -368,8 +373,7 @@ def _bert_to_hf(model: BERT) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             continue
         _, i, rest = base.split(".", 2)
         if rest == "attention.qkv":
-            for name, part in zip(("query", "key", "value"), v.chunk(3, 0)):
-                sd[f"encoder.layer.{i}.attention.self.{name}.{leaf}"] = part
+            _put_qkv(sd, f"encoder.layer.{i}.attention.self", leaf, v)
         else:
             sd[f"encoder.layer.{i}.{layer[rest]}.{leaf}"] = v
     first = model.encoder[0] if len(model.encoder) else None

@@ -150,6 +150,13 @@ def _mamba_generate_case(cfg: BenchConfig, prompt: int, new: int) -> Case:
                        {"L": prompt, "new_tokens": new}, make_run, Provider("fastarch-MambaLM", "fastarch", own_setup))
 
 
+def _own_model_case(name: str, params: dict, model: str, provider, reference: Provider) -> Case:
+    """A fastarch model loaded with ``from_hf`` (``provider(True)``) against the transformers model it came from."""
+    return Case(name=name, params={**params, "model": model}, flops=None,
+                providers=[Provider("fastarch", "fastarch", provider(True)), reference],
+                reference=reference.name, group=" ".join(name.split()[:2]), x="L")
+
+
 def _gpt2_case(cfg: BenchConfig, prompt: int, new: int, toy: bool) -> Case:
     def model():
         tf, _ = _hf()
@@ -175,16 +182,8 @@ def _gpt2_case(cfg: BenchConfig, prompt: int, new: int, toy: bool) -> Case:
             return run
         return setup
 
-    return Case(
-        name=f"gpt2 generate prompt={prompt},new={new}",
-        params={"L": prompt, "new_tokens": new, "model": "gpt2"},
-        flops=None,
-        providers=[Provider("fastarch", "fastarch", provider(True)),
-                   Provider("transformers", "reference", provider(False))],
-        reference="transformers",
-        group="gpt2 generate",
-        x="L",
-    )
+    return _own_model_case(f"gpt2 generate prompt={prompt},new={new}", {"L": prompt, "new_tokens": new},
+                           "gpt2", provider, Provider("transformers", "reference", provider(False)))
 
 
 def _bert_case(cfg: BenchConfig, batch: int, L: int, toy: bool) -> Case:
@@ -215,15 +214,8 @@ def _bert_case(cfg: BenchConfig, batch: int, L: int, toy: bool) -> Case:
             return run_hf
         return setup
 
-    return Case(
-        name=f"bert encoder B={batch},L={L}",
-        params={"L": L, "batch": batch, "model": "bert"},
-        flops=None,
-        providers=[Provider("fastarch", "fastarch", provider(True)), Provider("sdpa", "torch", provider(False))],
-        reference="sdpa",
-        group="bert encoder",
-        x="L",
-    )
+    return _own_model_case(f"bert encoder B={batch},L={L}", {"L": L, "batch": batch}, "bert", provider,
+                           Provider("sdpa", "torch", provider(False)))
 
 
 def cases(cfg: BenchConfig) -> list[Case]:

@@ -233,13 +233,20 @@ torch::Tensor conv_update(torch::Tensor x, torch::Tensor conv_state, torch::Tens
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(T * K + S, 1));
   at::parallel_for(0, batch * dim, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> v(pad + T), shifted(S);
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = r / dim, d = r % dim;
+    // One decode step is a few multiply-adds per row: the row's (b, d) advance without divisions, and the
+    // linear state's window needs no modulo.
+    int64_t b = begin / dim, d = begin % dim;
+    for (int64_t r = begin; r < end; ++r, ++d) {
+      if (d == dim) d = 0, ++b;
       const int64_t sb = pidx ? pidx[b] : b;
       float* st = pst + (sb * dim + d) * S;
       const float* xr = px + r * T;
       const int64_t next = pcs ? pcs[b] : S;  // where input T's first step is (or would be) stored
-      for (int64_t j = 0; j < pad; ++j) v[j] = st[((next - pad + j) % S + S) % S];
+      if (pcs) {
+        for (int64_t j = 0; j < pad; ++j) v[j] = st[((next - pad + j) % S + S) % S];
+      } else {
+        std::copy(st + S - pad, st + S, v.begin());
+      }
       std::copy(xr, xr + T, v.begin() + pad);
       const float* wr = pw + d * K;
       for (int64_t t = 0; t < T; ++t) {

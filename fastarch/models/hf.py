@@ -403,6 +403,46 @@ def _vit(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[st
     return _load(PreNormViT(**kw), mapped, t)
 
 
+def _put_qkv(sd: dict[str, torch.Tensor], prefix: str, leaf: str, qkv: torch.Tensor) -> None:
+    """A fused ``qkv`` weight or bias (3E, ...) as transformers' ``prefix.{query,key,value}.leaf`` entries."""
+    for name, part in zip(("query", "key", "value"), qkv.chunk(3, 0)):
+        sd[f"{prefix}.{name}.{leaf}"] = part
+
+
+def _vit_to_hf(model: PreNormViT) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Checkpoint names as transformers saves them: ``ViTForImageClassification`` (``vit.`` prefix and a
+    ``classifier``) with a head, ``ViTModel`` without (a model loaded with ``add_pooling_layer=False``)."""
+    has_head = model.num_classes > 0
+    prefix = "vit." if has_head else ""
+    top = {v: k for k, v in _VIT_TOP.items()}
+    on_disk = ("layernorm_before", "attention.output.dense", "intermediate.dense", "output.dense", "layernorm_after")
+    layer = {_VIT_LAYER[k]: k for k in on_disk}
+    sd: dict[str, torch.Tensor] = {}
+    for k, v in model.state_dict().items():
+        if k in top:
+            sd[top[k] if top[k].startswith("classifier") else prefix + top[k]] = v
+            continue
+        _, i, rest = k.split(".", 2)
+        base, leaf = rest.rsplit(".", 1)
+        if base == "attention.qkv":
+            _put_qkv(sd, f"{prefix}encoder.layer.{i}.attention.attention", leaf, v)
+        else:
+            sd[f"{prefix}encoder.layer.{i}.{layer[base]}.{leaf}"] = v
+    block = model.blocks[0] if len(model.blocks) else None
+    p = model.dropout.p
+    config = dict(model_type="vit", architectures=["ViTForImageClassification" if has_head else "ViTModel"],
+                  image_size=model.image_size, patch_size=model.patch_size, num_channels=model.in_channels,
+                  hidden_size=model.cls_token.shape[-1], num_hidden_layers=len(model.blocks),
+                  num_attention_heads=block.attention.num_heads if block is not None else 12,
+                  intermediate_size=block.ffn[0].out_features if block is not None else 4 * model.cls_token.shape[-1],
+                  hidden_act=block.activation if block is not None else "gelu", layer_norm_eps=model.norm.eps,
+                  hidden_dropout_prob=p, attention_probs_dropout_prob=p, qkv_bias=True)
+    if has_head:
+        config["id2label"] = {str(i): f"LABEL_{i}" for i in range(model.num_classes)}
+        config["label2id"] = {f"LABEL_{i}": i for i in range(model.num_classes)}
+    return sd, config
+
+
 # ---------------------------------------------------------------------------------------------- BERT
 def _bert(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[str, Any]) -> BERT:
     return bert_from_hf(sd, config=config, **overrides)
@@ -421,8 +461,7 @@ def _bert_to_hf(model: BERT) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             continue
         _, i, rest = base.split(".", 2)
         if rest == "attention.qkv":
-            for name, part in zip(("query", "key", "value"), v.chunk(3, 0)):
-                sd[f"encoder.layer.{i}.attention.self.{name}.{leaf}"] = part
+            _put_qkv(sd, f"encoder.layer.{i}.attention.self", leaf, v)
         else:
             sd[f"encoder.layer.{i}.{layer[rest]}.{leaf}"] = v
     first = model.encoder[0] if len(model.encoder) else None
@@ -477,9 +516,11 @@ def _atomic_write(path: str, write: Callable[[str], None]) -> None:
 
 
 def to_hf(model: nn.Module, path: str | os.PathLike) -> None:
-    """Write ``model`` (``BERT``, ``GPTModel``, ``MambaLM`` or ``Mamba2LM``) to the directory ``path`` as
-    ``config.json`` and ``model.safetensors`` that transformers' ``from_pretrained`` loads (``BertModel``,
-    ``GPT2LMHeadModel``, ``MambaForCausalLM``, ``Mamba2ForCausalLM``). Each file is written to a temporary name and renamed into place, weights first,
+    """Write ``model`` (``BERT``, ``GPTModel``, ``MambaLM``, ``Mamba2LM`` or ``PreNormViT``) to the directory
+    ``path`` as ``config.json`` and ``model.safetensors`` that transformers' ``from_pretrained`` loads
+    (``BertModel``, ``GPT2LMHeadModel``, ``MambaForCausalLM``, ``Mamba2ForCausalLM``,
+    ``ViTForImageClassification``; a ``PreNormViT`` without a head is a ``ViTModel`` to load with
+    ``add_pooling_layer=False``). Each file is written to a temporary name and renamed into place, weights first,
     so a reader never sees a half-written file; ``from_hf(path)`` gives back the same tensors."""
     from safetensors.torch import save_file
 
@@ -491,8 +532,10 @@ def to_hf(model: nn.Module, path: str | os.PathLike) -> None:
         sd, config = _mamba2_to_hf(model)
     elif isinstance(model, BERT):
         sd, config = _bert_to_hf(model)
+    elif isinstance(model, PreNormViT):
+        sd, config = _vit_to_hf(model)
     else:
-        raise TypeError(f"to_hf: argument 'model' must be a BERT, GPTModel, MambaLM or Mamba2LM, got "
+        raise TypeError(f"to_hf: argument 'model' must be a BERT, GPTModel, MambaLM, Mamba2LM or PreNormViT, got "
                         f"{type(model).__name__}")
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)

@@ -17,6 +17,7 @@ from . import (
     graph,
     kv_attention,
     kv_cache,
+    linear,
     linformer,
     mamba,
     mamba2,
@@ -33,7 +34,8 @@ from . import (
 )
 
 _FAMILIES = (additive_attention, attention, bert, clip, cnn, feedforward, gpt, graph, kv_attention, kv_cache,
-             linformer, mamba, mamba2, multimodal, norms, performer, positional, recurrent, reformer, s4, swin, transformer,
+             linear, linformer, mamba, mamba2, multimodal, norms, performer, positional, recurrent, reformer, s4, swin,
+             transformer,
              vision)
 
 __all__: list[str] = []

@@ -13,6 +13,13 @@ def layer_norm(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
     return _layer_norm_op(x, norm.weight, norm.bias, norm.eps)
 
 
+def keep_logits(x: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    """The last ``logits_to_keep`` positions of x (B, L, ...) (0 = all), for language models' ``logits_to_keep``."""
+    if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 0:
+        raise ValueError(f"argument 'logits_to_keep' must be an int >= 0 (0 = every position), got {logits_to_keep!r}")
+    return x[:, -logits_to_keep:] if logits_to_keep else x
+
+
 _GELU_APPROXIMATE = {"gelu": "none", "gelu_new": "tanh"}  # activation name -> nn.GELU's ``approximate``
 
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from ..ops.attention import attention, dropout_keep_mask
 from ._models_common import check_input, layer_norm
 from .kv_cache import KVCache
+from .linear import Linear
 from .positional import RotaryPositionalEncoding
 
 __all__ = [
@@ -216,11 +217,11 @@ class Attention(nn.Module):
         self._names = tuple(names)
         kv_dim = n_kv * self.head_dim
         if fused:
-            setattr(self, names[0], nn.Linear(embed_dim, 3 * embed_dim, bias=bias))
+            setattr(self, names[0], Linear(embed_dim, 3 * embed_dim, bias=bias))
         else:
             for name, out in zip(names[:3], (embed_dim, kv_dim, kv_dim)):
-                setattr(self, name, nn.Linear(embed_dim, out, bias=bias))
-        setattr(self, names[-1], nn.Linear(embed_dim, embed_dim, bias=bias))
+                setattr(self, name, Linear(embed_dim, out, bias=bias))
+        setattr(self, names[-1], Linear(embed_dim, embed_dim, bias=bias))
         self.rope = RotaryPositionalEncoding(self.head_dim, persistent=False) if rotary else None
 
     @property

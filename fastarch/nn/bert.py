@@ -25,7 +25,8 @@ def _padding(attention_mask: torch.Tensor | None, input_ids: torch.Tensor, owner
     if attention_mask.shape != input_ids.shape:
         raise ValueError(f"{owner}: argument 'attention_mask' must have the shape of input_ids "
                          f"{tuple(input_ids.shape)}, got {tuple(attention_mask.shape)}")
-    return attention_mask != 0
+    real = attention_mask != 0
+    return None if bool(real.all()) else real  # nothing padded: attention's unmasked path
 
 
 class BERTTransformer(nn.Module):

@@ -24,9 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._models_common import check_input, gelu_module, layer_norm
+from ._models_common import check_input, gelu_module, keep_logits, layer_norm
 from .attention import FusedQKVAttention
 from .kv_cache import KVCache
+from .linear import Linear
 from .transformer import TransformerEncoderLayer
 
 __all__ = ["GPTDecoderLayer", "GPTTransformer", "GPTBlock", "GPTModel"]
@@ -59,12 +60,6 @@ def _mask_positions(attention_mask: torch.Tensor, past_real: torch.Tensor | int,
     if pos.numel() and int(pos.max()) >= max_len:
         raise ValueError(f"positions up to {int(pos.max())} exceed max_len {max_len}")
     return pos
-
-
-def _keep_logits(x: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-    if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 0:
-        raise ValueError(f"argument 'logits_to_keep' must be an int >= 0 (0 = every position), got {logits_to_keep!r}")
-    return x[:, -logits_to_keep:] if logits_to_keep else x
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -150,7 +145,7 @@ class GPTTransformer(_GPTBase):
         self.position_embedding = nn.Embedding(max_len, d_model)
         self.layers = nn.ModuleList(GPTDecoderLayer(d_model, n_heads, d_ff, dropout) for _ in range(num_layers))
         self.norm = nn.LayerNorm(d_model)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.lm_head = Linear(d_model, vocab_size, bias=False)
         self.lm_head.weight = self.token_embedding.weight
         self.dropout = nn.Dropout(dropout)
         self.d_model, self.n_heads, self.n_layers, self.max_seq_len = d_model, n_heads, num_layers, max_len
@@ -171,7 +166,7 @@ class GPTTransformer(_GPTBase):
             mask = attention_mask[:, None, None, :]
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, causal=True, kv_cache=kv_cache, layer_idx=i)
-        return self.lm_head(layer_norm(_keep_logits(x, logits_to_keep), self.norm))
+        return self.lm_head(layer_norm(keep_logits(x, logits_to_keep), self.norm))
 
 
 class GPTBlock(nn.Module):
@@ -184,8 +179,8 @@ class GPTBlock(nn.Module):
         super().__init__()
         self.attention = FusedQKVAttention(embed_dim, num_heads, dropout)
         self.norm1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
-        self.ffn = nn.Sequential(nn.Linear(embed_dim, ff_dim), gelu_module(activation), nn.Dropout(dropout),
-                                 nn.Linear(ff_dim, embed_dim), nn.Dropout(dropout))
+        self.ffn = nn.Sequential(Linear(embed_dim, ff_dim), gelu_module(activation), nn.Dropout(dropout),
+                                 Linear(ff_dim, embed_dim), nn.Dropout(dropout))
         self.norm2 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
         self.activation = activation
 
@@ -223,7 +218,7 @@ class GPTModel(_GPTBase):
         self.blocks = nn.ModuleList(GPTBlock(embed_dim, num_heads, ff_dim, dropout, activation=activation,
                                              layer_norm_eps=layer_norm_eps) for _ in range(num_layers))
         self.norm = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
-        self.lm_head = nn.Linear(embed_dim, vocab_size, bias=False)
+        self.lm_head = Linear(embed_dim, vocab_size, bias=False)
         self.lm_head.weight = self.token_embedding.weight
         self.d_model, self.n_heads, self.n_layers, self.max_seq_len = embed_dim, num_heads, num_layers, max_len
         self.activation = activation
@@ -259,9 +254,9 @@ class GPTModel(_GPTBase):
 
     def forward(self, input_ids, attention_mask=None, *, kv_cache=None, start_pos=None, logits_to_keep: int = 0):
         check_input("input_ids", input_ids, ndim=2, integer=True, owner="GPTModel")
-        _keep_logits(input_ids[..., None], logits_to_keep)  # validate before any work
+        keep_logits(input_ids[..., None], logits_to_keep)  # validate before any work
         pad, pos = self._mask_and_positions(input_ids, attention_mask, kv_cache, start_pos)
         x = self.dropout(self.token_embedding(input_ids) + self.position_embedding(pos))
         for i, block in enumerate(self.blocks):
             x = block(x, causal=True, kv_cache=kv_cache, layer_idx=i, key_padding_mask=pad)
-        return self.lm_head(layer_norm(_keep_logits(x, logits_to_keep), self.norm))
+        return self.lm_head(layer_norm(keep_logits(x, logits_to_keep), self.norm))

@@ -16,8 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
+from ..ops.linear import linear
 from ..ops.selective_scan import selective_scan
 from ..ops.selective_state_update import selective_state_update
+from ._models_common import keep_logits
+from .linear import Linear
 from .norms import RMSNorm
 
 __all__ = ["Mamba", "MambaBlock", "MambaCache", "MambaLM"]
@@ -59,7 +62,7 @@ def _ssm_step(x: torch.Tensor, z: torch.Tensor, conv: nn.Conv1d, x_proj: nn.Line
     """One token: x, z (B, d_inner) -> y (B, d_inner); conv_state and ssm_state advance in place."""
     xc = causal_conv1d_update(x, conv_state, conv.weight.squeeze(1), conv.bias, activation="silu")
     dt, Bm, Cm = torch.split(x_proj(xc), [dt_rank, d_state, d_state], dim=-1)
-    dt = F.linear(dt, dt_weight)
+    dt = linear(dt, dt_weight)
     A = -torch.exp(A_log.float())
     return selective_state_update(ssm_state, xc, dt, A, Bm, Cm, D.float(), z,
                                   dt_bias=None if dt_bias is None else dt_bias.float(), dt_softplus=True)
@@ -126,14 +129,14 @@ class MambaBlock(_SelectiveSSMLayer):
         self.d_inner = d_model * expand
         self.d_conv = d_conv
         self.dt_rank = self.d_inner  # the guide's x_proj yields a full-width delta
-        self.in_proj = nn.Linear(d_model, self.d_inner * 2)
+        self.in_proj = Linear(d_model, self.d_inner * 2)
         self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, kernel_size=d_conv, padding=d_conv - 1,
                                 groups=self.d_inner)
-        self.x_proj = nn.Linear(self.d_inner, d_state + d_state + self.d_inner)
-        self.dt_proj = nn.Linear(self.d_inner, self.d_inner)
+        self.x_proj = Linear(self.d_inner, d_state + d_state + self.d_inner)
+        self.dt_proj = Linear(self.d_inner, self.d_inner)
         self.A_log = nn.Parameter(torch.randn(self.d_inner, d_state))
         self.D = nn.Parameter(torch.ones(self.d_inner))
-        self.out_proj = nn.Linear(self.d_inner, d_model)
+        self.out_proj = Linear(self.d_inner, d_model)
         self.dropout = nn.Dropout(dropout)
         self.norm = nn.LayerNorm(d_model)
 
@@ -178,13 +181,13 @@ class Mamba(_SelectiveSSMLayer):
         self.d_inner = int(expand * d_model)
         self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else int(dt_rank)
         self.use_fast_path, self.layer_idx = use_fast_path, layer_idx
-        self.in_proj = nn.Linear(d_model, self.d_inner * 2, bias=bias, **fk)
+        self.in_proj = Linear(d_model, self.d_inner * 2, bias=bias, **fk)
         self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, kernel_size=d_conv, groups=self.d_inner,
                                 padding=d_conv - 1, bias=conv_bias, **fk)
         self.activation = "silu"
         self.act = nn.SiLU()
-        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * d_state, bias=False, **fk)
-        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True, **fk)
+        self.x_proj = Linear(self.d_inner, self.dt_rank + 2 * d_state, bias=False, **fk)
+        self.dt_proj = Linear(self.dt_rank, self.d_inner, bias=True, **fk)
         std = self.dt_rank ** -0.5 * dt_scale
         if dt_init == "constant":
             nn.init.constant_(self.dt_proj.weight, std)
@@ -202,7 +205,7 @@ class Mamba(_SelectiveSSMLayer):
         self.A_log._no_weight_decay = True
         self.D = nn.Parameter(torch.ones(self.d_inner, device=device))
         self.D._no_weight_decay = True
-        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **fk)
+        self.out_proj = Linear(self.d_inner, d_model, bias=bias, **fk)
 
     def forward(self, hidden_states: torch.Tensor, cache: MambaLayerCache | None = None) -> torch.Tensor:
         return super().forward(hidden_states, cache)
@@ -231,7 +234,8 @@ class MambaLM(nn.Module):
     """A small Mamba language model: embedding, ``n_layers`` x (x + Mamba(RMSNorm(x))), RMSNorm, tied head
     (untied with ``tie_embeddings=False``); ``norm_eps`` is every RMSNorm's epsilon.
 
-    ``forward(input_ids (B, L)) -> logits (B, L, V)``; ``allocate_inference_cache(batch_size)`` and
+    ``forward(input_ids (B, L), logits_to_keep=0) -> logits (B, L or logits_to_keep, V)`` (the last
+    ``logits_to_keep`` positions only when > 0); ``allocate_inference_cache(batch_size)`` and
     ``step(input_ids (B,) or (B, 1), cache) -> logits (B, V)`` decode one token at a time in O(1) memory;
     ``forward(..., cache=cache)`` prefills a cache from a prompt.
     """
@@ -246,19 +250,21 @@ class MambaLM(nn.Module):
             _ResidualMamba(d_model, norm_eps, d_state=d_state, d_conv=d_conv, expand=expand, dt_rank=dt_rank,
                            layer_idx=i, **mamba_kw) for i in range(n_layers))
         self.norm_f = RMSNorm(d_model, eps=norm_eps)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.lm_head = Linear(d_model, vocab_size, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.embedding.weight
         nn.init.normal_(self.embedding.weight, std=0.02)
 
-    def forward(self, input_ids: torch.Tensor, cache: MambaCache | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: MambaCache | None = None, *,
+                logits_to_keep: int = 0) -> torch.Tensor:
+        keep_logits(input_ids[..., None], logits_to_keep)  # validate before any work
         h = self.embedding(input_ids)
         for i, layer in enumerate(self.layers):
             lc = None if cache is None else cache.layers[i]
             h = h + layer.mixer(layer.norm(h), cache=lc)
         if cache is not None:
             cache.seqlen_offset += input_ids.shape[1]
-        return self.lm_head(self.norm_f(h))
+        return self.lm_head(self.norm_f(keep_logits(h, logits_to_keep)))
 
     def allocate_inference_cache(self, batch_size: int, dtype=None, device=None) -> MambaCache:
         return MambaCache([layer.mixer.allocate_inference_cache(batch_size, dtype=dtype, device=device)
@@ -280,7 +286,7 @@ class MambaLM(nn.Module):
         """Prefill with one forward pass, then decode with :meth:`step`. ``temperature`` 0 = greedy.
         Returns (B, L + max_new_tokens)."""
         cache = self.allocate_inference_cache(input_ids.shape[0], device=input_ids.device)
-        logits = self.forward(input_ids, cache=cache)[:, -1]
+        logits = self.forward(input_ids, cache=cache, logits_to_keep=1)[:, -1]
         out = [input_ids]
         for i in range(max_new_tokens):
             if temperature <= 0:

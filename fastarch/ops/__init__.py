@@ -9,6 +9,7 @@ from . import (
     attention,
     causal_conv1d,
     layer_norm,
+    linear,
     linear_attention,
     lsh_attention,
     mamba_split_conv1d_scan,
@@ -22,8 +23,9 @@ from . import (
     ssm_convolution,
 )
 
-_OPS = (attention, causal_conv1d, layer_norm, linear_attention, lsh_attention, mamba_split_conv1d_scan, rms_norm,
-        rms_norm_gated, rotary, s4_kernel, selective_scan, selective_state_update, ssd_scan, ssm_convolution)
+_OPS = (attention, causal_conv1d, layer_norm, linear, linear_attention, lsh_attention, mamba_split_conv1d_scan,
+        rms_norm, rms_norm_gated, rotary, s4_kernel, selective_scan, selective_state_update, ssd_scan,
+        ssm_convolution)
 
 # Each op's public names, re-exported here (the function ``attention`` replaces the module's name).
 __all__ = [name for module in _OPS for name in module.__all__]

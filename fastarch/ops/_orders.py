@@ -17,6 +17,7 @@ MEASURED_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
     "layer_norm": {"cpu": ("aten", "cpp", "torch")},
     "rms_norm": {"cpu": ("cpp", "aten", "torch")},
     "causal_conv1d": {"cpu": ("cpp", "aten", "torch")},
+    "linear": {"cpu": ("cpp", "aten", "torch")},
 }
 
 

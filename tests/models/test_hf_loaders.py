@@ -281,6 +281,34 @@ def test_vit_logits_match_hf(tmp_path, eps):
         assert torch.equal(a, b), k
 
 
+@pytest.mark.parametrize("headless", [False, True], ids=["classifier", "ViTModel"])
+def test_vit_round_trip_exact(tmp_path, headless):
+    hf = _vit(layer_norm_eps=1e-6, hidden_act="gelu_new", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+    if headless:
+        hf = _init(transformers.ViTModel(hf.config, add_pooling_layer=False))
+    model = from_hf(hf)
+    assert model.num_classes == (0 if headless else 5)
+    to_hf(model, tmp_path)
+    back = from_hf(tmp_path)
+    assert isinstance(back, PreNormViT) and back.norm.eps == 1e-6 and back.dropout.p == 0.1
+    assert list(back.state_dict()) == list(model.state_dict())
+    for (k, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k
+    cls = transformers.ViTModel if headless else transformers.ViTForImageClassification
+    kw = {"add_pooling_layer": False} if headless else {}
+    reloaded = cls.from_pretrained(tmp_path, **kw).eval()
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(x)
+        got = reloaded(x)
+        if headless:
+            assert torch.equal(got.last_hidden_state, want.last_hidden_state)
+            torch.testing.assert_close(model(x), want.last_hidden_state[:, 0], atol=ATOL, rtol=0)
+        else:
+            assert torch.equal(got.logits, want.logits)
+            torch.testing.assert_close(model(x), want.logits, atol=ATOL, rtol=0)
+
+
 def test_vit_refusals():
     with pytest.raises(ValueError, match="qkv_bias=False"):
         from_hf(_vit(qkv_bias=False))

@@ -234,6 +234,25 @@ def _rms_norm_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tensor
     return (ops.rms_norm(x["x"], x["w"], 1e-6, backend=backend),)
 
 
+# -- linear -----------------------------------------------------------------------------------------------
+@st.composite
+def _linear_layer_cases(draw, tiny: bool) -> dict:
+    return dict(lead=draw(st.lists(st.integers(1, 5), min_size=0, max_size=2)),
+                K=draw(st.sampled_from([1, 7, 16, 33, 130])), N=draw(st.sampled_from([1, 5, 17, 64])),
+                bias=draw(st.booleans()), layout=draw(st.sampled_from(LAYOUTS)))
+
+
+def _linear_layer_build(c: dict, dtype: torch.dtype, g: torch.Generator) -> Inputs:
+    return dict(x=_randn(g, *c["lead"], c["K"]).to(dtype), w=_randn(g, c["N"], c["K"], scale=0.3).to(dtype),
+                b=_randn(g, c["N"]).to(dtype) if c["bias"] else None)
+
+
+def _linear_layer_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tensor, ...]:
+    if backend is None:
+        return (ops.linear_ref(x["x"], x["w"], x["b"]),)
+    return (ops.linear(x["x"], x["w"], x["b"], backend=backend),)
+
+
 # -- rotary -----------------------------------------------------------------------------------------------
 @st.composite
 def _rotary_cases(draw, tiny: bool) -> dict:
@@ -445,6 +464,9 @@ SPECS: dict[str, Spec] = {
     "rms_norm": Spec(_norm_cases, _norm_build, _rms_norm_run, ("x", "w"), rtol=1e-4, atol=5e-5,
                      examples=[dict(lead=[2, 3], n=33, affine="weight", unbiased=False, inside=True,
                                     layout="transposed")]),
+    "linear": Spec(_linear_layer_cases, _linear_layer_build, _linear_layer_run, ("x", "w", "b"), rtol=1e-4,
+                   atol=5e-5, examples=[dict(lead=[3], K=33, N=17, bias=True, layout="contiguous")],
+                   same_dtype=lambda x, c: (torch.nn.functional.linear(x["x"], x["w"], x["b"]),)),
     "rotary": Spec(_rotary_cases, _rotary_build, _rotary_run, ("x",), rtol=1e-5, atol=1e-6,
                    examples=[dict(B=1, L=5, H=2, Dh=10, R=3, offset=2, interleaved=True, layout="strided")]),
     "linear_attention": Spec(_linear_cases, _linear_build, _linear_run, ("q", "k", "v"), rtol=1e-4, atol=1e-4,

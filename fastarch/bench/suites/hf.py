@@ -9,11 +9,21 @@ Cases and providers:
 - ``mamba fwd L``: HF's ``MambaForCausalLM`` (d_model 768, 4 layers), one forward: after
   :func:`~fastarch.integrations.transformers.register` (fastarch's scan and conv kernels) against its own
   PyTorch path (the reference);
-- ``mamba generate``: the same model, greedy generation of 64 tokens after a 512-token prompt;
+- ``mamba generate``: the same model, greedy generation of 64 tokens after a 512-token prompt; a third
+  provider, ``fastarch-MambaLM``, is fastarch's own ``MambaLM`` loaded from it (``from_hf``) and its
+  ``generate``;
+- ``gpt2 generate``: GPT-2 124M-shaped (``GPT2Config()`` defaults, random weights), greedy generation of 64
+  tokens after a 128-token prompt with a KV cache: fastarch's ``GPTModel`` loaded from it (``from_hf``) and
+  its ``generate`` against transformers' ``generate`` (``transformers``, the reference);
+- ``bert encoder``: a BERT-base-shaped encoder (``BertConfig()`` defaults), batch 8, L 512, an all-ones
+  attention mask: fastarch's ``BERT`` loaded from it (``from_hf``) against transformers' ``BertModel`` with
+  ``sdpa`` (the reference);
 - ``mamba2 fwd L``: HF's ``Mamba2ForCausalLM`` (d_model 768, 4 layers, 24 heads of 64, d_state 128, one group,
   chunk 256), one forward: fastarch's kernels (SSD scan, conv) against its own PyTorch chunked path. Slow on
   CPU: only in ``--full`` runs (L=1024) and in the case set ``hf-mamba2`` (L=2048, ``fastarch bench --case
   hf-mamba2``), whose bar is 3x.
+
+Thread counts are the run's (``--threads``).
 
 Needs transformers (``pip install 'fastarch[hf]'``); without it every provider is skipped.
 """
@@ -116,13 +126,14 @@ def _mamba_provider(cfg: BenchConfig, fastarch: bool, make_run, build=_mamba_mod
 
 
 def _mamba_case(cfg: BenchConfig, group: str, name: str, params: dict, make_run, model: str = "mamba",
-                build=_mamba_model, ratios: tuple[Ratio, ...] = ()) -> Case:
+                build=_mamba_model, ratios: tuple[Ratio, ...] = (), own: Provider | None = None) -> Case:
     return Case(
         name=name,
         params={**params, "model": model},
         flops=None,
         providers=[Provider("fastarch", "fastarch", _mamba_provider(cfg, True, make_run, build)),
-                   Provider("hf-pytorch", "reference", _mamba_provider(cfg, False, make_run, build))],
+                   Provider("hf-pytorch", "reference", _mamba_provider(cfg, False, make_run, build))]
+        + ([own] if own is not None else []),
         reference="hf-pytorch",
         group=group,
         x="L",
@@ -143,8 +154,83 @@ def _mamba_generate_case(cfg: BenchConfig, prompt: int, new: int) -> Case:
         return lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
                                       min_new_tokens=new, do_sample=False, pad_token_id=0)
 
+    def own_setup() -> Callable[[], Any]:
+        from fastarch.models import from_hf
+
+        model = from_hf(_mamba_model(cfg)[0]).eval()
+        return lambda: model.generate(ids, max_new_tokens=new)
+
     return _mamba_case(cfg, "mamba generate", f"mamba generate prompt={prompt},new={new}",
-                       {"L": prompt, "new_tokens": new}, make_run)
+                       {"L": prompt, "new_tokens": new}, make_run,
+                       own=Provider("fastarch-MambaLM", "fastarch", own_setup))
+
+
+def _own_model_case(name: str, params: dict, model: str, provider, reference: Provider) -> Case:
+    """A fastarch model loaded with ``from_hf`` (``provider(True)``) against the transformers model it came from."""
+    return Case(name=name, params={**params, "model": model}, flops=None,
+                providers=[Provider("fastarch", "fastarch", provider(True)), reference],
+                reference=reference.name, group=" ".join(name.split()[:2]), x="L")
+
+
+def _gpt2_case(cfg: BenchConfig, prompt: int, new: int, toy: bool) -> Case:
+    def model():
+        tf, _ = _hf()
+        torch.manual_seed(cfg.seed)
+        conf = tf.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB) if toy else tf.GPT2Config()
+        return tf.GPT2LMHeadModel(conf).to(device=cfg.device, dtype=cfg.dtype).eval(), conf.vocab_size
+
+    def provider(fastarch: bool) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            hf, vocab = model()
+            g = torch.Generator().manual_seed(cfg.seed)
+            ids = torch.randint(0, vocab, (1, prompt), generator=g).to(cfg.device)
+            if fastarch:
+                from fastarch.models import from_hf
+
+                fa = from_hf(hf).eval()
+                return lambda: fa.generate(ids, max_new_tokens=new, do_sample=False)
+
+            def run() -> Any:
+                with torch.no_grad():
+                    return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                       min_new_tokens=new, do_sample=False, pad_token_id=0)
+            return run
+        return setup
+
+    return _own_model_case(f"gpt2 generate prompt={prompt},new={new}", {"L": prompt, "new_tokens": new},
+                           "gpt2", provider, Provider("transformers", "reference", provider(False)))
+
+
+def _bert_case(cfg: BenchConfig, batch: int, L: int, toy: bool) -> Case:
+    def provider(fastarch: bool) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            tf, _ = _hf()
+            torch.manual_seed(cfg.seed)
+            conf = tf.BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128,
+                                 vocab_size=VOCAB) if toy else tf.BertConfig()
+            hf = tf.BertModel(conf).to(device=cfg.device, dtype=cfg.dtype).eval()
+            hf.set_attn_implementation("sdpa")
+            g = torch.Generator().manual_seed(cfg.seed)
+            ids = torch.randint(0, conf.vocab_size, (batch, L), generator=g).to(cfg.device)
+            mask = torch.ones_like(ids)
+            if fastarch:
+                from fastarch.models import from_hf
+
+                fa = from_hf(hf).eval()
+
+                def run() -> Any:
+                    with torch.no_grad():
+                        return fa(ids, attention_mask=mask)
+                return run
+
+            def run_hf() -> Any:
+                with torch.no_grad():
+                    return hf(input_ids=ids, attention_mask=mask).last_hidden_state
+            return run_hf
+        return setup
+
+    return _own_model_case(f"bert encoder B={batch},L={L}", {"L": L, "batch": batch}, "bert", provider,
+                           Provider("sdpa", "torch", provider(False)))
 
 
 def _mamba2_forward_case(cfg: BenchConfig, L: int) -> Case:
@@ -160,9 +246,11 @@ def mamba2_cases(cfg: BenchConfig) -> list[Case]:
 
 def cases(cfg: BenchConfig) -> list[Case]:
     if cfg.toy:
-        return [_attention_case(cfg, "mistral", 16, 64), _mamba_forward_case(cfg, 32)]
+        return [_attention_case(cfg, "mistral", 16, 64), _mamba_forward_case(cfg, 32),
+                _gpt2_case(cfg, 8, 4, toy=True), _bert_case(cfg, 2, 16, toy=True)]
     out = [_attention_case(cfg, "mistral", 256, 4096), _attention_case(cfg, "llama", None, 2048),
-           _mamba_forward_case(cfg, 1024), _mamba_generate_case(cfg, 512, 64)]
+           _mamba_forward_case(cfg, 1024), _mamba_generate_case(cfg, 512, 64), _gpt2_case(cfg, 128, 64, toy=False),
+           _bert_case(cfg, 8, 512, toy=False)]
     if not cfg.quick:
         out.insert(1, _attention_case(cfg, "mistral", 256, 16384))
         out.append(_mamba2_forward_case(cfg, 1024))

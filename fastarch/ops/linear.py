@@ -1,0 +1,186 @@
+"""Linear layer ``y = x W^T + b`` (``torch.nn.functional.linear``), with a C++ kernel for a few rows.
+
+A decode step multiplies one token (a few rows of ``x``) by every weight matrix of the model, so its time is
+the time to read the weights from memory. PyTorch's BLAS call for a matrix-vector product on CPU reads them
+well below the memory bandwidth; the ``cpp`` kernel streams each weight row once, with independent
+accumulators per row, and splits the rows over threads for large matrices.
+
+Backends: ``cpp`` (CPU, fp32, up to :data:`CPP_MAX_ROWS` rows, contiguous weight), ``aten``
+(``F.linear``, any call) and ``torch`` (fp32 matmul, the reference's arithmetic). Every backend's backward
+is the same pair of matrix products and a sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..backend import FLOAT_DTYPES, Call, get_implementation, register
+from ._backends import AtenImplementation, CppImplementation, TorchImplementation
+from ._checks import check_same_device, check_same_dtype, check_tensor, fail
+from ._dispatch import call_of, resolve, run, run_backward
+
+__all__ = ["linear", "linear_ref"]
+
+OP = "linear"
+CPP_MAX_ROWS = 16  # rows of x up to which the cpp kernel takes a call (beyond it a matrix product wins)
+DTYPES = FLOAT_DTYPES + (torch.float64,)  # nn.Linear's float dtypes: modules built on the op keep them
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle: ``x @ weight.T + bias`` in fp32 (fp64 for fp64 inputs), cast back to ``x.dtype``."""
+    acc = _accumulator(x.dtype)
+    y = x.to(acc) @ weight.to(acc).t()
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype)
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _validate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    check_tensor(OP, "x", x, dtypes=DTYPES)
+    if x.dim() < 1:
+        fail(OP, "argument 'x' must have at least 1 dimension (..., in_features)")
+    check_tensor(OP, "weight", weight, ndim=2, dtypes=DTYPES)
+    if weight.shape[1] != x.shape[-1]:
+        fail(OP, f"argument 'weight' must be (out_features, {x.shape[-1]}) for 'x' of shape {tuple(x.shape)}, "
+                 f"got {tuple(weight.shape)}")
+    if bias is not None:
+        check_tensor(OP, "bias", bias, ndim=1, dtypes=DTYPES)
+        if bias.shape[0] != weight.shape[0]:
+            fail(OP, f"argument 'bias' must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+    check_same_device(OP, "x", x, weight=weight, bias=bias)
+    check_same_dtype(OP, "x", x, weight=weight, bias=bias)
+
+
+def _call(x: torch.Tensor, weight: torch.Tensor) -> Call:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return call_of(x, rows=rows, weight_contiguous=weight.is_contiguous())
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., K) as a contiguous (rows, K) matrix."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+# -- the custom ops ---------------------------------------------------------------------------------------
+@torch.library.custom_op("fastarch::linear_fwd", mutates_args=())
+def _linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
+    y = run(OP, "forward", _call(x, weight), backend, _rows(x), weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+@_linear_fwd.register_fake
+def _(x, weight, bias, backend):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("fastarch::linear_bwd", mutates_args=())
+def _linear_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, backend: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dw, db = run_backward(OP, _call(x, weight), backend, _rows(dy), _rows(x), weight)
+    return dx.view(x.shape), dw, db
+
+
+@_linear_bwd.register_fake
+def _(dy, x, weight, backend):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0])
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, backend = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.backend, ctx.has_bias = backend, bias is not None
+
+
+def _backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    dx, dw, db = _linear_bwd(dy, x, weight, ctx.backend)
+    return dx, dw, db if ctx.has_bias else None, None
+
+
+_linear_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           backend: str | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``, as ``torch.nn.functional.linear``.
+
+    Args:
+        x: the input.
+        weight: ``(out_features, in_features)``.
+        bias: optional ``(out_features,)``.
+        backend: force 'aten', 'cpp' or 'torch' (default: the selector's choice; on CPU, ``cpp`` for fp32
+            calls of up to :data:`CPP_MAX_ROWS` rows, ``aten`` otherwise).
+
+    Returns:
+        ``(..., out_features)`` in ``x``'s dtype; differentiable in ``x``, ``weight`` and ``bias``.
+
+    Shapes:
+        x: ``(..., in_features)``; output: ``(..., out_features)``.
+    """
+    _validate(x, weight, bias)
+    if x.numel() == 0 or weight.shape[0] == 0:
+        return linear_ref(x, weight, bias)
+    name = resolve(OP, lambda: _call(x, weight), backend)
+    if name == "cpp" and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
+        # Inference (decode steps): the kernel without the custom op's dispatch, which costs more than a
+        # small call's arithmetic.
+        y = get_implementation(OP, "cpp").forward(_rows(x), weight, bias)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    return _linear_fwd(x, weight, bias, name)
+
+
+# -- backends ---------------------------------------------------------------------------------------------
+def _backward_products(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dy (M, N), x (M, K), weight (N, K) -> (dx (M, K), dweight (N, K), dbias (N,))."""
+    return dy @ weight, dy.t() @ x, dy.sum(0)
+
+
+class TorchLinear(TorchImplementation):
+    op, dtypes = OP, DTYPES
+    description = "matrix product in fp32"
+
+    def forward(self, x, weight, bias):
+        return linear_ref(x, weight, bias)
+
+    def backward(self, dy, x, weight):
+        acc = _accumulator(x.dtype)
+        dx, dw, db = _backward_products(dy.to(acc), x.to(acc), weight.to(acc))
+        return dx.to(x.dtype), dw.to(weight.dtype), db.to(weight.dtype)
+
+
+class AtenLinear(AtenImplementation):
+    op, dtypes = OP, DTYPES
+    description = "torch.nn.functional.linear (BLAS)"
+
+    def forward(self, x, weight, bias):
+        return F.linear(x, weight, bias)
+
+    def backward(self, dy, x, weight):
+        return _backward_products(dy, x, weight)
+
+
+class CppLinear(CppImplementation):
+    op, extension = OP, "linear"
+    dtypes = (torch.float32,)
+    limits = {"rows": CPP_MAX_ROWS}
+    description = "C++ matrix-vector kernel: weight rows streamed once, rows split over threads"
+
+    def check(self, call):
+        return [] if call.get("weight_contiguous", True) else ["the weight must be contiguous"]
+
+    def forward(self, x, weight, bias):
+        return self.lib.linear_fwd(x, weight, bias)
+
+    def backward(self, dy, x, weight):
+        return _backward_products(dy, x, weight)
+
+
+for _impl in (TorchLinear, AtenLinear, CppLinear):
+    register(_impl)

@@ -397,7 +397,7 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 // Soft-capping in log2 units: s2 = s * log2(e) -> softcap * tanh(s / softcap) * log2(e), over n scores;
 // dc (optional) receives the derivative factor 1 - tanh^2. tanh(x) = 1 - 2 / (exp(2x) + 1) with the
-// vectorised exp2 (absolute error ~1e-7).
+// vectorised exp2 and a Newton-refined reciprocal (absolute error < 5e-7).
 void cap_log2(float* s2, float* dc, int64_t n, float softcap) {
   const float in = 2.f * kLn2 / softcap * kLog2e, out = softcap * kLog2e;  // exp(2x) = exp2(s2 * in)
   int64_t j = 0;
@@ -405,8 +405,10 @@ void cap_log2(float* s2, float* dc, int64_t n, float softcap) {
   const __m256 vin = _mm256_set1_ps(in), vout = _mm256_set1_ps(out), one = _mm256_set1_ps(1.f),
                two = _mm256_set1_ps(2.f);
   for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp2_ps(_mm256_mul_ps(_mm256_loadu_ps(s2 + j), vin));
-    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+    const __m256 y = _mm256_add_ps(exp2_ps(_mm256_mul_ps(_mm256_loadu_ps(s2 + j), vin)), one);  // in [1, 2^126]
+    __m256 ry = _mm256_rcp_ps(y);  // 1/y to 12 bits, one Newton step to ~23 (a division costs several times more)
+    ry = _mm256_mul_ps(ry, _mm256_fnmadd_ps(y, ry, two));
+    const __m256 t = _mm256_fnmadd_ps(two, ry, one);
     _mm256_storeu_ps(s2 + j, _mm256_mul_ps(t, vout));
     if (dc) _mm256_storeu_ps(dc + j, _mm256_fnmadd_ps(t, t, one));
   }
@@ -819,15 +821,105 @@ inline void axpy(float* y, float a, const float* x, int64_t D) {
   for (; d < D; ++d) y[d] += a * x[d];
 }
 
-inline bool all_finite(const float* x, int64_t D) {
-  for (int64_t d = 0; d < D; ++d)
+// Whether x[0..n) holds no NaN or Inf.
+inline bool all_finite(const float* x, int64_t n) {
+  int64_t d = 0;
+#ifdef FA_AVX2
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  for (; d + 8 <= n; d += 8)  // |x| < inf is false for NaN and +-Inf
+    ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(x + d), absmask), inf, _CMP_LT_OQ));
+  if (_mm256_movemask_ps(ok) != 0xFF) return false;
+#endif
+  for (; d < n; ++d)
     if (!std::isfinite(x[d])) return false;
   return true;
 }
 
-constexpr int64_t CACHE_CHUNK = 128;  // keys per online-softmax step
+// S[j] = q . K[j] for j < n, the K rows ldk apart (read in place). Eight keys at a time with one accumulator
+// each (independent FMA chains), summed across lanes by one transposing reduction.
+inline void dots(const float* q, const float* K, int64_t ldk, int64_t n, int64_t D, float* S) {
+  int64_t j = 0;
+#ifdef FA_AVX2
+  const int64_t D8 = D / 8 * 8;
+  for (; j + 8 <= n; j += 8) {
+    const float* k0 = K + j * ldk;
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D8; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + u * ldk + d), a[u]);
+    }
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    _mm256_storeu_ps(S + j, _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31)));
+    for (int64_t d = D8; d < D; ++d)
+      for (int u = 0; u < 8; ++u) S[j + u] += q[d] * k0[u * ldk + d];
+  }
+#endif
+  for (; j < n; ++j) S[j] = dot(q, K + j * ldk, D);
+}
+
+// acc[0..D) += sum_j p[j] * V[j] for j < n, the V rows ldv apart (read in place). Two sets of accumulators
+// (even and odd keys) keep enough independent FMA chains in flight.
+inline void pv(float* acc, const float* p, const float* V, int64_t ldv, int64_t n, int64_t D) {
+  int64_t d = 0;
+#ifdef FA_AVX2
+  for (; d + 32 <= D; d += 32) {
+    __m256 a[4], c[4];
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      a[u] = _mm256_loadu_ps(acc + d + 8 * u);
+      c[u] = _mm256_setzero_ps();
+    }
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      const float* v0 = V + j * ldv + d;
+      const __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        a[u] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * u), a[u]);
+        c[u] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v0 + ldv + 8 * u), c[u]);
+      }
+    }
+    if (j < n) {
+      const __m256 p0 = _mm256_broadcast_ss(p + j);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) a[u] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(V + j * ldv + d + 8 * u), a[u]);
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) _mm256_storeu_ps(acc + d + 8 * u, _mm256_add_ps(a[u], c[u]));
+  }
+  for (; d + 8 <= D; d += 8) {
+    __m256 a = _mm256_loadu_ps(acc + d), c = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(V + j * ldv + d), a);
+      c = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j + 1), _mm256_loadu_ps(V + (j + 1) * ldv + d), c);
+    }
+    if (j < n) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(V + j * ldv + d), a);
+    _mm256_storeu_ps(acc + d, _mm256_add_ps(a, c));
+  }
+#endif
+  for (; d < D; ++d) {
+    float s = acc[d];
+    for (int64_t j = 0; j < n; ++j) s += p[j] * V[j * ldv + d];
+    acc[d] = s;
+  }
+}
+
+// Asks for the n rows (ldx apart, D floats each) that the next run reads.
+inline void prefetch_rows(const float* x, int64_t ldx, int64_t n, int64_t D) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(x + j * ldx + d, 0, 3);
+}
+
+constexpr int64_t CACHE_CHUNK = 128;  // keys per online-softmax step (a multiple of RUN)
 constexpr int64_t MIN_SPLIT = 512;    // keys per split at least
-constexpr int64_t PREFETCH_KEYS = 4;  // keys ahead whose K rows are prefetched
+constexpr int64_t RUN = 16;           // keys per run when the heads of a key are adjacent in memory
 
 std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& table, const at::Tensor& seqlens, const at::Tensor& leftpad,
@@ -866,6 +958,10 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
   const int64_t sk0 = k.stride(0), sk1 = k.stride(1), sk2 = k.stride(2);
   const int64_t sv0 = v.stride(0), sv1 = v.stride(1), sv2 = v.stride(2);
   const float sc2 = static_cast<float>(scale) * kLog2e, cap = static_cast<float>(softcap);
+  // A key's rows of all heads next to each other ((page, Hk, D) caches): a run of RUN keys of every head is
+  // one contiguous block. Otherwise each head's keys are contiguous: runs go to the end of a page.
+  const bool heads_adjacent = std::abs(sk2) <= std::abs(sk1) && std::abs(sv2) <= std::abs(sv1);
+  const int64_t GL = G * Lq;
 
   // Row r = h * Lq + i of batch b is query head h (kv head h / G), row i; its visible keys [lo, hi].
   auto row_lo = [&](int64_t b, int64_t i) {
@@ -895,8 +991,8 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
 
   fastarch::run_tasks(B * S, [&](int64_t t0, int64_t t1) {
     std::vector<float> qs(R * D), sbuf(R * CACHE_CHUNK);
-    std::vector<int64_t> lo(R), hi(R), ra(R), re(R), koff(R), voff(R);
-    std::vector<const float*> krow(CACHE_CHUNK), vrow(CACHE_CHUNK);
+    std::vector<int64_t> lo(R), hi(R), ra(R), re(R);
+    std::vector<int64_t> run_at, run_key;  // runs of the chunk: first index in the chunk, first key
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t s = t % S, b = t / S;
       float* mrow = pm + t * R;
@@ -912,8 +1008,6 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
           band_lo = std::min(band_lo, lo[r]);
           band_hi = std::max(band_hi, hi[r]);
         }
-        koff[r] = (h / G) * sk2;
-        voff[r] = (h / G) * sv2;
         const float* qr = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
         for (int64_t d = 0; d < D; ++d) qs[r * D + d] = qr[d] * sc2;
         mrow[r] = kNegInf;
@@ -921,54 +1015,71 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
       }
       std::fill(acc, acc + R * D, 0.f);
       if (band_hi < band_lo) continue;
-      const int64_t span = band_hi - band_lo + 1, per = (span + S - 1) / S;
-      const int64_t ka = band_lo + s * per, kb = std::min(band_hi + 1, ka + per);
+      // Splits and chunks start on multiples of CACHE_CHUNK keys (so on page boundaries for pages dividing it).
+      const int64_t base = band_lo / CACHE_CHUNK * CACHE_CHUNK;
+      const int64_t per = ((band_hi + 1 - base + S - 1) / S + CACHE_CHUNK - 1) / CACHE_CHUNK * CACHE_CHUNK;
+      const int64_t ka = std::max(band_lo, base + s * per), kb = std::min(band_hi + 1, base + (s + 1) * per);
       const int32_t* trow = tb + b * npb;
-      // Visits (key j, row r) for the rows that see key j: key by key over every row when the heads of a key
-      // are adjacent in memory ((page, Hk, D) caches), else head by head, each head's keys in order.
-      // before(j, h0, h1) runs ahead of the rows of kv heads [h0, h1) for key j.
-      auto walk = [&](int64_t n, auto&& before, auto&& body) {
-        const int64_t GL = G * Lq;
-        const bool heads_adjacent = std::abs(sk2) <= std::abs(sk1);
-        for (int64_t hg = 0; hg < (heads_adjacent ? 1 : Hk); ++hg) {
-          const int64_t h0 = heads_adjacent ? 0 : hg, h1 = heads_adjacent ? Hk : hg + 1;
-          for (int64_t j = 0; j < n; ++j) {
-            before(j, h0, h1);
-            for (int64_t r = h0 * GL; r < h1 * GL; ++r)
-              if (j >= ra[r] && j < re[r]) body(j, r);
-          }
-        }
+      auto key_row = [&](const float* x, int64_t sx0, int64_t sx1, int64_t key) {
+        return x + trow[key / page] * sx0 + (key % page) * sx1;
       };
-      for (int64_t c0 = ka; c0 < kb; c0 += CACHE_CHUNK) {
-        const int64_t n = std::min(CACHE_CHUNK, kb - c0);
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t key = c0 + j, pg = trow[key / page], off = key % page;
-          krow[j] = kp + pg * sk0 + off * sk1;
-          vrow[j] = vp + pg * sv0 + off * sv1;
+      for (int64_t c0 = ka; c0 < kb;) {
+        const int64_t n = std::min(kb, (c0 / CACHE_CHUNK + 1) * CACHE_CHUNK) - c0;
+        // Runs: keys of one page (at most RUN of them when the heads are adjacent), read as a strided block.
+        run_at.clear();
+        run_key.clear();
+        for (int64_t j = 0; j < n;) {
+          const int64_t key = c0 + j, in_page = page - key % page;
+          const int64_t len = std::min(n - j, heads_adjacent ? std::min(RUN, in_page) : in_page);
+          run_at.push_back(j);
+          run_key.push_back(key);
+          j += len;
         }
+        run_at.push_back(n);
+        const int64_t nruns = static_cast<int64_t>(run_key.size());
+        // Pages break the hardware prefetcher's streams: while a run is read, the first rows of the next stream
+        // (of this head) are fetched ahead: the next run when it starts another page, after the last run of
+        // the K pass the first V run, after the last of the V pass the next chunk's first K run.
+        auto fetch = [&](const float* x, int64_t sx0, int64_t sx1, int64_t sx2, int64_t key, int64_t len,
+                         int64_t hk) {
+          prefetch_rows(key_row(x, sx0, sx1, key) + hk * sx2, sx1, std::min(len, RUN), D);
+        };
+        auto fetch_after = [&](bool v_pass, int64_t u, int64_t hk) {
+          if (u + 1 < nruns) {
+            if (run_key[u + 1] % page == 0)
+              v_pass ? fetch(vp, sv0, sv1, sv2, run_key[u + 1], run_at[u + 2] - run_at[u + 1], hk)
+                     : fetch(kp, sk0, sk1, sk2, run_key[u + 1], run_at[u + 2] - run_at[u + 1], hk);
+          } else if (!v_pass) {
+            fetch(vp, sv0, sv1, sv2, run_key[0], run_at[1], hk);
+          } else if (c0 + n < kb) {
+            fetch(kp, sk0, sk1, sk2, c0 + n, std::min(kb - c0 - n, page - (c0 + n) % page), hk);
+          }
+        };
         for (int64_t r = 0; r < R; ++r) {
           ra[r] = std::max<int64_t>(lo[r] - c0, 0);
           re[r] = std::min<int64_t>(hi[r] - c0 + 1, n);
         }
-        walk(n, [&](int64_t j, int64_t h0, int64_t h1) {
-          // Pages break the hardware prefetcher's streams: fetch the K rows a few keys ahead and this key's
-          // V rows (used after the softmax of the chunk).
-          for (int64_t hk = h0; hk < h1; ++hk)
-            for (int64_t d = 0; d < D; d += 16) {
-              if (j + PREFETCH_KEYS < n) __builtin_prefetch(krow[j + PREFETCH_KEYS] + hk * sk2 + d, 0, 3);
-              __builtin_prefetch(vrow[j] + hk * sv2 + d, 0, 2);
+        // Scores of the keys each row sees, run by run.
+        for (int64_t u = 0; u < nruns; ++u) {
+          const int64_t j0 = run_at[u], j1 = run_at[u + 1];
+          const float* kr = key_row(kp, sk0, sk1, run_key[u]);
+          for (int64_t hk = 0; hk < Hk; ++hk) {
+            fetch_after(false, u, hk);
+            for (int64_t r = hk * GL; r < (hk + 1) * GL; ++r) {
+              const int64_t a = std::max(ra[r], j0), e = std::min(re[r], j1);
+              if (e > a) dots(qs.data() + r * D, kr + hk * sk2 + (a - j0) * sk1, sk1, e - a, D,
+                              sbuf.data() + r * CACHE_CHUNK + a);
             }
-        }, [&](int64_t j, int64_t r) {
-          const float* kr = krow[j] + koff[r];
-          const float x = dot(qs.data() + r * D, kr, D);
-          // A non-finite score comes from a non-finite K row or from overflow; only the first counts.
-          if (!std::isfinite(x) && !all_finite(kr, D)) bad[r] = 1;
-          sbuf[r * CACHE_CHUNK + j] = x;
-        });
+          }
+        }
         for (int64_t r = 0; r < R; ++r) {
           float* sr = sbuf.data() + r * CACHE_CHUNK;
           const int64_t a = ra[r], e = re[r];
           if (e <= a) continue;
+          // A non-finite score comes from a non-finite K row or from overflow; only the first counts.
+          if (!bad[r] && !all_finite(sr + a, e - a))
+            for (int64_t j = a; j < e && !bad[r]; ++j)
+              if (!std::isfinite(sr[j]) && !all_finite(key_row(kp, sk0, sk1, c0 + j) + (r / GL) * sk2, D)) bad[r] = 1;
           if (cap > 0.f) cap_log2(sr + a, nullptr, e - a, cap);
           if (al) alibi_row(sr + a, e - a, al[b * H + r / Lq] * kLog2e, sl[b] - Lq + r % Lq - c0 - a);
           const float mx = row_max(sr + a, e - a), mnew = std::max(mrow[r], mx);
@@ -983,15 +1094,25 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
           if (alpha != 1.f)
             for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
         }
-        walk(n, [](int64_t, int64_t, int64_t) {}, [&](int64_t j, int64_t r) {
-          axpy(acc + r * D, sbuf[r * CACHE_CHUNK + j], vrow[j] + voff[r], D);
-        });
+        for (int64_t u = 0; u < nruns; ++u) {
+          const int64_t j0 = run_at[u], j1 = run_at[u + 1];
+          const float* vr = key_row(vp, sv0, sv1, run_key[u]);
+          for (int64_t hk = 0; hk < Hk; ++hk) {
+            fetch_after(true, u, hk);
+            for (int64_t r = hk * GL; r < (hk + 1) * GL; ++r) {
+              const int64_t a = std::max(ra[r], j0), e = std::min(re[r], j1);
+              if (e > a) pv(acc + r * D, sbuf.data() + r * CACHE_CHUNK + a, vr + hk * sv2 + (a - j0) * sv1, sv1,
+                            e - a, D);
+            }
+          }
+        }
+        c0 += n;
       }
       // A non-finite accumulator comes from a non-finite V row the row sees or from overflow.
       for (int64_t r = 0; r < R; ++r) {
         if (bad[r] || all_finite(acc + r * D, D)) continue;
         for (int64_t key = std::max(ka, lo[r]); key <= std::min(kb - 1, hi[r]) && !bad[r]; ++key)
-          if (!all_finite(vp + trow[key / page] * sv0 + (key % page) * sv1 + voff[r], D)) bad[r] = 1;
+          if (!all_finite(key_row(vp, sv0, sv1, key) + (r / GL) * sv2, D)) bad[r] = 1;
       }
     }
   });

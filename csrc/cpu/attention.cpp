@@ -179,22 +179,30 @@ void gemm_band_k(int64_t m, int64_t n, const float* A, int64_t lda, const float*
   }
 }
 
-// ---- vectorised exp2 (|rel err| < 2e-7 on the range that matters; very negative inputs give ~0) ------
+// ---- vectorised exp2 (|rel err| < 2.5e-7 on the range that matters; very negative inputs give ~0) ----
 #ifdef FA_AVX2
 inline __m256 exp2_ps(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
   x = _mm256_min_ps(x, _mm256_set1_ps(126.f));
-  __m256 xi = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_mul_ps(_mm256_sub_ps(x, xi), _mm256_set1_ps(kLn2));  // e^f, |f| <= ln2/2
-  __m256 p = _mm256_set1_ps(1.f / 720.f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(xi), _mm256_set1_epi32(127)), 23);
+  const __m256 xi = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, xi), f2 = _mm256_mul_ps(f, f);  // |f| <= 1/2
+  // 2^f by a degree-5 polynomial fitted for relative error on [-1/2, 1/2] (9e-8 in exact arithmetic),
+  // evaluated by Estrin's scheme: three dependent FMAs instead of five keep more iterations in flight.
+  const __m256 p01 = _mm256_fmadd_ps(f, _mm256_set1_ps(0.6931470036506653f), _mm256_set1_ps(1.f));
+  const __m256 p23 = _mm256_fmadd_ps(f, _mm256_set1_ps(0.05550733953714371f), _mm256_set1_ps(0.24022242426872253f));
+  const __m256 p45 = _mm256_fmadd_ps(f, _mm256_set1_ps(0.0013264708686619997f), _mm256_set1_ps(0.009671511128544807f));
+  const __m256 p = _mm256_fmadd_ps(f2, _mm256_fmadd_ps(f2, p45, p23), p01);
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(xi), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Soft-capping works on log2-unit scores s2 = s * log2(e): tanh(s / softcap) = 1 - 2 / (exp2(s2 * in) + 1)
+// with in = 2 / softcap. This gives 1 / (exp2(s2 * in) + 1) from the vectorised exp2 and a reciprocal refined
+// by one Newton step (a division costs several times more); absolute error of tanh < 5e-7.
+inline __m256 cap_recip_ps(__m256 s2, __m256 vin) {
+  const __m256 y = _mm256_add_ps(exp2_ps(_mm256_mul_ps(s2, vin)), _mm256_set1_ps(1.f));  // in [1, 2^126]
+  const __m256 r = _mm256_rcp_ps(y);
+  return _mm256_mul_ps(r, _mm256_fnmadd_ps(y, r, _mm256_set1_ps(2.f)));
 }
 #endif
 
@@ -396,28 +404,37 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 // Soft-capping in log2 units: s2 = s * log2(e) -> softcap * tanh(s / softcap) * log2(e), over n scores;
-// dc (optional) receives the derivative factor 1 - tanh^2. tanh(x) = 1 - 2 / (exp(2x) + 1) with the
-// vectorised exp2 and a Newton-refined reciprocal (absolute error < 5e-7).
-void cap_log2(float* s2, float* dc, int64_t n, float softcap) {
-  const float in = 2.f * kLn2 / softcap * kLog2e, out = softcap * kLog2e;  // exp(2x) = exp2(s2 * in)
+// dc (optional) receives the derivative factor 1 - tanh^2. Returns the largest capped score (saves the
+// forward a pass over the row).
+float cap_log2(float* s2, float* dc, int64_t n, float softcap) {
   int64_t j = 0;
+  float mx = kNegInf;
 #ifdef FA_AVX2
-  const __m256 vin = _mm256_set1_ps(in), vout = _mm256_set1_ps(out), one = _mm256_set1_ps(1.f),
-               two = _mm256_set1_ps(2.f);
+  const float out = softcap * kLog2e;
+  const __m256 vin = _mm256_set1_ps(2.f / softcap), vout = _mm256_set1_ps(out), vout2 = _mm256_set1_ps(2.f * out),
+               one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f);
+  __m256 vm = _mm256_set1_ps(kNegInf);
   for (; j + 8 <= n; j += 8) {
-    const __m256 y = _mm256_add_ps(exp2_ps(_mm256_mul_ps(_mm256_loadu_ps(s2 + j), vin)), one);  // in [1, 2^126]
-    __m256 ry = _mm256_rcp_ps(y);  // 1/y to 12 bits, one Newton step to ~23 (a division costs several times more)
-    ry = _mm256_mul_ps(ry, _mm256_fnmadd_ps(y, ry, two));
-    const __m256 t = _mm256_fnmadd_ps(two, ry, one);
-    _mm256_storeu_ps(s2 + j, _mm256_mul_ps(t, vout));
-    if (dc) _mm256_storeu_ps(dc + j, _mm256_fnmadd_ps(t, t, one));
+    const __m256 y = _mm256_add_ps(exp2_ps(_mm256_mul_ps(_mm256_loadu_ps(s2 + j), vin)), one);
+    const __m256 c = _mm256_sub_ps(vout, _mm256_div_ps(vout2, y));
+    _mm256_storeu_ps(s2 + j, c);
+    vm = _mm256_max_ps(vm, c);
+    if (dc) {
+      const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, y));
+      _mm256_storeu_ps(dc + j, _mm256_fnmadd_ps(t, t, one));
+    }
   }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, vm);
+  for (int q = 0; q < 8; ++q) mx = std::max(mx, t[q]);
 #endif
   for (; j < n; ++j) {
     const float t = std::tanh(s2[j] * (kLn2 / softcap));
-    s2[j] = out * t;
+    s2[j] = softcap * kLog2e * t;
+    mx = std::max(mx, s2[j]);
     if (dc) dc[j] = 1.f - t * t;
   }
+  return mx;
 }
 
 // ALiBi in log2 units over scores of keys c0 + j (j < n) for a row at key position pos: s -= slope2 * |pos - key|.
@@ -433,8 +450,11 @@ std::vector<int64_t> query_blocks(const Problem& P);
 
 // Scores of rows [i0, i0+m) against keys [c0, c0+n) (S, m x ldS) -> soft-capped, bias and ALiBi added,
 // masked (-inf) (log2 units). dcap (m x ldS, optional) receives the soft-capping derivative (0 if masked).
-void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, int64_t c0, int64_t n, float* S,
-                 int64_t ldS, float* dcap = nullptr) {
+// Returns whether rmax (m, optional) received each row's largest visible score (when soft-capping is all
+// that changes the scores).
+bool mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, int64_t c0, int64_t n, float* S,
+                 int64_t ldS, float* dcap = nullptr, float* rmax = nullptr) {
+  const bool cap_only = rmax && P.softcap > 0.f && !P.alibi && !P.bias && !P.kpm;
   const bool* kp = P.kpm ? P.kpm + b * P.Lk : nullptr;
   for (int64_t r = 0; r < m; ++r) {
     const int64_t i = i0 + r;
@@ -445,7 +465,8 @@ void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, 
     if (P.softcap > 0.f) {
       float* dc = dcap ? dcap + r * ldS : nullptr;
       if (dc) std::fill(dc, dc + ldS, 0.f);
-      if (e > a) cap_log2(s + a, dc ? dc + a : nullptr, e - a, P.softcap);
+      const float mx = e > a ? cap_log2(s + a, dc ? dc + a : nullptr, e - a, P.softcap) : kNegInf;
+      if (cap_only) rmax[r] = mx;
     }
     if (P.alibi && e > a) alibi_row(s + a, e - a, P.slope2(b, h, i), P.pos(i) - c0 - a);
     if (P.bias) {
@@ -457,6 +478,7 @@ void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, 
         if (!kp[c0 + j]) s[j] = kNegInf;
     }
   }
+  return cap_only;
 }
 
 std::vector<int64_t> query_blocks(const Problem& P) {
@@ -507,7 +529,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t sv0 = VP.stride(0), sv1 = VP.stride(1), ldv = VP.stride(2);
 
   run_tasks(P.B * P.H * nqb, [&](int64_t begin, int64_t end) {
-    std::vector<float> Qs(BQ * D), S, acc(BQ * Dp), mrow(BQ), lrow(BQ);
+    std::vector<float> Qs(BQ * D), S, acc(BQ * Dp), mrow(BQ), lrow(BQ), rmax(BQ);
     std::vector<int64_t> ra(BQ), re(BQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
@@ -539,10 +561,10 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
             scores_rows(m, n, D, Qs.data(), P.kh(b, h / G) + c0 * P.sk2, P.sk2, S.data(), np);
           else
             gemm_skip_cols_panels(m, np, D, Qs.data(), D, kp + c0 * D, S.data(), np, ra.data(), re.data());
-          mask_scores(P, b, h, i0, m, c0, n, S.data(), np);
+          const bool have_max = mask_scores(P, b, h, i0, m, c0, n, S.data(), np, nullptr, rmax.data());
           for (int64_t r = 0; r < m; ++r) {
             float* s = S.data() + r * np;
-            const float mx = row_max(s + ra[r], re[r] - ra[r]);
+            const float mx = have_max ? rmax[r] : row_max(s + ra[r], re[r] - ra[r]);
             const float mnew = std::max(mrow[r], mx);
             if (mnew == kNegInf) {  // nothing visible yet in this row
               std::fill(s, s + np, 0.f);
@@ -921,8 +943,11 @@ constexpr int64_t CACHE_CHUNK = 128;  // keys per online-softmax step (a multipl
 constexpr int64_t MIN_SPLIT = 512;    // keys per split at least
 constexpr int64_t RUN = 16;           // keys per run when the heads of a key are adjacent in memory
 
+// table, seqlens and leftpad may be None: one page per batch row (k, v (B, L, Hk, D)), full rows, no padding.
 std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& table, const at::Tensor& seqlens, const at::Tensor& leftpad,
+                                  const c10::optional<at::Tensor>& table_opt,
+                                  const c10::optional<at::Tensor>& seqlens_opt,
+                                  const c10::optional<at::Tensor>& leftpad_opt,
                                   const c10::optional<at::Tensor>& alibi, int64_t wl, int64_t wr, double scale,
                                   double softcap) {
   TORCH_CHECK(q.dtype() == at::kFloat && k.dtype() == at::kFloat && v.dtype() == at::kFloat,
@@ -934,6 +959,12 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
   const int64_t page = k.size(1), Hk = k.size(2), G = H / Hk, R = H * Lq;
   TORCH_CHECK(k.size(3) == D && Hk > 0 && H % Hk == 0, "attention cpp cache: head counts or head dims differ");
+  const auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  TORCH_CHECK(given(table_opt) || k.size(0) == B, "attention cpp cache: without a block table k/v are (B, L, Hk, D)");
+  const auto int_opts = at::TensorOptions().dtype(at::kInt);
+  const at::Tensor table = given(table_opt) ? *table_opt : at::arange(B, int_opts).view({B, 1});
+  const at::Tensor seqlens = given(seqlens_opt) ? *seqlens_opt : at::full({B}, k.size(1) * table.size(1), int_opts);
+  const at::Tensor leftpad = given(leftpad_opt) ? *leftpad_opt : at::zeros({B}, int_opts);
   TORCH_CHECK(table.dtype() == at::kInt && table.is_contiguous() && table.dim() == 2 && table.size(0) == B,
               "attention cpp cache: block table must be contiguous int32 (B, n)");
   TORCH_CHECK(seqlens.dtype() == at::kInt && seqlens.is_contiguous() && seqlens.numel() == B &&

@@ -298,14 +298,13 @@ def _cache_kernel_serves(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mak
     return name == "cpp"
 
 
-def _cache_kernel(q4: torch.Tensor, pages_k: torch.Tensor, pages_v: torch.Tensor, block_table: torch.Tensor,
-                  seqlens_k: torch.Tensor, key_leftpad: torch.Tensor | None, alibi, wl: int, wr: int, scale,
+def _cache_kernel(q4: torch.Tensor, pages_k: torch.Tensor, pages_v: torch.Tensor, block_table: torch.Tensor | None,
+                  seqlens_k: torch.Tensor | None, key_leftpad: torch.Tensor | None, alibi, wl: int, wr: int, scale,
                   softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cpp cache kernel on q4 (B, H, Lq, D) and pages (num_pages, page, Hk, D) -> o (B, Lq, H, D), lse."""
-    B = q4.shape[0]
-    leftpad = key_leftpad if key_leftpad is not None else torch.zeros(B, dtype=torch.int32)
+    """The cpp cache kernel on q4 (B, H, Lq, D) and pages (num_pages, page, Hk, D) -> o (B, Lq, H, D), lse.
+    Without a block table the pages are the (B, L, Hk, D) cache rows; without seqlens_k every row is full."""
     sc = q4.shape[-1] ** -0.5 if scale is None else float(scale)
-    return get_implementation(OP, "cpp").cache_forward(q4, pages_k, pages_v, block_table, seqlens_k, leftpad,
+    return get_implementation(OP, "cpp").cache_forward(q4, pages_k, pages_v, block_table, seqlens_k, key_leftpad,
                                                        alibi, wl, wr, sc, softcap)
 
 
@@ -710,10 +709,8 @@ def attention(
             q4, k, v, lambda: _call(q4, k4, None, None, wl, wr, dropout_p, False, softcap, alibi), dropout_p,
             backend):
         # A decode step: the cache kernel with the whole of k, v as one page per batch row.
-        B, Lk = q4.shape[0], k4.shape[2]
-        o, lse = _cache_kernel(q4, k4.transpose(1, 2), v4.transpose(1, 2),
-                               torch.arange(B, dtype=torch.int32).view(B, 1),
-                               torch.full((B,), Lk, dtype=torch.int32), None, alibi, wl, wr, scale, softcap)
+        o, lse = _cache_kernel(q4, k4.transpose(1, 2), v4.transpose(1, 2), None, None, None, alibi, wl, wr, scale,
+                               softcap)
         o = o if layout == "blhd" else o.transpose(1, 2).contiguous()
         return (o, lse) if return_lse else o
     o, lse = _run(q4, k4, v4, key_padding_mask, _bias4(attn_bias), alibi, None, wl, wr, dropout_p, scale,
@@ -836,7 +833,6 @@ def _cached(q, k, v, wl, wr, dropout_p, scale, return_lse, dropout_seed, backend
         # Pages (or the contiguous cache as one page per batch row) are read in place.
         if block_table is None:
             pages_k, pages_v = k4.transpose(1, 2), v4.transpose(1, 2)
-            block_table = torch.arange(B, dtype=torch.int32).view(B, 1)
         else:
             pages_k, pages_v = k, v
         o, lse = _cache_kernel(q4, pages_k, pages_v, block_table, seqlens_k, key_leftpad, alibi, wl, wr, scale,
@@ -1042,8 +1038,16 @@ class AtenAttention(AtenImplementation):
 def _rows32(t: torch.Tensor) -> torch.Tensor:
     """fp32 with unit-stride rows: the C++ kernel reads any (B, H, L, D) strides, so a (B, L, H, D) tensor
     is passed as it is."""
-    t = t.float()
+    if t.dtype != torch.float32:
+        t = t.float()
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _int32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Contiguous int32 (a no-op, without a dispatcher call, for the usual int32 index tensors)."""
+    if t is None or (t.dtype == torch.int32 and t.is_contiguous()):
+        return t
+    return t.to(torch.int32).contiguous()
 
 
 def _packed_rows(segs: torch.Tensor | None, Lq: int, Lk: int, wl: int, wr: int) -> torch.Tensor | None:
@@ -1083,18 +1087,18 @@ class CppAttention(CppImplementation):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
 
     def cache_forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                      block_table: torch.Tensor, seqlens_k: torch.Tensor, key_leftpad: torch.Tensor,
-                      alibi: torch.Tensor | None, wl: int, wr: int, scale: float,
+                      block_table: torch.Tensor | None, seqlens_k: torch.Tensor | None,
+                      key_leftpad: torch.Tensor | None, alibi: torch.Tensor | None, wl: int, wr: int, scale: float,
                       softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward over a KV cache read in place through its block table: q ``(B, H, Lq, D)``, pages
-        ``(num_pages, page, Hk, D)`` (any strides with unit-stride rows), block_table int32 ``(B, n)``,
-        seqlens_k / key_leftpad int32 ``(B,)``, alibi ``(B, H)`` fp32 or None -> o ``(B, Lq, H, D)`` in q's
-        dtype and lse ``(B, H, Lq)`` fp32."""
+        ``(num_pages, page, Hk, D)`` (any strides with unit-stride rows), block_table int32 ``(B, n)`` (None:
+        the pages are the ``(B, L, Hk, D)`` cache rows), seqlens_k / key_leftpad int32 ``(B,)`` (None: full
+        rows, no left padding), alibi ``(B, H)`` fp32 or None -> o ``(B, Lq, H, D)`` in q's dtype and lse
+        ``(B, H, Lq)`` fp32."""
         o, lse = self.lib.attention_cache_fwd(
-            _rows32(q), _rows32(k_pages), _rows32(v_pages), block_table.to(torch.int32).contiguous(),
-            seqlens_k.to(torch.int32).contiguous(), key_leftpad.to(torch.int32).contiguous(),
-            _f32(alibi) if alibi is not None else None, wl, wr, scale, softcap)
-        return o.to(q.dtype), lse
+            _rows32(q), _rows32(k_pages), _rows32(v_pages), _int32(block_table), _int32(seqlens_k),
+            _int32(key_leftpad), _f32(alibi) if alibi is not None else None, wl, wr, scale, softcap)
+        return (o if o.dtype == q.dtype else o.to(q.dtype)), lse
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:

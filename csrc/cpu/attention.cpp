@@ -515,13 +515,14 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   const float qscale = P.scale * kLog2e;
   // Few rows per block (decode): keys and values are read in place, since packing the whole cache
   // would cost more than the attention itself. Otherwise keys are packed in panels
-  // (B, Hk, Lk/16+2, D, 16), and values read in place when D is a multiple of 16, else from a zero-padded
-  // (B, Hk, Lk+16, Dp) copy.
+  // (B, Hk, Lk/16+2, D, 16), and values read in place when D is a multiple of 16 and a head's rows are
+  // adjacent, else from a zero-padded (B, Hk, Lk+16, Dp) copy: rows H * D apart ((B, L, H, D) tensors, packed
+  // variable-length batches) map to few L1 sets, and P.V streams them column slice by column slice.
   int64_t max_rows = 0;
   for (size_t t = 0; t + 1 < qblocks.size(); ++t) max_rows = std::max(max_rows, qblocks[t + 1] - qblocks[t]);
   const bool rows_mode = max_rows <= 8;
   const at::Tensor KP = rows_mode ? k : key_panels(k);
-  const at::Tensor VP = (D == Dp || rows_mode) ? v : rows_padded(v, Dp);
+  const at::Tensor VP = ((D == Dp && v.stride(2) == D) || rows_mode) ? v : rows_padded(v, Dp);
   const int64_t nV = rows_mode ? D : Dp;
   const float* KPp = KP.data_ptr<float>();
   const float* VPp = VP.data_ptr<float>();

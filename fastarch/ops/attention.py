@@ -217,19 +217,16 @@ def _row_bounds(Lq: int, Lk: int, wl: int, wr: int, segments: torch.Tensor | Non
         ke = torch.full((Lq,), Lk, dtype=torch.int64)
         seg = torch.zeros(Lq, dtype=torch.int64)
     else:
+        # Each sequence's values are constant over its rows [q_start, q_end): added at q_start and taken off at
+        # q_end, then summed along the rows (no per-row gathers, which cost a parallel region each). Rows outside
+        # every sequence get zeros and see nothing (lo = 0 > hi = -1).
         qs, qe, kss, kes = segments.unbind(1)
-        nq = qe - qs
-        total = int(nq.sum())
-        seg_r = torch.repeat_interleave(torch.arange(len(nq)), nq)
-        local = torch.arange(total) - torch.repeat_interleave(nq.cumsum(0) - nq, nq)
-        rows = qs[seg_r] + local
-        # Rows outside every sequence see nothing (lo = 0 > hi = -1).
-        ks = torch.zeros(Lq, dtype=torch.int64)
-        ke = torch.zeros(Lq, dtype=torch.int64)
-        pos = torch.zeros(Lq, dtype=torch.int64)
-        seg = torch.zeros(Lq, dtype=torch.int64)
-        ks[rows], ke[rows], seg[rows] = kss[seg_r], kes[seg_r], seg_r
-        pos[rows] = kss[seg_r] + local + (kes - kss - nq)[seg_r]
+        one = torch.ones_like(qs)
+        vals = torch.stack([kss, kes, kes - qe, torch.arange(len(qs)), one], 1)
+        steps = torch.zeros(Lq + 1, 5, dtype=torch.int64)
+        steps.index_add_(0, torch.cat([qs, qe]).clamp(0, Lq), torch.cat([vals, -vals]))
+        ks, ke, off, seg, inside = steps.cumsum(0)[:Lq].unbind(1)
+        pos = (torch.arange(Lq, dtype=torch.int64) + off) * inside  # key position: q_end - 1 <-> k_end - 1
     lo = torch.maximum(ks, pos - wl) if wl >= 0 else ks
     hi = torch.minimum(ke - 1, pos + wr) if wr >= 0 else ke - 1
     dev = torch.device(device)
@@ -263,6 +260,10 @@ def _nonfinite_rows(k: torch.Tensor, v: torch.Tensor, kpm: torch.Tensor | None, 
         # No data-dependent branch: always clean and mark (no row is marked when all is finite).
         bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
     else:
+        # The usual case first, with one reduction per tensor: a NaN or Inf anywhere makes the sum non-finite
+        # (a sum that only overflows sends the call to the exact check below).
+        if math.isfinite(float(k.sum(dtype=torch.float32))) and math.isfinite(float(v.sum(dtype=torch.float32))):
+            return None
         bad = _nonfinite_key_rows(k) | _nonfinite_key_rows(v)
         if not bool(bad.any()):
             return None

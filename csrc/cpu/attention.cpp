@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -254,15 +255,20 @@ at::Tensor rows_padded(const at::Tensor& x, int64_t Dp) {
   return at::constant_pad_nd(x, {0, Dp - x.size(3), 0, 16}).contiguous();
 }
 
-// (B,Hk,Lk,D) -> (B,Hk,Lk/16+2,D,16): keys in zero-padded panels of 16, each panel D x 16 contiguous.
-at::Tensor key_panels(const at::Tensor& k) {
-  // One parallel pass (pad + transpose + contiguous would copy twice: ~7% of a windowed forward). k is read
-  // through its strides (any layout with unit-stride rows).
+// (B,Hk,Lk,D) -> (B,Hk,Lk/16+2,D,16): keys in zero-padded panels of 16, each panel D x 16 contiguous. With v
+// given, the same pass also gives v's rows zero padded, (B,Hk,Lk+16,Dp) (as rows_padded).
+std::pair<at::Tensor, at::Tensor> key_panels(const at::Tensor& k, const at::Tensor* v = nullptr, int64_t Dp = 0) {
+  // One parallel pass (pad + transpose + contiguous would copy twice: ~7% of a windowed forward). k and v are
+  // read through their strides (any layout with unit-stride rows).
   const int64_t L = k.size(2), D = k.size(3), np = L / 16 + 2, nbh = k.size(0) * k.size(1), Hk = k.size(1);
   const int64_t s0 = k.stride(0), s1 = k.stride(1), s2 = k.stride(2);
   at::Tensor out = at::empty({k.size(0), k.size(1), np, D, 16}, k.options());
+  at::Tensor vout = v ? at::empty({k.size(0), k.size(1), L + 16, Dp}, k.options()) : at::Tensor();
   const float* src = k.data_ptr<float>();
+  const float* vsrc = v ? v->data_ptr<float>() : nullptr;
+  const int64_t v0 = v ? v->stride(0) : 0, v1 = v ? v->stride(1) : 0, v2 = v ? v->stride(2) : 0;
   float* dst = out.data_ptr<float>();
+  float* vdst = v ? vout.data_ptr<float>() : nullptr;
   at::parallel_for(0, nbh * np, 64, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / np, row0 = (t % np) * 16;
@@ -276,9 +282,17 @@ at::Tensor key_panels(const at::Tensor& k) {
           for (int64_t d = 0; d < D; ++d) o[d * 16 + c] = 0.f;
         }
       }
+      if (!vsrc) continue;
+      const float* vs = vsrc + (bh / Hk) * v0 + (bh % Hk) * v1;
+      for (int64_t row = row0; row < std::min(row0 + 16, L + 16); ++row) {
+        float* vo = vdst + (bh * (L + 16) + row) * Dp;
+        const int64_t n = row < L ? D : 0;
+        if (n) std::memcpy(vo, vs + row * v2, sizeof(float) * D);
+        std::fill(vo + n, vo + Dp, 0.f);
+      }
     }
   });
-  return out;
+  return {out, vout};
 }
 
 using fastarch::run_tasks;
@@ -521,8 +535,10 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   int64_t max_rows = 0;
   for (size_t t = 0; t + 1 < qblocks.size(); ++t) max_rows = std::max(max_rows, qblocks[t + 1] - qblocks[t]);
   const bool rows_mode = max_rows <= 8;
-  const at::Tensor KP = rows_mode ? k : key_panels(k);
-  const at::Tensor VP = ((D == Dp && v.stride(2) == D) || rows_mode) ? v : rows_padded(v, Dp);
+  const bool copy_v = !rows_mode && !(D == Dp && v.stride(2) == D);
+  at::Tensor KP = k, VP = v;
+  if (!rows_mode) std::tie(KP, VP) = key_panels(k, copy_v ? &v : nullptr, Dp);
+  if (!copy_v) VP = v;
   const int64_t nV = rows_mode ? D : Dp;
   const float* KPp = KP.data_ptr<float>();
   const float* VPp = VP.data_ptr<float>();

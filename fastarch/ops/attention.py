@@ -218,15 +218,19 @@ def _row_bounds(Lq: int, Lk: int, wl: int, wr: int, segments: torch.Tensor | Non
         seg = torch.zeros(Lq, dtype=torch.int64)
     else:
         # Each sequence's values are constant over its rows [q_start, q_end): added at q_start and taken off at
-        # q_end, then summed along the rows (no per-row gathers, which cost a parallel region each). Rows outside
-        # every sequence get zeros and see nothing (lo = 0 > hi = -1).
+        # q_end, then summed along the rows. One 1-d vector per value: no per-row gathers and no 2-d scans, which
+        # run as parallel regions (costly on a loaded CPU). Rows outside every sequence get zeros and see nothing
+        # (lo = 0 > hi = -1).
         qs, qe, kss, kes = segments.unbind(1)
-        one = torch.ones_like(qs)
-        vals = torch.stack([kss, kes, kes - qe, torch.arange(len(qs)), one], 1)
-        steps = torch.zeros(Lq + 1, 5, dtype=torch.int64)
-        steps.index_add_(0, torch.cat([qs, qe]).clamp(0, Lq), torch.cat([vals, -vals]))
-        ks, ke, off, seg, inside = steps.cumsum(0)[:Lq].unbind(1)
-        pos = (torch.arange(Lq, dtype=torch.int64) + off) * inside  # key position: q_end - 1 <-> k_end - 1
+        at = torch.cat([qs, qe]).clamp(0, Lq)
+
+        def per_row(value: torch.Tensor) -> torch.Tensor:
+            steps = torch.zeros(Lq + 1, dtype=torch.int64)
+            steps.index_add_(0, at, torch.cat([value, -value]))
+            return steps.cumsum(0)[:Lq]
+
+        ks, ke, seg, inside = (per_row(x) for x in (kss, kes, torch.arange(len(qs)), torch.ones_like(qs)))
+        pos = (torch.arange(Lq, dtype=torch.int64) + per_row(kes - qe)) * inside  # q_end - 1 <-> k_end - 1
     lo = torch.maximum(ks, pos - wl) if wl >= 0 else ks
     hi = torch.minimum(ke - 1, pos + wr) if wr >= 0 else ke - 1
     dev = torch.device(device)

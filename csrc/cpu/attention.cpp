@@ -1107,19 +1107,26 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
           ra[r] = std::max<int64_t>(lo[r] - c0, 0);
           re[r] = std::min<int64_t>(hi[r] - c0 + 1, n);
         }
-        // Scores of the keys each row sees, run by run.
-        for (int64_t u = 0; u < nruns; ++u) {
-          const int64_t j0 = run_at[u], j1 = run_at[u + 1];
-          const float* kr = key_row(kp, sk0, sk1, run_key[u]);
-          for (int64_t hk = 0; hk < Hk; ++hk) {
-            fetch_after(false, u, hk);
-            for (int64_t r = hk * GL; r < (hk + 1) * GL; ++r) {
-              const int64_t a = std::max(ra[r], j0), e = std::min(re[r], j1);
-              if (e > a) dots(qs.data() + r * D, kr + hk * sk2 + (a - j0) * sk1, sk1, e - a, D,
-                              sbuf.data() + r * CACHE_CHUNK + a);
+        // Visits the chunk run by run and kv head by kv head: body(r, a, x, len) for each row r that sees keys
+        // a .. a + len - 1 of the run, x the first of their K (V pass: V) rows.
+        auto for_runs = [&](bool v_pass, auto&& body) {
+          const float* x = v_pass ? vp : kp;
+          const int64_t x0 = v_pass ? sv0 : sk0, x1 = v_pass ? sv1 : sk1, x2 = v_pass ? sv2 : sk2;
+          for (int64_t u = 0; u < nruns; ++u) {
+            const int64_t j0 = run_at[u], j1 = run_at[u + 1];
+            const float* xr = key_row(x, x0, x1, run_key[u]);
+            for (int64_t hk = 0; hk < Hk; ++hk) {
+              fetch_after(v_pass, u, hk);
+              for (int64_t r = hk * GL; r < (hk + 1) * GL; ++r) {
+                const int64_t a = std::max(ra[r], j0), e = std::min(re[r], j1);
+                if (e > a) body(r, a, xr + hk * x2 + (a - j0) * x1, e - a);
+              }
             }
           }
-        }
+        };
+        for_runs(false, [&](int64_t r, int64_t a, const float* kr, int64_t len) {
+          dots(qs.data() + r * D, kr, sk1, len, D, sbuf.data() + r * CACHE_CHUNK + a);
+        });
         for (int64_t r = 0; r < R; ++r) {
           float* sr = sbuf.data() + r * CACHE_CHUNK;
           const int64_t a = ra[r], e = re[r];
@@ -1142,18 +1149,9 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
           if (alpha != 1.f)
             for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
         }
-        for (int64_t u = 0; u < nruns; ++u) {
-          const int64_t j0 = run_at[u], j1 = run_at[u + 1];
-          const float* vr = key_row(vp, sv0, sv1, run_key[u]);
-          for (int64_t hk = 0; hk < Hk; ++hk) {
-            fetch_after(true, u, hk);
-            for (int64_t r = hk * GL; r < (hk + 1) * GL; ++r) {
-              const int64_t a = std::max(ra[r], j0), e = std::min(re[r], j1);
-              if (e > a) pv(acc + r * D, sbuf.data() + r * CACHE_CHUNK + a, vr + hk * sv2 + (a - j0) * sv1, sv1,
-                            e - a, D);
-            }
-          }
-        }
+        for_runs(true, [&](int64_t r, int64_t a, const float* vr, int64_t len) {
+          pv(acc + r * D, sbuf.data() + r * CACHE_CHUNK + a, vr, sv1, len, D);
+        });
         c0 += n;
       }
       // A non-finite accumulator comes from a non-finite V row the row sees or from overflow.

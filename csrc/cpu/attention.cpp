@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -179,22 +180,30 @@ void gemm_band_k(int64_t m, int64_t n, const float* A, int64_t lda, const float*
   }
 }
 
-// ---- vectorised exp2 (|rel err| < 2e-7 on the range that matters; very negative inputs give ~0) ------
+// ---- vectorised exp2 (|rel err| < 2.5e-7 on the range that matters; very negative inputs give ~0) ----
 #ifdef FA_AVX2
 inline __m256 exp2_ps(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
   x = _mm256_min_ps(x, _mm256_set1_ps(126.f));
-  __m256 xi = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_mul_ps(_mm256_sub_ps(x, xi), _mm256_set1_ps(kLn2));  // e^f, |f| <= ln2/2
-  __m256 p = _mm256_set1_ps(1.f / 720.f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(xi), _mm256_set1_epi32(127)), 23);
+  const __m256 xi = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, xi), f2 = _mm256_mul_ps(f, f);  // |f| <= 1/2
+  // 2^f by a degree-5 polynomial fitted for relative error on [-1/2, 1/2] (9e-8 in exact arithmetic),
+  // evaluated by Estrin's scheme: three dependent FMAs instead of five keep more iterations in flight.
+  const __m256 p01 = _mm256_fmadd_ps(f, _mm256_set1_ps(0.6931470036506653f), _mm256_set1_ps(1.f));
+  const __m256 p23 = _mm256_fmadd_ps(f, _mm256_set1_ps(0.05550733953714371f), _mm256_set1_ps(0.24022242426872253f));
+  const __m256 p45 = _mm256_fmadd_ps(f, _mm256_set1_ps(0.0013264708686619997f), _mm256_set1_ps(0.009671511128544807f));
+  const __m256 p = _mm256_fmadd_ps(f2, _mm256_fmadd_ps(f2, p45, p23), p01);
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(xi), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Soft-capping works on log2-unit scores s2 = s * log2(e): tanh(s / softcap) = 1 - 2 / (exp2(s2 * in) + 1)
+// with in = 2 / softcap. This gives 1 / (exp2(s2 * in) + 1) from the vectorised exp2 and a reciprocal refined
+// by one Newton step (a division costs several times more); absolute error of tanh < 5e-7.
+inline __m256 cap_recip_ps(__m256 s2, __m256 vin) {
+  const __m256 y = _mm256_add_ps(exp2_ps(_mm256_mul_ps(s2, vin)), _mm256_set1_ps(1.f));  // in [1, 2^126]
+  const __m256 r = _mm256_rcp_ps(y);
+  return _mm256_mul_ps(r, _mm256_fnmadd_ps(y, r, _mm256_set1_ps(2.f)));
 }
 #endif
 
@@ -246,15 +255,20 @@ at::Tensor rows_padded(const at::Tensor& x, int64_t Dp) {
   return at::constant_pad_nd(x, {0, Dp - x.size(3), 0, 16}).contiguous();
 }
 
-// (B,Hk,Lk,D) -> (B,Hk,Lk/16+2,D,16): keys in zero-padded panels of 16, each panel D x 16 contiguous.
-at::Tensor key_panels(const at::Tensor& k) {
-  // One parallel pass (pad + transpose + contiguous would copy twice: ~7% of a windowed forward). k is read
-  // through its strides (any layout with unit-stride rows).
+// (B,Hk,Lk,D) -> (B,Hk,Lk/16+2,D,16): keys in zero-padded panels of 16, each panel D x 16 contiguous. With v
+// given, the same pass also gives v's rows zero padded, (B,Hk,Lk+16,Dp) (as rows_padded).
+std::pair<at::Tensor, at::Tensor> key_panels(const at::Tensor& k, const at::Tensor* v = nullptr, int64_t Dp = 0) {
+  // One parallel pass (pad + transpose + contiguous would copy twice: ~7% of a windowed forward). k and v are
+  // read through their strides (any layout with unit-stride rows).
   const int64_t L = k.size(2), D = k.size(3), np = L / 16 + 2, nbh = k.size(0) * k.size(1), Hk = k.size(1);
   const int64_t s0 = k.stride(0), s1 = k.stride(1), s2 = k.stride(2);
   at::Tensor out = at::empty({k.size(0), k.size(1), np, D, 16}, k.options());
+  at::Tensor vout = v ? at::empty({k.size(0), k.size(1), L + 16, Dp}, k.options()) : at::Tensor();
   const float* src = k.data_ptr<float>();
+  const float* vsrc = v ? v->data_ptr<float>() : nullptr;
+  const int64_t v0 = v ? v->stride(0) : 0, v1 = v ? v->stride(1) : 0, v2 = v ? v->stride(2) : 0;
   float* dst = out.data_ptr<float>();
+  float* vdst = v ? vout.data_ptr<float>() : nullptr;
   at::parallel_for(0, nbh * np, 64, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / np, row0 = (t % np) * 16;
@@ -268,9 +282,17 @@ at::Tensor key_panels(const at::Tensor& k) {
           for (int64_t d = 0; d < D; ++d) o[d * 16 + c] = 0.f;
         }
       }
+      if (!vsrc) continue;
+      const float* vs = vsrc + (bh / Hk) * v0 + (bh % Hk) * v1;
+      for (int64_t row = row0; row < std::min(row0 + 16, L + 16); ++row) {
+        float* vo = vdst + (bh * (L + 16) + row) * Dp;
+        const int64_t n = row < L ? D : 0;
+        if (n) std::memcpy(vo, vs + row * v2, sizeof(float) * D);
+        std::fill(vo + n, vo + Dp, 0.f);
+      }
     }
   });
-  return out;
+  return {out, vout};
 }
 
 using fastarch::run_tasks;
@@ -396,26 +418,37 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 // Soft-capping in log2 units: s2 = s * log2(e) -> softcap * tanh(s / softcap) * log2(e), over n scores;
-// dc (optional) receives the derivative factor 1 - tanh^2. tanh(x) = 1 - 2 / (exp(2x) + 1) with the
-// vectorised exp2 (absolute error ~1e-7).
-void cap_log2(float* s2, float* dc, int64_t n, float softcap) {
-  const float in = 2.f * kLn2 / softcap * kLog2e, out = softcap * kLog2e;  // exp(2x) = exp2(s2 * in)
+// dc (optional) receives the derivative factor 1 - tanh^2. Returns the largest capped score (saves the
+// forward a pass over the row).
+float cap_log2(float* s2, float* dc, int64_t n, float softcap) {
   int64_t j = 0;
+  float mx = kNegInf;
 #ifdef FA_AVX2
-  const __m256 vin = _mm256_set1_ps(in), vout = _mm256_set1_ps(out), one = _mm256_set1_ps(1.f),
-               two = _mm256_set1_ps(2.f);
+  const float out = softcap * kLog2e;
+  const __m256 vin = _mm256_set1_ps(2.f / softcap), vout = _mm256_set1_ps(out), vout2 = _mm256_set1_ps(2.f * out),
+               one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f);
+  __m256 vm = _mm256_set1_ps(kNegInf);
   for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp2_ps(_mm256_mul_ps(_mm256_loadu_ps(s2 + j), vin));
-    const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
-    _mm256_storeu_ps(s2 + j, _mm256_mul_ps(t, vout));
-    if (dc) _mm256_storeu_ps(dc + j, _mm256_fnmadd_ps(t, t, one));
+    const __m256 y = _mm256_add_ps(exp2_ps(_mm256_mul_ps(_mm256_loadu_ps(s2 + j), vin)), one);
+    const __m256 c = _mm256_sub_ps(vout, _mm256_div_ps(vout2, y));
+    _mm256_storeu_ps(s2 + j, c);
+    vm = _mm256_max_ps(vm, c);
+    if (dc) {
+      const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, y));
+      _mm256_storeu_ps(dc + j, _mm256_fnmadd_ps(t, t, one));
+    }
   }
+  alignas(32) float t[8];
+  _mm256_store_ps(t, vm);
+  for (int q = 0; q < 8; ++q) mx = std::max(mx, t[q]);
 #endif
   for (; j < n; ++j) {
     const float t = std::tanh(s2[j] * (kLn2 / softcap));
-    s2[j] = out * t;
+    s2[j] = softcap * kLog2e * t;
+    mx = std::max(mx, s2[j]);
     if (dc) dc[j] = 1.f - t * t;
   }
+  return mx;
 }
 
 // ALiBi in log2 units over scores of keys c0 + j (j < n) for a row at key position pos: s -= slope2 * |pos - key|.
@@ -431,8 +464,11 @@ std::vector<int64_t> query_blocks(const Problem& P);
 
 // Scores of rows [i0, i0+m) against keys [c0, c0+n) (S, m x ldS) -> soft-capped, bias and ALiBi added,
 // masked (-inf) (log2 units). dcap (m x ldS, optional) receives the soft-capping derivative (0 if masked).
-void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, int64_t c0, int64_t n, float* S,
-                 int64_t ldS, float* dcap = nullptr) {
+// Returns whether rmax (m, optional) received each row's largest visible score (when soft-capping is all
+// that changes the scores).
+bool mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, int64_t c0, int64_t n, float* S,
+                 int64_t ldS, float* dcap = nullptr, float* rmax = nullptr) {
+  const bool cap_only = rmax && P.softcap > 0.f && !P.alibi && !P.bias && !P.kpm;
   const bool* kp = P.kpm ? P.kpm + b * P.Lk : nullptr;
   for (int64_t r = 0; r < m; ++r) {
     const int64_t i = i0 + r;
@@ -443,7 +479,8 @@ void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, 
     if (P.softcap > 0.f) {
       float* dc = dcap ? dcap + r * ldS : nullptr;
       if (dc) std::fill(dc, dc + ldS, 0.f);
-      if (e > a) cap_log2(s + a, dc ? dc + a : nullptr, e - a, P.softcap);
+      const float mx = e > a ? cap_log2(s + a, dc ? dc + a : nullptr, e - a, P.softcap) : kNegInf;
+      if (cap_only) rmax[r] = mx;
     }
     if (P.alibi && e > a) alibi_row(s + a, e - a, P.slope2(b, h, i), P.pos(i) - c0 - a);
     if (P.bias) {
@@ -455,6 +492,7 @@ void mask_scores(const Problem& P, int64_t b, int64_t h, int64_t i0, int64_t m, 
         if (!kp[c0 + j]) s[j] = kNegInf;
     }
   }
+  return cap_only;
 }
 
 std::vector<int64_t> query_blocks(const Problem& P) {
@@ -491,13 +529,16 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   const float qscale = P.scale * kLog2e;
   // Few rows per block (decode): keys and values are read in place, since packing the whole cache
   // would cost more than the attention itself. Otherwise keys are packed in panels
-  // (B, Hk, Lk/16+2, D, 16), and values read in place when D is a multiple of 16, else from a zero-padded
-  // (B, Hk, Lk+16, Dp) copy.
+  // (B, Hk, Lk/16+2, D, 16), and values read in place when D is a multiple of 16 and a head's rows are
+  // adjacent, else from a zero-padded (B, Hk, Lk+16, Dp) copy: rows H * D apart ((B, L, H, D) tensors, packed
+  // variable-length batches) map to few L1 sets, and P.V streams them column slice by column slice.
   int64_t max_rows = 0;
   for (size_t t = 0; t + 1 < qblocks.size(); ++t) max_rows = std::max(max_rows, qblocks[t + 1] - qblocks[t]);
   const bool rows_mode = max_rows <= 8;
-  const at::Tensor KP = rows_mode ? k : key_panels(k);
-  const at::Tensor VP = (D == Dp || rows_mode) ? v : rows_padded(v, Dp);
+  const bool copy_v = !rows_mode && !(D == Dp && v.stride(2) == D);
+  at::Tensor KP = k, VP = v;
+  if (!rows_mode) std::tie(KP, VP) = key_panels(k, copy_v ? &v : nullptr, Dp);
+  if (!copy_v) VP = v;
   const int64_t nV = rows_mode ? D : Dp;
   const float* KPp = KP.data_ptr<float>();
   const float* VPp = VP.data_ptr<float>();
@@ -505,7 +546,7 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t sv0 = VP.stride(0), sv1 = VP.stride(1), ldv = VP.stride(2);
 
   run_tasks(P.B * P.H * nqb, [&](int64_t begin, int64_t end) {
-    std::vector<float> Qs(BQ * D), S, acc(BQ * Dp), mrow(BQ), lrow(BQ);
+    std::vector<float> Qs(BQ * D), S, acc(BQ * Dp), mrow(BQ), lrow(BQ), rmax(BQ);
     std::vector<int64_t> ra(BQ), re(BQ);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t qb = task % nqb, bh = task / nqb, h = bh % P.H, b = bh / P.H;
@@ -537,10 +578,10 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
             scores_rows(m, n, D, Qs.data(), P.kh(b, h / G) + c0 * P.sk2, P.sk2, S.data(), np);
           else
             gemm_skip_cols_panels(m, np, D, Qs.data(), D, kp + c0 * D, S.data(), np, ra.data(), re.data());
-          mask_scores(P, b, h, i0, m, c0, n, S.data(), np);
+          const bool have_max = mask_scores(P, b, h, i0, m, c0, n, S.data(), np, nullptr, rmax.data());
           for (int64_t r = 0; r < m; ++r) {
             float* s = S.data() + r * np;
-            const float mx = row_max(s + ra[r], re[r] - ra[r]);
+            const float mx = have_max ? rmax[r] : row_max(s + ra[r], re[r] - ra[r]);
             const float mnew = std::max(mrow[r], mx);
             if (mnew == kNegInf) {  // nothing visible yet in this row
               std::fill(s, s + np, 0.f);
@@ -819,18 +860,111 @@ inline void axpy(float* y, float a, const float* x, int64_t D) {
   for (; d < D; ++d) y[d] += a * x[d];
 }
 
-inline bool all_finite(const float* x, int64_t D) {
-  for (int64_t d = 0; d < D; ++d)
+// Whether x[0..n) holds no NaN or Inf.
+inline bool all_finite(const float* x, int64_t n) {
+  int64_t d = 0;
+#ifdef FA_AVX2
+  const __m256 inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  for (; d + 8 <= n; d += 8)  // |x| < inf is false for NaN and +-Inf
+    ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(x + d), absmask), inf, _CMP_LT_OQ));
+  if (_mm256_movemask_ps(ok) != 0xFF) return false;
+#endif
+  for (; d < n; ++d)
     if (!std::isfinite(x[d])) return false;
   return true;
 }
 
-constexpr int64_t CACHE_CHUNK = 128;  // keys per online-softmax step
-constexpr int64_t MIN_SPLIT = 512;    // keys per split at least
-constexpr int64_t PREFETCH_KEYS = 4;  // keys ahead whose K rows are prefetched
+// S[j] = q . K[j] for j < n, the K rows ldk apart (read in place). Eight keys at a time with one accumulator
+// each (independent FMA chains), summed across lanes by one transposing reduction.
+inline void dots(const float* q, const float* K, int64_t ldk, int64_t n, int64_t D, float* S) {
+  int64_t j = 0;
+#ifdef FA_AVX2
+  const int64_t D8 = D / 8 * 8;
+  for (; j + 8 <= n; j += 8) {
+    const float* k0 = K + j * ldk;
+    __m256 a[8];
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D8; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + u * ldk + d), a[u]);
+    }
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    _mm256_storeu_ps(S + j, _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31)));
+    for (int64_t d = D8; d < D; ++d)
+      for (int u = 0; u < 8; ++u) S[j + u] += q[d] * k0[u * ldk + d];
+  }
+#endif
+  for (; j < n; ++j) S[j] = dot(q, K + j * ldk, D);
+}
 
+// acc[0..D) += sum_j p[j] * V[j] for j < n, the V rows ldv apart (read in place). Two sets of accumulators
+// (even and odd keys) keep enough independent FMA chains in flight.
+inline void pv(float* acc, const float* p, const float* V, int64_t ldv, int64_t n, int64_t D) {
+  int64_t d = 0;
+#ifdef FA_AVX2
+  for (; d + 32 <= D; d += 32) {
+    __m256 a[4], c[4];
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) {
+      a[u] = _mm256_loadu_ps(acc + d + 8 * u);
+      c[u] = _mm256_setzero_ps();
+    }
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      const float* v0 = V + j * ldv + d;
+      const __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) {
+        a[u] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * u), a[u]);
+        c[u] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v0 + ldv + 8 * u), c[u]);
+      }
+    }
+    if (j < n) {
+      const __m256 p0 = _mm256_broadcast_ss(p + j);
+#pragma GCC unroll 4
+      for (int u = 0; u < 4; ++u) a[u] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(V + j * ldv + d + 8 * u), a[u]);
+    }
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) _mm256_storeu_ps(acc + d + 8 * u, _mm256_add_ps(a[u], c[u]));
+  }
+  for (; d + 8 <= D; d += 8) {
+    __m256 a = _mm256_loadu_ps(acc + d), c = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(V + j * ldv + d), a);
+      c = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j + 1), _mm256_loadu_ps(V + (j + 1) * ldv + d), c);
+    }
+    if (j < n) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(V + j * ldv + d), a);
+    _mm256_storeu_ps(acc + d, _mm256_add_ps(a, c));
+  }
+#endif
+  for (; d < D; ++d) {
+    float s = acc[d];
+    for (int64_t j = 0; j < n; ++j) s += p[j] * V[j * ldv + d];
+    acc[d] = s;
+  }
+}
+
+// Asks for the n rows (ldx apart, D floats each) that the next run reads.
+inline void prefetch_rows(const float* x, int64_t ldx, int64_t n, int64_t D) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(x + j * ldx + d, 0, 3);
+}
+
+constexpr int64_t CACHE_CHUNK = 128;  // keys per online-softmax step (a multiple of RUN)
+constexpr int64_t MIN_SPLIT = 512;    // keys per split at least
+constexpr int64_t RUN = 16;           // keys per run when the heads of a key are adjacent in memory
+
+// table, seqlens and leftpad may be None: one page per batch row (k, v (B, L, Hk, D)), full rows, no padding.
 std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& table, const at::Tensor& seqlens, const at::Tensor& leftpad,
+                                  const c10::optional<at::Tensor>& table_opt,
+                                  const c10::optional<at::Tensor>& seqlens_opt,
+                                  const c10::optional<at::Tensor>& leftpad_opt,
                                   const c10::optional<at::Tensor>& alibi, int64_t wl, int64_t wr, double scale,
                                   double softcap) {
   TORCH_CHECK(q.dtype() == at::kFloat && k.dtype() == at::kFloat && v.dtype() == at::kFloat,
@@ -842,6 +976,12 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), D = q.size(3);
   const int64_t page = k.size(1), Hk = k.size(2), G = H / Hk, R = H * Lq;
   TORCH_CHECK(k.size(3) == D && Hk > 0 && H % Hk == 0, "attention cpp cache: head counts or head dims differ");
+  const auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  TORCH_CHECK(given(table_opt) || k.size(0) == B, "attention cpp cache: without a block table k/v are (B, L, Hk, D)");
+  const auto int_opts = at::TensorOptions().dtype(at::kInt);
+  const at::Tensor table = given(table_opt) ? *table_opt : at::arange(B, int_opts).view({B, 1});
+  const at::Tensor seqlens = given(seqlens_opt) ? *seqlens_opt : at::full({B}, k.size(1) * table.size(1), int_opts);
+  const at::Tensor leftpad = given(leftpad_opt) ? *leftpad_opt : at::zeros({B}, int_opts);
   TORCH_CHECK(table.dtype() == at::kInt && table.is_contiguous() && table.dim() == 2 && table.size(0) == B,
               "attention cpp cache: block table must be contiguous int32 (B, n)");
   TORCH_CHECK(seqlens.dtype() == at::kInt && seqlens.is_contiguous() && seqlens.numel() == B &&
@@ -866,6 +1006,10 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
   const int64_t sk0 = k.stride(0), sk1 = k.stride(1), sk2 = k.stride(2);
   const int64_t sv0 = v.stride(0), sv1 = v.stride(1), sv2 = v.stride(2);
   const float sc2 = static_cast<float>(scale) * kLog2e, cap = static_cast<float>(softcap);
+  // A key's rows of all heads next to each other ((page, Hk, D) caches): a run of RUN keys of every head is
+  // one contiguous block. Otherwise each head's keys are contiguous: runs go to the end of a page.
+  const bool heads_adjacent = std::abs(sk2) <= std::abs(sk1) && std::abs(sv2) <= std::abs(sv1);
+  const int64_t GL = G * Lq;
 
   // Row r = h * Lq + i of batch b is query head h (kv head h / G), row i; its visible keys [lo, hi].
   auto row_lo = [&](int64_t b, int64_t i) {
@@ -895,8 +1039,8 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
 
   fastarch::run_tasks(B * S, [&](int64_t t0, int64_t t1) {
     std::vector<float> qs(R * D), sbuf(R * CACHE_CHUNK);
-    std::vector<int64_t> lo(R), hi(R), ra(R), re(R), koff(R), voff(R);
-    std::vector<const float*> krow(CACHE_CHUNK), vrow(CACHE_CHUNK);
+    std::vector<int64_t> lo(R), hi(R), ra(R), re(R);
+    std::vector<int64_t> run_at, run_key;  // runs of the chunk: first index in the chunk, first key
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t s = t % S, b = t / S;
       float* mrow = pm + t * R;
@@ -912,8 +1056,6 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
           band_lo = std::min(band_lo, lo[r]);
           band_hi = std::max(band_hi, hi[r]);
         }
-        koff[r] = (h / G) * sk2;
-        voff[r] = (h / G) * sv2;
         const float* qr = qp + b * q.stride(0) + h * q.stride(1) + i * q.stride(2);
         for (int64_t d = 0; d < D; ++d) qs[r * D + d] = qr[d] * sc2;
         mrow[r] = kNegInf;
@@ -921,54 +1063,78 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
       }
       std::fill(acc, acc + R * D, 0.f);
       if (band_hi < band_lo) continue;
-      const int64_t span = band_hi - band_lo + 1, per = (span + S - 1) / S;
-      const int64_t ka = band_lo + s * per, kb = std::min(band_hi + 1, ka + per);
+      // Splits and chunks start on multiples of CACHE_CHUNK keys (so on page boundaries for pages dividing it).
+      const int64_t base = band_lo / CACHE_CHUNK * CACHE_CHUNK;
+      const int64_t per = ((band_hi + 1 - base + S - 1) / S + CACHE_CHUNK - 1) / CACHE_CHUNK * CACHE_CHUNK;
+      const int64_t ka = std::max(band_lo, base + s * per), kb = std::min(band_hi + 1, base + (s + 1) * per);
       const int32_t* trow = tb + b * npb;
-      // Visits (key j, row r) for the rows that see key j: key by key over every row when the heads of a key
-      // are adjacent in memory ((page, Hk, D) caches), else head by head, each head's keys in order.
-      // before(j, h0, h1) runs ahead of the rows of kv heads [h0, h1) for key j.
-      auto walk = [&](int64_t n, auto&& before, auto&& body) {
-        const int64_t GL = G * Lq;
-        const bool heads_adjacent = std::abs(sk2) <= std::abs(sk1);
-        for (int64_t hg = 0; hg < (heads_adjacent ? 1 : Hk); ++hg) {
-          const int64_t h0 = heads_adjacent ? 0 : hg, h1 = heads_adjacent ? Hk : hg + 1;
-          for (int64_t j = 0; j < n; ++j) {
-            before(j, h0, h1);
-            for (int64_t r = h0 * GL; r < h1 * GL; ++r)
-              if (j >= ra[r] && j < re[r]) body(j, r);
-          }
-        }
+      auto key_row = [&](const float* x, int64_t sx0, int64_t sx1, int64_t key) {
+        return x + trow[key / page] * sx0 + (key % page) * sx1;
       };
-      for (int64_t c0 = ka; c0 < kb; c0 += CACHE_CHUNK) {
-        const int64_t n = std::min(CACHE_CHUNK, kb - c0);
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t key = c0 + j, pg = trow[key / page], off = key % page;
-          krow[j] = kp + pg * sk0 + off * sk1;
-          vrow[j] = vp + pg * sv0 + off * sv1;
+      for (int64_t c0 = ka; c0 < kb;) {
+        const int64_t n = std::min(kb, (c0 / CACHE_CHUNK + 1) * CACHE_CHUNK) - c0;
+        // Runs: keys of one page (at most RUN of them when the heads are adjacent), read as a strided block.
+        run_at.clear();
+        run_key.clear();
+        for (int64_t j = 0; j < n;) {
+          const int64_t key = c0 + j, in_page = page - key % page;
+          const int64_t len = std::min(n - j, heads_adjacent ? std::min(RUN, in_page) : in_page);
+          run_at.push_back(j);
+          run_key.push_back(key);
+          j += len;
         }
+        run_at.push_back(n);
+        const int64_t nruns = static_cast<int64_t>(run_key.size());
+        // Pages break the hardware prefetcher's streams: while a run is read, the first rows of the next stream
+        // (of this head) are fetched ahead: the next run when it starts another page, after the last run of
+        // the K pass the first V run, after the last of the V pass the next chunk's first K run.
+        auto fetch = [&](const float* x, int64_t sx0, int64_t sx1, int64_t sx2, int64_t key, int64_t len,
+                         int64_t hk) {
+          prefetch_rows(key_row(x, sx0, sx1, key) + hk * sx2, sx1, std::min(len, RUN), D);
+        };
+        auto fetch_after = [&](bool v_pass, int64_t u, int64_t hk) {
+          if (u + 1 < nruns) {
+            if (run_key[u + 1] % page == 0)
+              v_pass ? fetch(vp, sv0, sv1, sv2, run_key[u + 1], run_at[u + 2] - run_at[u + 1], hk)
+                     : fetch(kp, sk0, sk1, sk2, run_key[u + 1], run_at[u + 2] - run_at[u + 1], hk);
+          } else if (!v_pass) {
+            fetch(vp, sv0, sv1, sv2, run_key[0], run_at[1], hk);
+          } else if (c0 + n < kb) {
+            fetch(kp, sk0, sk1, sk2, c0 + n, std::min(kb - c0 - n, page - (c0 + n) % page), hk);
+          }
+        };
         for (int64_t r = 0; r < R; ++r) {
           ra[r] = std::max<int64_t>(lo[r] - c0, 0);
           re[r] = std::min<int64_t>(hi[r] - c0 + 1, n);
         }
-        walk(n, [&](int64_t j, int64_t h0, int64_t h1) {
-          // Pages break the hardware prefetcher's streams: fetch the K rows a few keys ahead and this key's
-          // V rows (used after the softmax of the chunk).
-          for (int64_t hk = h0; hk < h1; ++hk)
-            for (int64_t d = 0; d < D; d += 16) {
-              if (j + PREFETCH_KEYS < n) __builtin_prefetch(krow[j + PREFETCH_KEYS] + hk * sk2 + d, 0, 3);
-              __builtin_prefetch(vrow[j] + hk * sv2 + d, 0, 2);
+        // Visits the chunk run by run and kv head by kv head: body(r, a, x, len) for each row r that sees keys
+        // a .. a + len - 1 of the run, x the first of their K (V pass: V) rows.
+        auto for_runs = [&](bool v_pass, auto&& body) {
+          const float* x = v_pass ? vp : kp;
+          const int64_t x0 = v_pass ? sv0 : sk0, x1 = v_pass ? sv1 : sk1, x2 = v_pass ? sv2 : sk2;
+          for (int64_t u = 0; u < nruns; ++u) {
+            const int64_t j0 = run_at[u], j1 = run_at[u + 1];
+            const float* xr = key_row(x, x0, x1, run_key[u]);
+            for (int64_t hk = 0; hk < Hk; ++hk) {
+              fetch_after(v_pass, u, hk);
+              for (int64_t r = hk * GL; r < (hk + 1) * GL; ++r) {
+                const int64_t a = std::max(ra[r], j0), e = std::min(re[r], j1);
+                if (e > a) body(r, a, xr + hk * x2 + (a - j0) * x1, e - a);
+              }
             }
-        }, [&](int64_t j, int64_t r) {
-          const float* kr = krow[j] + koff[r];
-          const float x = dot(qs.data() + r * D, kr, D);
-          // A non-finite score comes from a non-finite K row or from overflow; only the first counts.
-          if (!std::isfinite(x) && !all_finite(kr, D)) bad[r] = 1;
-          sbuf[r * CACHE_CHUNK + j] = x;
+          }
+        };
+        for_runs(false, [&](int64_t r, int64_t a, const float* kr, int64_t len) {
+          dots(qs.data() + r * D, kr, sk1, len, D, sbuf.data() + r * CACHE_CHUNK + a);
         });
         for (int64_t r = 0; r < R; ++r) {
           float* sr = sbuf.data() + r * CACHE_CHUNK;
           const int64_t a = ra[r], e = re[r];
           if (e <= a) continue;
+          // A non-finite score comes from a non-finite K row or from overflow; only the first counts.
+          if (!bad[r] && !all_finite(sr + a, e - a))
+            for (int64_t j = a; j < e && !bad[r]; ++j)
+              if (!std::isfinite(sr[j]) && !all_finite(key_row(kp, sk0, sk1, c0 + j) + (r / GL) * sk2, D)) bad[r] = 1;
           if (cap > 0.f) cap_log2(sr + a, nullptr, e - a, cap);
           if (al) alibi_row(sr + a, e - a, al[b * H + r / Lq] * kLog2e, sl[b] - Lq + r % Lq - c0 - a);
           const float mx = row_max(sr + a, e - a), mnew = std::max(mrow[r], mx);
@@ -983,15 +1149,16 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
           if (alpha != 1.f)
             for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
         }
-        walk(n, [](int64_t, int64_t, int64_t) {}, [&](int64_t j, int64_t r) {
-          axpy(acc + r * D, sbuf[r * CACHE_CHUNK + j], vrow[j] + voff[r], D);
+        for_runs(true, [&](int64_t r, int64_t a, const float* vr, int64_t len) {
+          pv(acc + r * D, sbuf.data() + r * CACHE_CHUNK + a, vr, sv1, len, D);
         });
+        c0 += n;
       }
       // A non-finite accumulator comes from a non-finite V row the row sees or from overflow.
       for (int64_t r = 0; r < R; ++r) {
         if (bad[r] || all_finite(acc + r * D, D)) continue;
         for (int64_t key = std::max(ka, lo[r]); key <= std::min(kb - 1, hi[r]) && !bad[r]; ++key)
-          if (!all_finite(vp + trow[key / page] * sv0 + (key % page) * sv1 + voff[r], D)) bad[r] = 1;
+          if (!all_finite(key_row(vp, sv0, sv1, key) + (r / GL) * sv2, D)) bad[r] = 1;
       }
     }
   });

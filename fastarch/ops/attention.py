@@ -217,19 +217,20 @@ def _row_bounds(Lq: int, Lk: int, wl: int, wr: int, segments: torch.Tensor | Non
         ke = torch.full((Lq,), Lk, dtype=torch.int64)
         seg = torch.zeros(Lq, dtype=torch.int64)
     else:
+        # Each sequence's values are constant over its rows [q_start, q_end): added at q_start and taken off at
+        # q_end, then summed along the rows. One 1-d vector per value: no per-row gathers and no 2-d scans, which
+        # run as parallel regions (costly on a loaded CPU). Rows outside every sequence get zeros and see nothing
+        # (lo = 0 > hi = -1).
         qs, qe, kss, kes = segments.unbind(1)
-        nq = qe - qs
-        total = int(nq.sum())
-        seg_r = torch.repeat_interleave(torch.arange(len(nq)), nq)
-        local = torch.arange(total) - torch.repeat_interleave(nq.cumsum(0) - nq, nq)
-        rows = qs[seg_r] + local
-        # Rows outside every sequence see nothing (lo = 0 > hi = -1).
-        ks = torch.zeros(Lq, dtype=torch.int64)
-        ke = torch.zeros(Lq, dtype=torch.int64)
-        pos = torch.zeros(Lq, dtype=torch.int64)
-        seg = torch.zeros(Lq, dtype=torch.int64)
-        ks[rows], ke[rows], seg[rows] = kss[seg_r], kes[seg_r], seg_r
-        pos[rows] = kss[seg_r] + local + (kes - kss - nq)[seg_r]
+        at = torch.cat([qs, qe]).clamp(0, Lq)
+
+        def per_row(value: torch.Tensor) -> torch.Tensor:
+            steps = torch.zeros(Lq + 1, dtype=torch.int64)
+            steps.index_add_(0, at, torch.cat([value, -value]))
+            return steps.cumsum(0)[:Lq]
+
+        ks, ke, seg, inside = (per_row(x) for x in (kss, kes, torch.arange(len(qs)), torch.ones_like(qs)))
+        pos = (torch.arange(Lq, dtype=torch.int64) + per_row(kes - qe)) * inside  # q_end - 1 <-> k_end - 1
     lo = torch.maximum(ks, pos - wl) if wl >= 0 else ks
     hi = torch.minimum(ke - 1, pos + wr) if wr >= 0 else ke - 1
     dev = torch.device(device)
@@ -263,6 +264,10 @@ def _nonfinite_rows(k: torch.Tensor, v: torch.Tensor, kpm: torch.Tensor | None, 
         # No data-dependent branch: always clean and mark (no row is marked when all is finite).
         bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))
     else:
+        # The usual case first, with one reduction per tensor: a NaN or Inf anywhere makes the sum non-finite
+        # (a sum that only overflows sends the call to the exact check below).
+        if math.isfinite(float(k.sum(dtype=torch.float32))) and math.isfinite(float(v.sum(dtype=torch.float32))):
+            return None
         bad = _nonfinite_key_rows(k) | _nonfinite_key_rows(v)
         if not bool(bad.any()):
             return None
@@ -298,14 +303,13 @@ def _cache_kernel_serves(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mak
     return name == "cpp"
 
 
-def _cache_kernel(q4: torch.Tensor, pages_k: torch.Tensor, pages_v: torch.Tensor, block_table: torch.Tensor,
-                  seqlens_k: torch.Tensor, key_leftpad: torch.Tensor | None, alibi, wl: int, wr: int, scale,
+def _cache_kernel(q4: torch.Tensor, pages_k: torch.Tensor, pages_v: torch.Tensor, block_table: torch.Tensor | None,
+                  seqlens_k: torch.Tensor | None, key_leftpad: torch.Tensor | None, alibi, wl: int, wr: int, scale,
                   softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cpp cache kernel on q4 (B, H, Lq, D) and pages (num_pages, page, Hk, D) -> o (B, Lq, H, D), lse."""
-    B = q4.shape[0]
-    leftpad = key_leftpad if key_leftpad is not None else torch.zeros(B, dtype=torch.int32)
+    """The cpp cache kernel on q4 (B, H, Lq, D) and pages (num_pages, page, Hk, D) -> o (B, Lq, H, D), lse.
+    Without a block table the pages are the (B, L, Hk, D) cache rows; without seqlens_k every row is full."""
     sc = q4.shape[-1] ** -0.5 if scale is None else float(scale)
-    return get_implementation(OP, "cpp").cache_forward(q4, pages_k, pages_v, block_table, seqlens_k, leftpad,
+    return get_implementation(OP, "cpp").cache_forward(q4, pages_k, pages_v, block_table, seqlens_k, key_leftpad,
                                                        alibi, wl, wr, sc, softcap)
 
 
@@ -710,10 +714,8 @@ def attention(
             q4, k, v, lambda: _call(q4, k4, None, None, wl, wr, dropout_p, False, softcap, alibi), dropout_p,
             backend):
         # A decode step: the cache kernel with the whole of k, v as one page per batch row.
-        B, Lk = q4.shape[0], k4.shape[2]
-        o, lse = _cache_kernel(q4, k4.transpose(1, 2), v4.transpose(1, 2),
-                               torch.arange(B, dtype=torch.int32).view(B, 1),
-                               torch.full((B,), Lk, dtype=torch.int32), None, alibi, wl, wr, scale, softcap)
+        o, lse = _cache_kernel(q4, k4.transpose(1, 2), v4.transpose(1, 2), None, None, None, alibi, wl, wr, scale,
+                               softcap)
         o = o if layout == "blhd" else o.transpose(1, 2).contiguous()
         return (o, lse) if return_lse else o
     o, lse = _run(q4, k4, v4, key_padding_mask, _bias4(attn_bias), alibi, None, wl, wr, dropout_p, scale,
@@ -836,7 +838,6 @@ def _cached(q, k, v, wl, wr, dropout_p, scale, return_lse, dropout_seed, backend
         # Pages (or the contiguous cache as one page per batch row) are read in place.
         if block_table is None:
             pages_k, pages_v = k4.transpose(1, 2), v4.transpose(1, 2)
-            block_table = torch.arange(B, dtype=torch.int32).view(B, 1)
         else:
             pages_k, pages_v = k, v
         o, lse = _cache_kernel(q4, pages_k, pages_v, block_table, seqlens_k, key_leftpad, alibi, wl, wr, scale,
@@ -1042,8 +1043,16 @@ class AtenAttention(AtenImplementation):
 def _rows32(t: torch.Tensor) -> torch.Tensor:
     """fp32 with unit-stride rows: the C++ kernel reads any (B, H, L, D) strides, so a (B, L, H, D) tensor
     is passed as it is."""
-    t = t.float()
+    if t.dtype != torch.float32:
+        t = t.float()
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _int32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Contiguous int32 (a no-op, without a dispatcher call, for the usual int32 index tensors)."""
+    if t is None or (t.dtype == torch.int32 and t.is_contiguous()):
+        return t
+    return t.to(torch.int32).contiguous()
 
 
 def _packed_rows(segs: torch.Tensor | None, Lq: int, Lk: int, wl: int, wr: int) -> torch.Tensor | None:
@@ -1083,18 +1092,18 @@ class CppAttention(CppImplementation):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dbias
 
     def cache_forward(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                      block_table: torch.Tensor, seqlens_k: torch.Tensor, key_leftpad: torch.Tensor,
-                      alibi: torch.Tensor | None, wl: int, wr: int, scale: float,
+                      block_table: torch.Tensor | None, seqlens_k: torch.Tensor | None,
+                      key_leftpad: torch.Tensor | None, alibi: torch.Tensor | None, wl: int, wr: int, scale: float,
                       softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward over a KV cache read in place through its block table: q ``(B, H, Lq, D)``, pages
-        ``(num_pages, page, Hk, D)`` (any strides with unit-stride rows), block_table int32 ``(B, n)``,
-        seqlens_k / key_leftpad int32 ``(B,)``, alibi ``(B, H)`` fp32 or None -> o ``(B, Lq, H, D)`` in q's
-        dtype and lse ``(B, H, Lq)`` fp32."""
+        ``(num_pages, page, Hk, D)`` (any strides with unit-stride rows), block_table int32 ``(B, n)`` (None:
+        the pages are the ``(B, L, Hk, D)`` cache rows), seqlens_k / key_leftpad int32 ``(B,)`` (None: full
+        rows, no left padding), alibi ``(B, H)`` fp32 or None -> o ``(B, Lq, H, D)`` in q's dtype and lse
+        ``(B, H, Lq)`` fp32."""
         o, lse = self.lib.attention_cache_fwd(
-            _rows32(q), _rows32(k_pages), _rows32(v_pages), block_table.to(torch.int32).contiguous(),
-            seqlens_k.to(torch.int32).contiguous(), key_leftpad.to(torch.int32).contiguous(),
-            _f32(alibi) if alibi is not None else None, wl, wr, scale, softcap)
-        return o.to(q.dtype), lse
+            _rows32(q), _rows32(k_pages), _rows32(v_pages), _int32(block_table), _int32(seqlens_k),
+            _int32(key_leftpad), _f32(alibi) if alibi is not None else None, wl, wr, scale, softcap)
+        return (o if o.dtype == q.dtype else o.to(q.dtype)), lse
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:

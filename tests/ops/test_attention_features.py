@@ -222,14 +222,16 @@ def test_bad_feature_arguments():
 
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("Lq", [1, 4])
-def test_decode_inference_cpp(layout, Lq):
+@pytest.mark.parametrize("D", [32, 36])
+def test_decode_inference_cpp(layout, Lq, D):
     """Short inference calls on cpp take the cache kernel (keys split across tasks for one batch row): same
-    results as the oracle, in the input's layout, with a window, GQA, soft-capping and ALiBi."""
+    results as the oracle, in the input's layout, with a window, GQA, soft-capping and ALiBi; a head dim
+    that is not a multiple of 8 takes the kernel's scalar tails."""
     require_backend("attention", "cpp")
     g = torch.Generator().manual_seed(6)
-    q = torch.randn(1, 4, Lq, 32, generator=g)
-    k = torch.randn(1, 2, 2500, 32, generator=g)
-    v = torch.randn(1, 2, 2500, 32, generator=g)
+    q = torch.randn(1, 4, Lq, D, generator=g)
+    k = torch.randn(1, 2, 2500, D, generator=g)
+    v = torch.randn(1, 2, 2500, D, generator=g)
     kw = dict(window=(1800, 0), softcap=7.0, alibi_slopes=torch.rand(4, generator=g) * 0.01, return_lse=True)
     want, want_lse = attention_ref(q, k, v, **kw)
     k[:, 1, 100] = float("nan")  # outside every row's window

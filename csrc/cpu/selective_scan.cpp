@@ -11,8 +11,7 @@
 // block lives as h[n][c] (N x 16 floats, L1-resident); every time step loops over n, and each n is one
 // 16-lane vector (Lanes: one AVX-512 register, two AVX2 registers, or a plain loop elsewhere): exp, the
 // recurrence and the C-contraction are all lane-parallel, a variable B_t[n] / C_t[n] is one broadcast, and y
-// needs no horizontal sum. The decay exp(delta A) is Lanes::exp, a polynomial with AVX-512's scalef or AVX2's
-// exponent-bit arithmetic.
+// needs no horizontal sum. The decay exp(delta A) is fastarch::fast_exp's polynomial on whole registers.
 // Per chunk, delta, u and z enter lane-major through 8x8 transposes, softplus and the output gate run on
 // whole lane vectors, and the output leaves through the inverse transpose.
 //
@@ -45,73 +44,81 @@ using fastarch::softplus_f;
 
 constexpr int W = 16;
 
-// Lanes::exp is fastarch::fast_exp written with intrinsics, operation for operation (so the results match it
-// and every other kernel that uses it): k = round(x log2 e), r = x - k ln2 in two steps, e^r = 1 + r + r^2 p(r)
-// with p of degree 5, times 2^k.
-constexpr float LOG2E = 1.44269504088896341f, ROUND_MAGIC = 12582912.0f, LN2_HI = 0.693359375f,
-                LN2_LO = 2.12194440e-4f;
-constexpr float EXP_P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
-                            1.6666665459e-1f, 5.0000001201e-1f};
-constexpr float EXP_LO = -87.3f, EXP_HI = 88.3f;
-
-// Lanes: W floats, one per channel of a block, with the few operations the recurrence needs.
+// One register of AVX-512 (V16) or AVX2 (V8), with the few operations the recurrence needs.
 #if defined(__AVX512F__)
-struct Lanes {
+struct V16 {
   __m512 v;
-  static Lanes load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static Lanes bcast(float x) { return {_mm512_set1_ps(x)}; }
-  static Lanes zero() { return {_mm512_setzero_ps()}; }
+  static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static V16 bcast(float x) { return {_mm512_set1_ps(x)}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
-  friend Lanes operator*(Lanes a, Lanes b) { return {_mm512_mul_ps(a.v, b.v)}; }
-  friend Lanes operator+(Lanes a, Lanes b) { return {_mm512_add_ps(a.v, b.v)}; }
-  friend Lanes fma(Lanes a, Lanes b, Lanes c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-  friend Lanes exp(Lanes a) {
-    const __m512 x = _mm512_min_ps(_mm512_set1_ps(EXP_HI), _mm512_max_ps(_mm512_set1_ps(EXP_LO), a.v));  // NaN stays
-    const __m512 k = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(LOG2E), _mm512_set1_ps(ROUND_MAGIC)),
-                                   _mm512_set1_ps(ROUND_MAGIC));
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(LN2_HI), x);
-    r = _mm512_fmadd_ps(k, _mm512_set1_ps(LN2_LO), r);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(EXP_P[0]), r, _mm512_set1_ps(EXP_P[1]));
-    for (int i = 2; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P[i]));
-    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-    return {_mm512_scalef_ps(p, k)};
-  }
+  friend V16 operator*(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  friend V16 operator+(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend V16 operator-(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend V16 min(V16 a, V16 b) { return {_mm512_min_ps(a.v, b.v)}; }  // b where either is NaN
+  friend V16 max(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  friend V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  friend V16 fnma(V16 a, V16 b, V16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }
+  friend V16 times_pow2(V16 p, V16 k) { return {_mm512_scalef_ps(p.v, k.v)}; }  // p 2^k, k integral
 };
+#define FASTARCH_SCAN_VEC V16
 #elif defined(__AVX2__) && defined(__FMA__)
 struct V8 {
   __m256 v;
   static V8 load(const float* p) { return {_mm256_loadu_ps(p)}; }
   static V8 bcast(float x) { return {_mm256_set1_ps(x)}; }
-  static V8 zero() { return {_mm256_setzero_ps()}; }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   friend V8 operator*(V8 a, V8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
   friend V8 operator+(V8 a, V8 b) { return {_mm256_add_ps(a.v, b.v)}; }
+  friend V8 operator-(V8 a, V8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
+  friend V8 min(V8 a, V8 b) { return {_mm256_min_ps(a.v, b.v)}; }  // b where either is NaN
+  friend V8 max(V8 a, V8 b) { return {_mm256_max_ps(a.v, b.v)}; }
   friend V8 fma(V8 a, V8 b, V8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
-  friend V8 exp(V8 a) {
-    const __m256 x = _mm256_min_ps(_mm256_set1_ps(EXP_HI), _mm256_max_ps(_mm256_set1_ps(EXP_LO), a.v));  // NaN stays
-    const __m256 k = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(LOG2E), _mm256_set1_ps(ROUND_MAGIC)),
-                                   _mm256_set1_ps(ROUND_MAGIC));
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(LN2_HI), x);
-    r = _mm256_fmadd_ps(k, _mm256_set1_ps(LN2_LO), r);
-    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(EXP_P[0]), r, _mm256_set1_ps(EXP_P[1]));
-    for (int i = 2; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P[i]));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return {_mm256_mul_ps(p, _mm256_castsi256_ps(e))};
+  friend V8 fnma(V8 a, V8 b, V8 c) { return {_mm256_fnmadd_ps(a.v, b.v, c.v)}; }
+  friend V8 times_pow2(V8 p, V8 k) {  // p 2^k, k integral in [-126, 127]
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k.v), _mm256_set1_epi32(127)), 23);
+    return {_mm256_mul_ps(p.v, _mm256_castsi256_ps(e))};
   }
 };
+#define FASTARCH_SCAN_VEC V8
+#endif
+
+#ifdef FASTARCH_SCAN_VEC
+// fastarch::fast_exp on a register, operation for operation, so the results are the same bits.
+template <class V>
+V vec_exp(V a) {
+  using namespace fastarch::exp_poly;
+  const V x = min(V::bcast(HI), max(V::bcast(LO), a));  // a NaN stays NaN
+  const V k = fma(x, V::bcast(LOG2E), V::bcast(ROUND_MAGIC)) - V::bcast(ROUND_MAGIC);
+  V r = fnma(k, V::bcast(LN2_HI), x);
+  r = fma(k, V::bcast(LN2_LO), r);
+  V p = fma(V::bcast(P[0]), r, V::bcast(P[1]));
+  for (int i = 2; i < 6; ++i) p = fma(p, r, V::bcast(P[i]));
+  p = fma(p * r, r, r) + V::bcast(1.f);
+  return times_pow2(p, k);
+}
+
+// Lanes: W floats, one per channel of a block, as W / (floats per register) registers.
 struct Lanes {
-  V8 lo, hi;
-  static Lanes load(const float* p) { return {V8::load(p), V8::load(p + 8)}; }
-  static Lanes bcast(float x) { return {V8::bcast(x), V8::bcast(x)}; }
-  static Lanes zero() { return {V8::zero(), V8::zero()}; }
-  void store(float* p) const { lo.store(p); hi.store(p + 8); }
-  friend Lanes operator*(Lanes a, Lanes b) { return {a.lo * b.lo, a.hi * b.hi}; }
-  friend Lanes operator+(Lanes a, Lanes b) { return {a.lo + b.lo, a.hi + b.hi}; }
-  friend Lanes fma(Lanes a, Lanes b, Lanes c) { return {fma(a.lo, b.lo, c.lo), fma(a.hi, b.hi, c.hi)}; }
-  friend Lanes exp(Lanes a) { return {exp(a.lo), exp(a.hi)}; }
+  static constexpr int R = W / static_cast<int>(sizeof(FASTARCH_SCAN_VEC) / sizeof(float));
+  FASTARCH_SCAN_VEC v[R];
+  template <class F>
+  static Lanes map(F f) {
+    Lanes out;
+    for (int i = 0; i < R; ++i) out.v[i] = f(i);
+    return out;
+  }
+  static Lanes load(const float* p) { return map([&](int i) { return FASTARCH_SCAN_VEC::load(p + i * W / R); }); }
+  static Lanes bcast(float x) { return map([&](int) { return FASTARCH_SCAN_VEC::bcast(x); }); }
+  static Lanes zero() { return bcast(0.f); }
+  void store(float* p) const {
+    for (int i = 0; i < R; ++i) v[i].store(p + i * W / R);
+  }
+  friend Lanes operator*(Lanes a, Lanes b) { return map([&](int i) { return a.v[i] * b.v[i]; }); }
+  friend Lanes fma(Lanes a, Lanes b, Lanes c) { return map([&](int i) { return fma(a.v[i], b.v[i], c.v[i]); }); }
+  friend Lanes exp(Lanes a) { return map([&](int i) { return vec_exp(a.v[i]); }); }
 };
 #else
+// A plain loop over the lanes elsewhere (the compiler vectorises it for the target).
 struct Lanes {
   float v[W];
   template <class F>
@@ -129,7 +136,6 @@ struct Lanes {
     for (int i = 0; i < W; ++i) p[i] = v[i];
   }
   friend Lanes operator*(Lanes a, Lanes b) { return map([&](int i) { return a.v[i] * b.v[i]; }); }
-  friend Lanes operator+(Lanes a, Lanes b) { return map([&](int i) { return a.v[i] + b.v[i]; }); }
   friend Lanes fma(Lanes a, Lanes b, Lanes c) { return map([&](int i) { return a.v[i] * b.v[i] + c.v[i]; }); }
   friend Lanes exp(Lanes a) { return map([&](int i) { return fast_exp(a.v[i]); }); }
 };

@@ -215,46 +215,37 @@ inline void transpose8(__m256 r[8]) {
 }
 #endif
 
+// dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols: in 8x8 register blocks where AVX2 is there,
+// eight source rows at a time over all columns (rows far apart share cache sets).
+void transpose(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows, int64_t cols) {
+  int64_t i0 = 0;
+#if defined(__AVX2__)
+  const int64_t cv = cols / 8 * 8;
+  for (; i0 + 8 <= rows; i0 += 8) {
+    for (int64_t j0 = 0; j0 < cv; j0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (i0 + i) * lds + j0);
+      transpose8(r);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + (j0 + j) * ldd + i0, r[j]);
+    }
+    for (int64_t i = i0; i < i0 + 8; ++i)
+      for (int64_t j = cv; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
+  }
+#endif
+  for (int64_t i = i0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
+}
+
 // Rows of a channel-major tensor into lane-major form: dst[t][lane] = src[lane * ld + t] for lane < nc (other
 // lanes 0), t < tl.
 void rows_to_lanes(const float* src, int64_t ld, int nc, int64_t tl, float* dst) {
-  int64_t t = 0;
-#if defined(__AVX2__)
-  // Eight rows at a time over all t: rows L floats apart share L1 sets, and 16 of them would evict each other.
-  if (nc == W) {
-    const int64_t tv = tl / 8 * 8;
-    for (int c0 = 0; c0 < W; c0 += 8)
-      for (t = 0; t < tv; t += 8) {
-        __m256 r[8];
-        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (c0 + i) * ld + t);
-        transpose8(r);
-        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (t + i) * W + c0, r[i]);
-      }
-    t = tv;
-  }
-#endif
-  for (; t < tl; ++t)
-    for (int c = 0; c < W; ++c) dst[t * W + c] = c < nc ? src[c * ld + t] : 0.f;
+  if (nc < W) std::fill(dst, dst + tl * W, 0.f);
+  transpose(src, ld, dst, W, nc, tl);
 }
 
 // The inverse: dst[lane * ld + t] = src[t][lane] for lane < nc, t < tl.
 void lanes_to_rows(const float* src, int nc, int64_t tl, float* dst, int64_t ld) {
-  int64_t t = 0;
-#if defined(__AVX2__)
-  if (nc == W) {
-    const int64_t tv = tl / 8 * 8;
-    for (int c0 = 0; c0 < W; c0 += 8)
-      for (t = 0; t < tv; t += 8) {
-        __m256 r[8];
-        for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (t + i) * W + c0);
-        transpose8(r);
-        for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (c0 + i) * ld + t, r[i]);
-      }
-    t = tv;
-  }
-#endif
-  for (; t < tl; ++t)
-    for (int c = 0; c < nc; ++c) dst[c * ld + t] = src[t * W + c];
+  transpose(src, W, dst, ld, tl, nc);
 }
 
 // dt (after bias and softplus), u and, for the backward, the softplus derivative, for one chunk, [t][lane].

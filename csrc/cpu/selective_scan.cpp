@@ -8,9 +8,12 @@
 //   ckpt: (batch, D, n_chunks, N), the state entering each chunk of `chunk` steps.
 //
 // Vectorisation: a task owns a block of W=16 channels that share the same B/C group. The state of the
-// block lives as h[n][c] (N x 16 floats, L1-resident); every time step loops over n and, innermost, over the
-// 16 channels, which the compiler turns into two AVX2 vectors: exp, the recurrence and the C-contraction
-// are all lane-parallel, and a variable B_t[n] / C_t[n] is one broadcast. y needs no horizontal sum.
+// block lives as h[n][c] (N x 16 floats, L1-resident); every time step loops over n, and each n is one
+// 16-lane vector (Lanes: one AVX-512 register, two AVX2 registers, or a plain loop elsewhere): exp, the
+// recurrence and the C-contraction are all lane-parallel, a variable B_t[n] / C_t[n] is one broadcast, and y
+// needs no horizontal sum. The decay exp(delta A) is fastarch::fast_exp's polynomial on whole registers.
+// Per chunk, delta, u and z enter lane-major through 8x8 transposes, softplus and the output gate run on
+// whole lane vectors, and the output leaves through the inverse transpose.
 //
 // Backward: the forward stores the state only at chunk boundaries. Walking the chunks from last to first,
 // each is re-run forward from its checkpoint (states and decay factors kept for that chunk only, chunk x N
@@ -25,8 +28,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <numeric>
 #include <vector>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -36,6 +44,102 @@ using fastarch::softplus_f;
 
 constexpr int W = 16;
 
+// One register of AVX-512 (V16) or AVX2 (V8), with the few operations the recurrence needs.
+#if defined(__AVX512F__)
+struct V16 {
+  __m512 v;
+  static V16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static V16 bcast(float x) { return {_mm512_set1_ps(x)}; }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  friend V16 operator*(V16 a, V16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  friend V16 operator+(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend V16 operator-(V16 a, V16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend V16 min(V16 a, V16 b) { return {_mm512_min_ps(a.v, b.v)}; }  // b where either is NaN
+  friend V16 max(V16 a, V16 b) { return {_mm512_max_ps(a.v, b.v)}; }
+  friend V16 fma(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  friend V16 fnma(V16 a, V16 b, V16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }
+  friend V16 times_pow2(V16 p, V16 k) { return {_mm512_scalef_ps(p.v, k.v)}; }  // p 2^k, k integral
+};
+#define FASTARCH_SCAN_VEC V16
+#elif defined(__AVX2__) && defined(__FMA__)
+struct V8 {
+  __m256 v;
+  static V8 load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static V8 bcast(float x) { return {_mm256_set1_ps(x)}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  friend V8 operator*(V8 a, V8 b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  friend V8 operator+(V8 a, V8 b) { return {_mm256_add_ps(a.v, b.v)}; }
+  friend V8 operator-(V8 a, V8 b) { return {_mm256_sub_ps(a.v, b.v)}; }
+  friend V8 min(V8 a, V8 b) { return {_mm256_min_ps(a.v, b.v)}; }  // b where either is NaN
+  friend V8 max(V8 a, V8 b) { return {_mm256_max_ps(a.v, b.v)}; }
+  friend V8 fma(V8 a, V8 b, V8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  friend V8 fnma(V8 a, V8 b, V8 c) { return {_mm256_fnmadd_ps(a.v, b.v, c.v)}; }
+  friend V8 times_pow2(V8 p, V8 k) {  // p 2^k, k integral in [-126, 127]
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k.v), _mm256_set1_epi32(127)), 23);
+    return {_mm256_mul_ps(p.v, _mm256_castsi256_ps(e))};
+  }
+};
+#define FASTARCH_SCAN_VEC V8
+#endif
+
+#ifdef FASTARCH_SCAN_VEC
+// fastarch::fast_exp on a register, operation for operation, so the results are the same bits.
+template <class V>
+V vec_exp(V a) {
+  using namespace fastarch::exp_poly;
+  const V x = min(V::bcast(HI), max(V::bcast(LO), a));  // a NaN stays NaN
+  const V k = fma(x, V::bcast(LOG2E), V::bcast(ROUND_MAGIC)) - V::bcast(ROUND_MAGIC);
+  V r = fnma(k, V::bcast(LN2_HI), x);
+  r = fma(k, V::bcast(LN2_LO), r);
+  V p = fma(V::bcast(P[0]), r, V::bcast(P[1]));
+  for (int i = 2; i < 6; ++i) p = fma(p, r, V::bcast(P[i]));
+  p = fma(p * r, r, r) + V::bcast(1.f);
+  return times_pow2(p, k);
+}
+
+// Lanes: W floats, one per channel of a block, as W / (floats per register) registers.
+struct Lanes {
+  static constexpr int R = W / static_cast<int>(sizeof(FASTARCH_SCAN_VEC) / sizeof(float));
+  FASTARCH_SCAN_VEC v[R];
+  template <class F>
+  static Lanes map(F f) {
+    Lanes out;
+    for (int i = 0; i < R; ++i) out.v[i] = f(i);
+    return out;
+  }
+  static Lanes load(const float* p) { return map([&](int i) { return FASTARCH_SCAN_VEC::load(p + i * W / R); }); }
+  static Lanes bcast(float x) { return map([&](int) { return FASTARCH_SCAN_VEC::bcast(x); }); }
+  static Lanes zero() { return bcast(0.f); }
+  void store(float* p) const {
+    for (int i = 0; i < R; ++i) v[i].store(p + i * W / R);
+  }
+  friend Lanes operator*(Lanes a, Lanes b) { return map([&](int i) { return a.v[i] * b.v[i]; }); }
+  friend Lanes fma(Lanes a, Lanes b, Lanes c) { return map([&](int i) { return fma(a.v[i], b.v[i], c.v[i]); }); }
+  friend Lanes exp(Lanes a) { return map([&](int i) { return vec_exp(a.v[i]); }); }
+};
+#else
+// A plain loop over the lanes elsewhere (the compiler vectorises it for the target).
+struct Lanes {
+  float v[W];
+  template <class F>
+  static Lanes map(F f) {
+    Lanes r;
+#pragma omp simd
+    for (int i = 0; i < W; ++i) r.v[i] = f(i);
+    return r;
+  }
+  static Lanes load(const float* p) { return map([&](int i) { return p[i]; }); }
+  static Lanes bcast(float x) { return map([&](int) { return x; }); }
+  static Lanes zero() { return bcast(0.f); }
+  void store(float* p) const {
+#pragma omp simd
+    for (int i = 0; i < W; ++i) p[i] = v[i];
+  }
+  friend Lanes operator*(Lanes a, Lanes b) { return map([&](int i) { return a.v[i] * b.v[i]; }); }
+  friend Lanes fma(Lanes a, Lanes b, Lanes c) { return map([&](int i) { return a.v[i] * b.v[i] + c.v[i]; }); }
+  friend Lanes exp(Lanes a) { return map([&](int i) { return fast_exp(a.v[i]); }); }
+};
+#endif
 
 struct Scan {
   const float* u;
@@ -89,77 +193,127 @@ void load_lanes(const float* src, int64_t d0, int nc, int64_t N, float* dst) {
     for (int c = 0; c < W; ++c) dst[n * W + c] = c < nc ? src[(d0 + c) * N + n] : 0.f;
 }
 
-// dt (after bias and softplus), u and, for the backward, the softplus derivative, for one chunk, [t][lane].
-void load_chunk(const Scan& s, int64_t b, int64_t d0, int nc, int64_t t0, int64_t tl, float* dtb, float* ub,
-                float* dsp) {
-  for (int c = 0; c < W; ++c) {
-    if (c >= nc) {
-      for (int64_t t = 0; t < tl; ++t) dtb[t * W + c] = ub[t * W + c] = 0.f;
-      if (dsp)
-        for (int64_t t = 0; t < tl; ++t) dsp[t * W + c] = 0.f;
-      continue;
+#if defined(__AVX2__)
+// In-register transpose of an 8x8 block: rows r[0..7] become columns.
+inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+#endif
+
+// dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols: in 8x8 register blocks where AVX2 is there,
+// eight source rows at a time over all columns (rows far apart share cache sets).
+void transpose(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t rows, int64_t cols) {
+  int64_t i0 = 0;
+#if defined(__AVX2__)
+  const int64_t cv = cols / 8 * 8;
+  for (; i0 + 8 <= rows; i0 += 8) {
+    for (int64_t j0 = 0; j0 < cv; j0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (i0 + i) * lds + j0);
+      transpose8(r);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(dst + (j0 + j) * ldd + i0, r[j]);
     }
-    const int64_t row = ((b * s.dim) + d0 + c) * s.L + t0;
-    const float bv = s.bias ? s.bias[d0 + c] : 0.f;
-    const float* dr = s.delta + row;
-    const float* ur = s.u + row;
+    for (int64_t i = i0; i < i0 + 8; ++i)
+      for (int64_t j = cv; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
+  }
+#endif
+  for (int64_t i = i0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) dst[j * ldd + i] = src[i * lds + j];
+}
+
+// Rows of a channel-major tensor into lane-major form: dst[t][lane] = src[lane * ld + t] for lane < nc (other
+// lanes 0), t < tl.
+void rows_to_lanes(const float* src, int64_t ld, int nc, int64_t tl, float* dst) {
+  if (nc < W) std::fill(dst, dst + tl * W, 0.f);
+  transpose(src, ld, dst, W, nc, tl);
+}
+
+// The inverse: dst[lane * ld + t] = src[t][lane] for lane < nc, t < tl.
+void lanes_to_rows(const float* src, int nc, int64_t tl, float* dst, int64_t ld) {
+  transpose(src, W, dst, ld, tl, nc);
+}
+
+// dt (after bias and softplus), u and, for the backward, the softplus derivative, for one chunk, [t][lane].
+// biasl: delta_bias per lane (zeros without one).
+void load_chunk(const Scan& s, int64_t b, int64_t d0, int nc, int64_t t0, int64_t tl, const float* biasl,
+                float* dtb, float* ub, float* dsp) {
+  const int64_t row = (b * s.dim + d0) * s.L + t0;
+  rows_to_lanes(s.delta + row, s.L, nc, tl, dtb);
+  rows_to_lanes(s.u + row, s.L, nc, tl, ub);
+  for (int64_t t = 0; t < tl; ++t) {
+    float* dt = dtb + t * W;
+    float* ds = dsp ? dsp + t * W : nullptr;
     // Separate loops per case so each vectorises (softplus/sigmoid are branch-free polynomials).
     if (s.softplus) {
+      if (ds) {
 #pragma omp simd
-      for (int64_t t = 0; t < tl; ++t) dtb[t * W + c] = softplus_f(dr[t] + bv);
-      if (dsp) {
-#pragma omp simd
-        for (int64_t t = 0; t < tl; ++t) dsp[t * W + c] = sigmoid_f(dr[t] + bv);
+        for (int c = 0; c < W; ++c) ds[c] = sigmoid_f(dt[c] + biasl[c]);
       }
+#pragma omp simd
+      for (int c = 0; c < W; ++c) dt[c] = softplus_f(dt[c] + biasl[c]);
     } else {
-      for (int64_t t = 0; t < tl; ++t) dtb[t * W + c] = dr[t] + bv;
-      if (dsp)
-        for (int64_t t = 0; t < tl; ++t) dsp[t * W + c] = 1.f;
+#pragma omp simd
+      for (int c = 0; c < W; ++c) dt[c] += biasl[c];
+      if (ds)
+        for (int c = 0; c < W; ++c) ds[c] = 1.f;
     }
-    for (int64_t t = 0; t < tl; ++t) ub[t * W + c] = ur[t];
   }
 }
 
-// One chunk of the recurrence for a block. Writes y[t][lane]; when hs/es are given also every state
-// (hs[(t+1)][n][lane], hs[0] = entry state) and decay factor (es[t][n][lane]) for the backward.
+// One chunk of the recurrence for a block (Al: A as [n][lane]). Writes y[t][lane]; when hs/es are
+// given also every state (hs[(t+1)][n][lane], hs[0] = entry state) and decay factor (es[t][n][lane]) for the
+// backward. pf: cache lines of the next chunk's inputs, prefetched a few per step (a burst of them would stall
+// on the miss buffers).
 template <bool VB, bool VC>
 void run_chunk(const Scan& s, const float* Bbase, const float* Cbase, int64_t t0, int64_t tl, const float* Al,
                const float* Bl, const float* Cl, const float* dtb, const float* ub, float* h, float* yb, float* hs,
-               float* es) {
+               float* es, const std::vector<const float*>& pf) {
   const int64_t N = s.N;
+  const int64_t npf = static_cast<int64_t>(pf.size());
   for (int64_t t = 0; t < tl; ++t) {
-    const float* dt = dtb + t * W;
-    float dtu[W], y[W];
-#pragma omp simd
-    for (int c = 0; c < W; ++c) {
-      dtu[c] = dt[c] * ub[t * W + c];
-      y[c] = 0.f;
-    }
+    for (int64_t i = t * npf / tl; i < (t + 1) * npf / tl; ++i) __builtin_prefetch(pf[i]);
+    const Lanes dt = Lanes::load(dtb + t * W);
+    const Lanes dtu = dt * Lanes::load(ub + t * W);
+    Lanes y = Lanes::zero();
     const float* Bt = VB ? Bbase + (t0 + t) * N : nullptr;
     const float* Ct = VC ? Cbase + (t0 + t) * N : nullptr;
     float* hout = hs ? hs + (t + 1) * N * W : h;
     for (int64_t n = 0; n < N; ++n) {
-      const float* a = Al + n * W;
-      const float* hp = h + n * W;
-      float* hn = hout + n * W;
-      float* e = es ? es + (t * N + n) * W : nullptr;
-      const float bs = VB ? Bt[n] : 0.f;
-      const float cs = VC ? Ct[n] : 0.f;
-      const float* bl = Bl + n * W;
-      const float* cl = Cl + n * W;
-#pragma omp simd
-      for (int c = 0; c < W; ++c) {
-        const float dA = fast_exp(dt[c] * a[c]);
-        const float hv = dA * hp[c] + dtu[c] * (VB ? bs : bl[c]);
-        hn[c] = hv;
-        y[c] += hv * (VC ? cs : cl[c]);
-        if (e) e[c] = dA;
-      }
+      const Lanes dA = exp(dt * Lanes::load(Al + n * W));
+      const Lanes bx = dtu * (VB ? Lanes::bcast(Bt[n]) : Lanes::load(Bl + n * W));
+      const Lanes hv = fma(dA, Lanes::load(h + n * W), bx);
+      hv.store(hout + n * W);
+      y = fma(hv, VC ? Lanes::bcast(Ct[n]) : Lanes::load(Cl + n * W), y);
+      if (es) dA.store(es + (t * N + n) * W);
     }
     if (hs) h = hout;  // the next step reads the state just written
-#pragma omp simd
-    for (int c = 0; c < W; ++c) yb[t * W + c] = y[c];
+    y.store(yb + t * W);
   }
+}
+
+// Cache lines of rows [t0, t0 + tl) of a block's channels in the (batch, D, L) tensors read per chunk.
+void chunk_lines(const Scan& s, int64_t b, int64_t d0, int nc, int64_t t0, int64_t tl,
+                 std::initializer_list<const float*> tensors, std::vector<const float*>& lines) {
+  lines.clear();
+  for (const float* p : tensors)
+    if (p)
+      for (int c = 0; c < nc; ++c)
+        for (int64_t t = 0; t < tl; t += 16) lines.push_back(p + (b * s.dim + d0 + c) * s.L + t0 + t);
 }
 
 template <bool VB, bool VC>
@@ -171,7 +325,13 @@ void fwd_task(const Scan& s, int64_t task, float* out, float* last, float* ckpt)
   const int64_t d0 = sg * s.seg + blk * W;
   const int nc = static_cast<int>(std::min<int64_t>(W, s.seg - blk * W));
   std::vector<float> Al(N * W), Bl(VB ? 0 : N * W), Cl(VC ? 0 : N * W), h(N * W, 0.f);
-  std::vector<float> dtb(s.chunk * W), ub(s.chunk * W), yb(s.chunk * W);
+  std::vector<float> dtb(s.chunk * W), ub(s.chunk * W), yb(s.chunk * W), zb(s.z ? s.chunk * W : 0);
+  std::vector<const float*> pf;
+  float biasl[W], Dl[W];
+  for (int c = 0; c < W; ++c) {
+    biasl[c] = s.bias && c < nc ? s.bias[d0 + c] : 0.f;
+    Dl[c] = s.Dp && c < nc ? s.Dp[d0 + c] : 0.f;
+  }
   load_lanes(s.A, d0, nc, N, Al.data());
   if (!VB) load_lanes(s.B, d0, nc, N, Bl.data());
   if (!VC) load_lanes(s.C, d0, nc, N, Cl.data());
@@ -182,20 +342,27 @@ void fwd_task(const Scan& s, int64_t task, float* out, float* last, float* ckpt)
     if (ckpt)
       for (int c = 0; c < nc; ++c)
         for (int64_t n = 0; n < N; ++n) ckpt[((b * s.dim + d0 + c) * s.nck + k) * N + n] = h[n * W + c];
-    load_chunk(s, b, d0, nc, t0, tl, dtb.data(), ub.data(), nullptr);
+    load_chunk(s, b, d0, nc, t0, tl, biasl, dtb.data(), ub.data(), nullptr);
+    pf.clear();
+    if (k + 1 < s.nck) chunk_lines(s, b, d0, nc, t0 + tl, std::min(s.chunk, s.L - t0 - tl), {s.delta, s.u, s.z}, pf);
     run_chunk<VB, VC>(s, Bbase, Cbase, t0, tl, Al.data(), Bl.data(), Cl.data(), dtb.data(), ub.data(), h.data(),
-                      yb.data(), nullptr, nullptr);
-    for (int c = 0; c < nc; ++c) {
-      const int64_t row = (b * s.dim + d0 + c) * s.L + t0;
-      const float Dv = s.Dp ? s.Dp[d0 + c] : 0.f;
+                      yb.data(), nullptr, nullptr, pf);
+    // out = (y + D u) * silu(z), lane-major, then back to rows.
+    const int64_t row = (b * s.dim + d0) * s.L + t0;
+    if (s.z) rows_to_lanes(s.z + row, s.L, nc, tl, zb.data());
+    for (int64_t t = 0; t < tl; ++t) {
+      float* y = yb.data() + t * W;
+      const float* uu = ub.data() + t * W;
       if (s.z) {
-        const float* zr = s.z + row;
+        const float* zz = zb.data() + t * W;
 #pragma omp simd
-        for (int64_t t = 0; t < tl; ++t) out[row + t] = (yb[t * W + c] + Dv * ub[t * W + c]) * zr[t] * sigmoid_f(zr[t]);
+        for (int c = 0; c < W; ++c) y[c] = (y[c] + Dl[c] * uu[c]) * zz[c] * sigmoid_f(zz[c]);
       } else {
-        for (int64_t t = 0; t < tl; ++t) out[row + t] = yb[t * W + c] + Dv * ub[t * W + c];
+#pragma omp simd
+        for (int c = 0; c < W; ++c) y[c] += Dl[c] * uu[c];
       }
     }
+    lanes_to_rows(yb.data(), nc, tl, out + row, s.L);
   }
   for (int c = 0; c < nc; ++c)
     for (int64_t n = 0; n < N; ++n) last[(b * s.dim + d0 + c) * N + n] = h[n * W + c];
@@ -208,6 +375,7 @@ void bwd_task(const Scan& s, int64_t b, int64_t sg, int64_t slice, int64_t nslic
   const int64_t N = s.N, NW = N * W, T = s.chunk;
   std::vector<float> Al(NW), Bl(VB ? 0 : NW), Cl(VC ? 0 : NW), dh(NW);
   std::vector<float> hs((T + 1) * NW), es(T * NW);
+  std::vector<const float*> pf;
   std::vector<float> dtb(T * W), ub(T * W), dsp(T * W), yb(T * W), gb(T * W), dub(T * W), ddb(T * W);
   std::vector<float> dAacc(NW), dBl(NW), dCl(NW);
   // Partial rows of variable dB/dC owned by this task: layout (nseg, nslice, batch, L, N).
@@ -217,10 +385,13 @@ void bwd_task(const Scan& s, int64_t b, int64_t sg, int64_t slice, int64_t nslic
     const int64_t d0 = sg * s.seg + blk * W;
     const int nc = static_cast<int>(std::min<int64_t>(W, s.seg - blk * W));
     load_lanes(s.A, d0, nc, N, Al.data());
+    load_lanes(s.A, d0, nc, N, Al.data());
     if (!VB) load_lanes(s.B, d0, nc, N, Bl.data());
     if (!VC) load_lanes(s.C, d0, nc, N, Cl.data());
     const float* Bbase = VB ? s.B + (b * s.gB + d0 / (s.dim / s.gB)) * s.L * N : nullptr;
     const float* Cbase = VC ? s.C + (b * s.gC + d0 / (s.dim / s.gC)) * s.L * N : nullptr;
+    float biasl[W];
+    for (int c = 0; c < W; ++c) biasl[c] = s.bias && c < nc ? s.bias[d0 + c] : 0.f;
     std::fill(dAacc.begin(), dAacc.end(), 0.f);
     std::fill(dBl.begin(), dBl.end(), 0.f);
     std::fill(dCl.begin(), dCl.end(), 0.f);
@@ -234,9 +405,11 @@ void bwd_task(const Scan& s, int64_t b, int64_t sg, int64_t slice, int64_t nslic
       for (int64_t n = 0; n < N; ++n)
         for (int c = 0; c < W; ++c)
           hs[n * W + c] = c < nc ? ckpt[((b * s.dim + d0 + c) * s.nck + k) * N + n] : 0.f;
-      load_chunk(s, b, d0, nc, t0, tl, dtb.data(), ub.data(), dsp.data());
+      load_chunk(s, b, d0, nc, t0, tl, biasl, dtb.data(), ub.data(), dsp.data());
+      pf.clear();
+      if (k > 0) chunk_lines(s, b, d0, nc, t0 - T, T, {s.delta, s.u, s.z, dout}, pf);
       run_chunk<VB, VC>(s, Bbase, Cbase, t0, tl, Al.data(), Bl.data(), Cl.data(), dtb.data(), ub.data(),
-                        hs.data(), yb.data(), hs.data(), es.data());
+                        hs.data(), yb.data(), hs.data(), es.data(), pf);
       // Output side: g = dL/dy, and the direct gradients of D, u (through D) and z.
       for (int c = 0; c < W; ++c) {
         const int64_t row = (b * s.dim + d0 + c) * s.L + t0;

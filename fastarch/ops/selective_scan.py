@@ -461,7 +461,8 @@ class _CompiledScan:
 class CppSelectiveScan(CppImplementation, _CompiledScan):
     op, extension = OP, "selective_scan"
     limits = {"dstate": MAX_STATE}
-    description = "C++: AVX2-vectorised over 16-channel blocks, polynomial exp, chunked recompute backward"
+    description = ("C++: 16-channel blocks on AVX-512 or AVX2 vectors, polynomial exp, lane-major chunks via 8x8 "
+                   "transposes, chunked recompute backward")
 
 
 class TritonSelectiveScan(TritonImplementation):

@@ -169,3 +169,13 @@ def test_errors():
         selective_scan(u.long(), delta, A, B, C)
     with pytest.raises(ValueError, match="'u'"):
         selective_scan(u[0], delta, A, B, C)
+
+
+def test_bench_guide_loop_computes_the_same_scan():
+    """The bench's ``guide`` provider (the guide's MambaBlock.selective_scan loop with its softplus, D skip and
+    gate) does the work of the op it is compared with."""
+    from fastarch.bench.suites.selective_scan import guide_scan
+
+    inputs = make(2, 5, 19, 4, "var", "var")
+    want = selective_scan_ref(*inputs, delta_softplus=True)
+    torch.testing.assert_close(guide_scan(*inputs), want, rtol=1e-5, atol=1e-5)

@@ -11,17 +11,27 @@ namespace fastarch {
 // e^x by range reduction x = k ln2 + r (|r| <= ln2/2) and a degree-6 minimax polynomial for e^r (relative
 // error ~1e-7, fp32 rounding level). Plain arithmetic and a bit cast, so `omp simd` loops vectorise it.
 // Inputs are clamped to [-87.3, 88.3]: below, the result is ~1e-38 instead of 0 (harmless for a decay).
+// Its constants are shared with vector versions written with intrinsics (they repeat its operations).
+namespace exp_poly {
+constexpr float LO = -87.3f, HI = 88.3f;  // input clamp
+constexpr float LOG2E = 1.44269504088896341f, ROUND_MAGIC = 12582912.0f;
+constexpr float LN2_HI = 0.693359375f, LN2_LO = 2.12194440e-4f;  // ln 2 = LN2_HI - LN2_LO
+constexpr float P[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                        1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace exp_poly
+
 inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.3f), 88.3f);
-  const float kf = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  float r = x - kf * 0.693359375f;
-  r = r + kf * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  using namespace exp_poly;
+  x = std::min(std::max(x, LO), HI);
+  const float kf = (x * LOG2E + ROUND_MAGIC) - ROUND_MAGIC;  // round to nearest
+  float r = x - kf * LN2_HI;
+  r = r + kf * LN2_LO;
+  float p = P[0];
+  p = p * r + P[1];
+  p = p * r + P[2];
+  p = p * r + P[3];
+  p = p * r + P[4];
+  p = p * r + P[5];
   p = p * r * r + r + 1.0f;
   const int32_t bits = (static_cast<int32_t>(kf) + 127) << 23;
   return p * __builtin_bit_cast(float, bits);

@@ -2,8 +2,11 @@
 
 Providers: ``fastarch-cpp`` / ``fastarch-triton`` / ``fastarch-cuda`` / ``fastarch-torch`` (the op forced to a
 backend), ``reference`` (:func:`fastarch.ops.selective_scan_ref`, mamba-ssm's ``selective_scan_ref``
-semantics: it builds B x D x L x N tensors and loops over L), and the peer ``mamba-ssm`` (its CUDA
-``selective_scan_fn``, GPU only). Variable B/C, D, z, delta_bias and softplus (Mamba's configuration).
+semantics: it builds B x D x L x N tensors and loops over L), ``guide`` (forward cases only: the guide's
+``MambaBlock.selective_scan`` loop, :class:`fastarch.testing.guides.MambaBlock`, with the softplus, D skip and
+SiLU gate its ``forward`` wraps around it, on the same inputs; target: fastarch-cpp at least 50x faster), and
+the peer ``mamba-ssm`` (its CUDA ``selective_scan_fn``, GPU only). Variable B/C, D, z, delta_bias and softplus
+(Mamba's configuration).
 The headline is ``fwd B=2,D=1536,L=2048,N=16`` (``--full`` and the case set ``selective-scan-headline``);
 ``--quick`` uses small sizes.
 
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from fastarch.testing import guides
 
@@ -75,6 +79,26 @@ def _reference(cfg: BenchConfig, shape, backward: bool) -> Callable[[], Callable
     return setup
 
 
+GUIDE_SCAN_TARGET = 50.0  # fastarch-cpp's forward against the guide's loop
+
+
+def guide_scan(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+               D: torch.Tensor, z: torch.Tensor, delta_bias: torch.Tensor) -> torch.Tensor:
+    """The guide's ``MambaBlock.selective_scan`` on mamba-ssm-layout inputs, with what the guide's ``forward``
+    does around it (softplus of delta, the D skip, the SiLU gate of z).
+
+    Shapes: u, delta, z and the result ``(B, D, L)``; A ``(D, N)``; B, C ``(B, N, L)``; D, delta_bias ``(D,)``.
+    The loop works in ``(B, L, D)``, so inputs are transposed in and the result out."""
+    x = u.transpose(1, 2)
+    dt = F.softplus(delta + delta_bias[:, None]).transpose(1, 2)
+    y = guides.MambaBlock.selective_scan(None, x, dt, A, B.transpose(1, 2), C.transpose(1, 2))
+    return ((y + x * D) * F.silu(z.transpose(1, 2))).transpose(1, 2)
+
+
+def _guide(cfg: BenchConfig, shape) -> Callable[[], Callable[[], Any]]:
+    return _runner(guide_scan, cfg, shape, False)
+
+
 def _mamba_ssm(cfg: BenchConfig, shape, backward: bool) -> Callable[[], Callable[[], Any]]:
     def setup() -> Callable[[], Any]:
         require_cuda(cfg)
@@ -120,12 +144,16 @@ def _scan_case(cfg: BenchConfig, shape: tuple[int, int, int, int], backward: boo
     provs = [Provider(name=f"fastarch-{be}", kind="fastarch", setup=_fastarch(be, cfg, shape, backward))
              for be in BACKENDS]
     provs.append(Provider(name="reference", kind="reference", setup=_reference(cfg, shape, backward)))
+    ratios = [Ratio("fastarch-cpp", "reference")]
+    if not backward:
+        provs.append(Provider(name="guide", kind="reference", setup=_guide(cfg, shape)))
+        ratios.append(Ratio("fastarch-cpp", "guide", target=GUIDE_SCAN_TARGET))
     provs.append(Provider(name="mamba-ssm", kind="peer", setup=_mamba_ssm(cfg, shape, backward),
                           peer_package="mamba_ssm"))
     return Case(name=f"{'fwd+bwd' if backward else 'fwd'}{tag} B={b},D={d},L={L},N={n}",
                 params={"B": b, "D": d, "L": L, "N": n}, flops=flops, providers=provs,
                 group=("fwd+bwd" if backward else "fwd") + tag, x="L", measure_memory=backward,
-                ratios=(Ratio("fastarch-cpp", "reference"),))
+                ratios=tuple(ratios))
 
 
 def _aux_case(cfg: BenchConfig, name: str, op: str, make_inputs: Callable[[], list[torch.Tensor]],

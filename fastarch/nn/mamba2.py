@@ -20,6 +20,8 @@ from ..ops.mamba_split_conv1d_scan import mamba_split_conv1d_scan_combined
 from ..ops.rms_norm_gated import rms_norm_gated
 from ..ops.selective_state_update import selective_state_update
 from ..ops.ssd_scan import effective_dt
+from ._models_common import keep_logits
+from .linear import Linear
 from .mamba import MambaLM
 from .norms import RMSNorm
 
@@ -139,7 +141,7 @@ class Mamba2(nn.Module):
         self.A_init_range = tuple(A_init_range)
 
         d_in_proj = 2 * self.d_inner + 2 * ngroups * d_state + self.nheads  # [z0, x0, z, x, B, C, dt]
-        self.in_proj = nn.Linear(d_model, d_in_proj, bias=bias, **fk)
+        self.in_proj = Linear(d_model, d_in_proj, bias=bias, **fk)
         conv_dim = self.d_ssm + 2 * ngroups * d_state
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel_size=d_conv, groups=conv_dim, padding=d_conv - 1,
                                 bias=conv_bias, **fk)
@@ -159,7 +161,7 @@ class Mamba2(nn.Module):
         if rmsnorm:
             self.norm = RMSNormGated(self.d_ssm, eps=1e-5, norm_before_gate=norm_before_gate,
                                      group_size=self.d_ssm // ngroups, **fk)
-        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **fk)
+        self.out_proj = Linear(self.d_inner, d_model, bias=bias, **fk)
 
     def _D(self) -> torch.Tensor:
         return self.D.view(self.nheads, self.headdim) if self.D_has_hdim else self.D
@@ -273,7 +275,8 @@ class Mamba2LM(nn.Module):
     embedding, ``n_layers`` x (x + Mamba2(RMSNorm(x))), RMSNorm, a head tied to the embedding (untied with
     ``tie_embeddings=False``); ``norm_eps`` is every RMSNorm's epsilon; other keywords go to :class:`Mamba2`.
 
-    ``forward(input_ids (B, L), cache=None) -> logits (B, L, V)``; ``allocate_inference_cache(batch_size)``
+    ``forward(input_ids (B, L), cache=None, logits_to_keep=0) -> logits (B, L or logits_to_keep, V)`` (the
+    last ``logits_to_keep`` positions only when > 0); ``allocate_inference_cache(batch_size)``
     gives an :class:`InferenceParams` that ``forward(..., cache=cache)`` prefills and ``step(input_ids (B,) or
     (B, 1), cache) -> logits (B, V)`` advances one token; :meth:`generate` as :meth:`MambaLM.generate`.
     """
@@ -289,12 +292,14 @@ class Mamba2LM(nn.Module):
                             ngroups=ngroups, chunk_size=chunk_size, layer_idx=i, **mamba2_kw)
             for i in range(n_layers))
         self.norm_f = RMSNorm(d_model, eps=norm_eps)
-        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.lm_head = Linear(d_model, vocab_size, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.embedding.weight
         nn.init.normal_(self.embedding.weight, std=0.02)
 
-    def forward(self, input_ids: torch.Tensor, cache: InferenceParams | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cache: InferenceParams | None = None, *,
+                logits_to_keep: int = 0) -> torch.Tensor:
+        keep_logits(input_ids[..., None], logits_to_keep)  # validate before any work
         if cache is not None and cache.seqlen_offset > 0 and input_ids.shape[1] != 1:
             raise ValueError("Mamba2LM: a cache that has consumed tokens continues one token at a time; got "
                              f"{input_ids.shape[1]} tokens")
@@ -303,7 +308,7 @@ class Mamba2LM(nn.Module):
             h = h + layer.mixer(layer.norm(h), inference_params=cache)
         if cache is not None:
             cache.seqlen_offset += input_ids.shape[1]
-        return self.lm_head(self.norm_f(h))
+        return self.lm_head(self.norm_f(keep_logits(h, logits_to_keep)))
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int = 0, dtype=None, device=None
                                  ) -> InferenceParams:

@@ -20,7 +20,8 @@ fp32 accumulation, fp32 matmuls in IEEE precision unless ``torch.backends.cuda.m
 
 Dropout: the keep-mask is the hash of ``(seed, b, h, i, j)`` defined by
 ``fastarch.ops.attention.dropout_keep_mask``, computed in-kernel with wrapping uint32 arithmetic; the
-backward regenerates it instead of storing it.
+backward regenerates it instead of storing it. ``drop_row0``/``drop_col0`` shift i and j, so a sequence of a
+packed (variable-length) batch, launched on its own slice, draws the mask of its packed rows and keys.
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def _alibi_slope(alibi, b, h, stride_ab, stride_ah, HAS_ALIBI: tl.constexpr):
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn,
                kpm_base, stride_kpmn, offs_m, offs_d, start, end, Lq, Lk, D, off, left, right, qk_scale,
-               dkey, thresh, drop_scale, softcap2, slope,
+               dkey, thresh, drop_row0, drop_col0, drop_scale, softcap2, slope,
                MASK: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr,
                HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
                PREC: tl.constexpr):
@@ -245,7 +246,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base
         p = tl.math.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
-            keep = _keep_tile(dkey, offs_m, offs_n, thresh)
+            keep = _keep_tile(dkey, offs_m + drop_row0, offs_n + drop_col0, thresh)
             p = tl.where(keep, p * drop_scale, 0.0)
         v = _load_rows(v_base, offs_n, stride_vn, offs_d, Lk, D, MASK, EVEN_D)
         acc = acc * alpha[:, None]
@@ -257,13 +258,14 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base
 @triton.autotune(configs=_FWD_CONFIGS,
                  key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_ALIBI", "SPLIT"],
                  prune_configs_by={"early_config_prune": _prune_fwd})
-@triton.jit(do_not_specialize=["seed", "thresh"])
+@triton.jit(do_not_specialize=["seed", "thresh", "drop_row0", "drop_col0"])
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, BIAS, KPM, ALIBI,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_os, stride_om, stride_lb, stride_ls,
     stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn, stride_ab, stride_ah,
-    H, G, Lq, Lk, D, left, right, qk_scale, seed, thresh, drop_scale, softcap2, split_len,
+    H, G, Lq, Lk, D, left, right, qk_scale, seed, thresh, drop_row0, drop_col0,
+    drop_scale, softcap2, split_len,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr,
     PREC: tl.constexpr,
@@ -305,17 +307,20 @@ def _attn_fwd_kernel(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn, kpm_base,
         stride_kpmn, offs_m, offs_d, n_lo, tl.minimum(full_lo, hi), Lq, Lk, D, off, left, right, qk_scale, dkey,
-        thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT, HAS_SOFTCAP,
+        thresh, drop_row0, drop_col0,
+        drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT, HAS_SOFTCAP,
         HAS_ALIBI, PREC)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn, kpm_base,
         stride_kpmn, offs_m, offs_d, full_lo, full_hi, Lq, Lk, D, off, left, right, qk_scale, dkey,
-        thresh, drop_scale, softcap2, slope, False, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT, HAS_SOFTCAP,
+        thresh, drop_row0, drop_col0,
+        drop_scale, softcap2, slope, False, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT, HAS_SOFTCAP,
         HAS_ALIBI, PREC)
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn, kpm_base,
         stride_kpmn, offs_m, offs_d, tl.maximum(full_lo, full_hi), hi, Lq, Lk, D, off, left, right, qk_scale,
-        dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT,
+        dkey, thresh, drop_row0, drop_col0,
+        drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM, HAS_DROPOUT,
         HAS_SOFTCAP, HAS_ALIBI, PREC)
 
     seen = l_i > 0.0
@@ -368,7 +373,8 @@ def _load_row_stats(lse_base, delta_base, offs_m, Lq, CHECK_L: tl.constexpr):
 @triton.jit
 def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom,
                   bias_base, stride_biasm, stride_biasn, kpm_base, stride_kpmn, offs_n, offs_d, start, end,
-                  Lq, Lk, D, off, left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope,
+                  Lq, Lk, D, off, left, right, qk_scale, dkey, thresh, drop_row0, drop_col0,
+                  drop_scale, softcap2, slope,
                   MASK: tl.constexpr, BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr,
                   HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                   HAS_ALIBI: tl.constexpr, PREC: tl.constexpr):
@@ -383,7 +389,7 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if HAS_DROPOUT:
-            keep = _keep_tile(dkey, offs_m, offs_n, thresh)
+            keep = _keep_tile(dkey, offs_m + drop_row0, offs_n + drop_col0, thresh)
             pz = tl.where(keep, p * drop_scale, 0.0)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         else:
@@ -399,14 +405,15 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm
 @triton.autotune(configs=_BWD_KV_CONFIGS,
                  key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_ALIBI"],
                  prune_configs_by={"early_config_prune": _prune_bwd})
-@triton.jit(do_not_specialize=["seed", "thresh"])
+@triton.jit(do_not_specialize=["seed", "thresh", "drop_row0", "drop_col0"])
 def _attn_bwd_kv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, KPM, ALIBI,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn, stride_ab, stride_ah,
-    H, Hk, G, Lq, Lk, D, left, right, qk_scale, sm_scale, seed, thresh, drop_scale, softcap2,
+    H, Hk, G, Lq, Lk, D, left, right, qk_scale, sm_scale, seed, thresh, drop_row0, drop_col0,
+    drop_scale, softcap2,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -458,17 +465,20 @@ def _attn_bwd_kv_kernel(
         dk, dv = _bwd_kv_inner(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, bias_base, stride_biasm,
             stride_biasn, kpm_base, stride_kpmn, offs_n, offs_d, m_lo, tl.minimum(full_lo, i_hi), Lq, Lk, D, off,
-            left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_M, EVEN_D, HAS_BIAS, HAS_KPM,
+            left, right, qk_scale, dkey, thresh, drop_row0, drop_col0,
+            drop_scale, softcap2, slope, True, BLOCK_M, EVEN_D, HAS_BIAS, HAS_KPM,
             HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, PREC)
         dk, dv = _bwd_kv_inner(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, bias_base, stride_biasm,
             stride_biasn, kpm_base, stride_kpmn, offs_n, offs_d, full_lo, full_hi, Lq, Lk, D, off,
-            left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, False, BLOCK_M, EVEN_D, HAS_BIAS, HAS_KPM,
+            left, right, qk_scale, dkey, thresh, drop_row0, drop_col0,
+            drop_scale, softcap2, slope, False, BLOCK_M, EVEN_D, HAS_BIAS, HAS_KPM,
             HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, PREC)
         dk, dv = _bwd_kv_inner(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm, stride_dom, bias_base, stride_biasm,
             stride_biasn, kpm_base, stride_kpmn, offs_n, offs_d, tl.maximum(full_lo, full_hi), i_hi, Lq, Lk, D,
-            off, left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_M, EVEN_D, HAS_BIAS,
+            off, left, right, qk_scale, dkey, thresh, drop_row0, drop_col0,
+            drop_scale, softcap2, slope, True, BLOCK_M, EVEN_D, HAS_BIAS,
             HAS_KPM, HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, PREC)
 
     dk *= sm_scale
@@ -483,7 +493,8 @@ def _attn_bwd_kv_kernel(
 @triton.jit
 def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm,
                  stride_biasn, kpm_base, stride_kpmn, dbias_base, stride_dbm, offs_m, offs_d, start, end,
-                 Lq, Lk, D, off, left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope,
+                 Lq, Lk, D, off, left, right, qk_scale, dkey, thresh, drop_row0, drop_col0,
+                 drop_scale, softcap2, slope,
                  MASK: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr,
                  HAS_KPM: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                  HAS_ALIBI: tl.constexpr, NEED_DBIAS: tl.constexpr,
@@ -498,7 +509,7 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, b
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         if HAS_DROPOUT:
-            keep = _keep_tile(dkey, offs_m, offs_n, thresh)
+            keep = _keep_tile(dkey, offs_m + drop_row0, offs_n + drop_col0, thresh)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         if NEED_DBIAS:
@@ -517,13 +528,14 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, b
                  key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_ALIBI",
                       "NEED_DBIAS"],
                  prune_configs_by={"early_config_prune": _prune_bwd})
-@triton.jit(do_not_specialize=["seed", "thresh"])
+@triton.jit(do_not_specialize=["seed", "thresh", "drop_row0", "drop_col0"])
 def _attn_bwd_q_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, BIAS, KPM, DBIAS, ALIBI,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
     stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn, stride_ab, stride_ah,
-    H, G, Lq, Lk, D, left, right, qk_scale, sm_scale, seed, thresh, drop_scale, softcap2,
+    H, G, Lq, Lk, D, left, right, qk_scale, sm_scale, seed, thresh, drop_row0, drop_col0,
+    drop_scale, softcap2,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, NEED_DBIAS: tl.constexpr,
     PREC: tl.constexpr,
@@ -563,17 +575,20 @@ def _attn_bwd_q_kernel(
     dq = _bwd_q_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn,
         kpm_base, stride_kpmn, dbias_base, Lk, offs_m, offs_d, n_lo, tl.minimum(full_lo, hi), Lq, Lk, D, off,
-        left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM,
+        left, right, qk_scale, dkey, thresh, drop_row0, drop_col0,
+        drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM,
         HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, NEED_DBIAS, PREC)
     dq = _bwd_q_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn,
         kpm_base, stride_kpmn, dbias_base, Lk, offs_m, offs_d, full_lo, full_hi, Lq, Lk, D, off,
-        left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, False, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM,
+        left, right, qk_scale, dkey, thresh, drop_row0, drop_col0,
+        drop_scale, softcap2, slope, False, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM,
         HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, NEED_DBIAS, PREC)
     dq = _bwd_q_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, bias_base, stride_biasm, stride_biasn,
         kpm_base, stride_kpmn, dbias_base, Lk, offs_m, offs_d, tl.maximum(full_lo, full_hi), hi, Lq, Lk, D, off,
-        left, right, qk_scale, dkey, thresh, drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM,
+        left, right, qk_scale, dkey, thresh, drop_row0, drop_col0,
+        drop_scale, softcap2, slope, True, BLOCK_N, EVEN_D, HAS_BIAS, HAS_KPM,
         HAS_DROPOUT, HAS_SOFTCAP, HAS_ALIBI, NEED_DBIAS, PREC)
     dq *= sm_scale
     h64 = h.to(tl.int64)
@@ -708,23 +723,25 @@ def _auto_splits(q: torch.Tensor, B: int, H: int, Lq: int, Lk: int) -> int:
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, window_left: int, window_right: int,
                   key_padding_mask: torch.Tensor | None, attn_bias: torch.Tensor | None, dropout_p: float,
                   seed: int, scale: float, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  drop_row0: int = 0, drop_col0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward. q (B,H,Lq,D), k/v (B,Hk,Lk,D) -> o (B,H,Lq,D) in q's dtype, lse (B,H,Lq) fp32.
 
     Windows are bottom-right aligned and already include causal (window_right=0); -1 = unlimited.
     key_padding_mask: (B,Lk) bool or None (True = real key); attn_bias: None or (B,H,Lq,Lk) (expanded views
     with zero strides are read in place). softcap > 0 caps the scaled scores as softcap * tanh(s / softcap)
     before the bias; alibi_slopes: None or fp32 (B,H) (any strides) adds -slope * |i + Lk - Lq - j|. Rows
-    that see no key get o = 0 and lse = -inf.
+    that see no key get o = 0 and lse = -inf. The dropout mask hashes rows ``drop_row0 + i`` and columns
+    ``drop_col0 + j``: a sequence of a packed batch, run as ``B = 1``, passes its offsets in the packed batch.
     """
     return _attention_fwd(q, k, v, window_left=window_left, window_right=window_right,
                           key_padding_mask=key_padding_mask, attn_bias=attn_bias, dropout_p=dropout_p,
-                          seed=seed, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, num_splits=None)
+                          seed=seed, scale=scale, softcap=softcap, alibi_slopes=alibi_slopes, num_splits=None,
+                          drop_row0=drop_row0, drop_col0=drop_col0)
 
 
 def _attention_fwd(q, k, v, *, window_left, window_right, key_padding_mask, attn_bias, dropout_p, seed, scale,
-                   num_splits: int | None, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   num_splits: int | None, softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                   drop_row0: int = 0, drop_col0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """attention_fwd with an explicit split-K factor (None = heuristic) so tests can force the decode path."""
     _validate(q, k, v, window_left, window_right, key_padding_mask, attn_bias, dropout_p, softcap, alibi_slopes)
     q, k, v = _rows(q), _rows(k), _rows(v)
@@ -761,8 +778,8 @@ def _attention_fwd(q, k, v, *, window_left, window_right, key_padding_mask, attn
         q, k, v, o_buf, l_buf, bias, kpm, alibi,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *ostr, *lstr, *bstr, *kstr, *astr,
-        H, H // Hk, Lq, Lk, D, left, right, float(scale) * _LOG2E, seed_u, thresh, drop_scale, softcap2,
-        split_len, BLOCK_D=block_d, EVEN_D=block_d == D, HAS_BIAS=attn_bias is not None,
+        H, H // Hk, Lq, Lk, D, left, right, float(scale) * _LOG2E, seed_u, thresh, int(drop_row0), int(drop_col0),
+        drop_scale, softcap2, split_len, BLOCK_D=block_d, EVEN_D=block_d == D, HAS_BIAS=attn_bias is not None,
         HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=has_drop, HAS_SOFTCAP=has_cap, HAS_ALIBI=has_alibi,
         SPLIT=splits > 1, PREC=_prec(q.dtype),
     )
@@ -779,13 +796,13 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                   lse: torch.Tensor, *, window_left: int, window_right: int,
                   key_padding_mask: torch.Tensor | None, attn_bias: torch.Tensor | None, dropout_p: float,
                   seed: int, scale: float, need_dbias: bool, softcap: float = 0.0,
-                  alibi_slopes: torch.Tensor | None = None,
+                  alibi_slopes: torch.Tensor | None = None, drop_row0: int = 0, drop_col0: int = 0,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Backward (FlashAttention-2). do/o (B,H,Lq,D), lse (B,H,Lq) from attention_fwd with the same arguments.
 
     Returns dq (B,H,Lq,D), dk/dv (B,Hk,Lk,D) (GQA: summed over each kv head's group), and dbias
     (B,H,Lq,Lk) fp32 = dS (dropout included; the gradient of the scores after soft-capping) when need_dbias,
-    else None. The ALiBi slopes get no gradient.
+    else None. The ALiBi slopes get no gradient; drop_row0/drop_col0 offset the dropout mask as in the forward.
     """
     _validate(q, k, v, window_left, window_right, key_padding_mask, attn_bias, dropout_p, softcap, alibi_slopes)
     if tuple(do.shape) != tuple(q.shape) or tuple(o.shape) != tuple(q.shape):
@@ -822,7 +839,8 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         H, Lq, D, BLOCK_M=pre_m, BLOCK_D=block_d, EVEN_D=even_d)
 
-    common = (left, right, float(scale) * _LOG2E, float(scale), seed_u, thresh, drop_scale, softcap2)
+    common = (left, right, float(scale) * _LOG2E, float(scale), seed_u, thresh, int(drop_row0), int(drop_col0),
+              drop_scale, softcap2)
     flags = dict(BLOCK_D=block_d, EVEN_D=even_d, HAS_BIAS=attn_bias is not None,
                  HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=has_drop, HAS_SOFTCAP=has_cap,
                  HAS_ALIBI=has_alibi, PREC=prec)

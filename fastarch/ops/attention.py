@@ -1116,13 +1116,8 @@ class TritonAttention(TritonImplementation):
     max_head_dim = MAX_TRITON_HEAD_DIM
     supports_dropout = supports_bias_grad = supports_varlen = True
     description = ("Triton FlashAttention-2 style kernels (kernels/attention.py), fp32 accumulation; "
-                   "variable-length batches launch per sequence on strided views")
-
-    def check(self, call):
-        reasons = []
-        if call.get("varlen") and call.get("dropout"):
-            reasons.append("dropout with a variable-length batch (the kernels hash per-sequence indices)")
-        return reasons
+                   "variable-length batches launch per sequence on strided views (dropout hashes the packed "
+                   "row and key indices, as the other backends do)")
 
     @staticmethod
     def _bias_full(bias, q, k):
@@ -1149,7 +1144,8 @@ class TritonAttention(TritonImplementation):
             oi, li = self.lib.attention_fwd(q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], window_left=wl,
                                             window_right=wr, key_padding_mask=None, attn_bias=None,
                                             dropout_p=p, seed=seed, scale=scale, softcap=softcap,
-                                            alibi_slopes=_segment_slopes(alibi, segs, s_i))
+                                            alibi_slopes=_segment_slopes(alibi, segs, s_i), drop_row0=qs,
+                                            drop_col0=ks)
             o[:, :, qs:qe] = oi
             lse[:, :, qs:qe] = li
         return o, lse
@@ -1171,7 +1167,7 @@ class TritonAttention(TritonImplementation):
                 do[:, :, qs:qe], q[:, :, qs:qe], k[:, :, ks:ke], v[:, :, ks:ke], o[:, :, qs:qe],
                 lse[:, :, qs:qe].contiguous(), window_left=wl, window_right=wr, key_padding_mask=None,
                 attn_bias=None, dropout_p=p, seed=seed, scale=scale, need_dbias=False, softcap=softcap,
-                alibi_slopes=_segment_slopes(alibi, segs, s_i))
+                alibi_slopes=_segment_slopes(alibi, segs, s_i), drop_row0=qs, drop_col0=ks)
             dq[:, :, qs:qe] = dqi
             dk[:, :, ks:ke] += dki
             dv[:, :, ks:ke] += dvi

@@ -111,16 +111,41 @@ def test_varlen_fp16_criterion_cpp():
         assert_fa_close(a, w, b, 3.0, what=name)
 
 
-def test_varlen_dropout_same_mask_on_torch_and_cpp():
-    require_backend("attention", "cpp")
-    lens = [5, 1, 0, 12]
-    q, k, v = (torch.randn(18, 2, 16) for _ in range(3))
-    cu = _cu(lens)
-    a = attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, dropout_p=0.3, dropout_seed=11,
-                  backend="torch")
-    b = attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, dropout_p=0.3, dropout_seed=11,
-                  backend="cpp")
-    torch.testing.assert_close(a, b, **TOL)
+DROPOUT_CASES = [
+    dict(causal=True),
+    dict(),
+    dict(window=(4, 1), Hk=2),
+    dict(cross=True, causal=True, Hk=1),
+]
+
+
+@pytest.mark.parametrize("backend", ["cpp", "triton"])
+@pytest.mark.parametrize("case", DROPOUT_CASES, ids=str)
+def test_varlen_dropout_same_mask_as_torch(backend, case):
+    """The keep mask of a packed element is the hash of its packed row and key indices on every backend, so
+    outputs and gradients match the torch backend's for the same seed (empty and length-1 sequences
+    included)."""
+    case = dict(case)
+    lq = _random_lengths(4, 19, 5)
+    lk = _random_lengths(4, 19, 6) if case.pop("cross", False) else lq
+    H, Hk, D = 4, case.pop("Hk", 4), 16
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(sum(lq), H, D, generator=g)
+    k = torch.randn(sum(lk), Hk, D, generator=g)
+    v = torch.randn(sum(lk), Hk, D, generator=g)
+    do = torch.randn(sum(lq), H, D, generator=g)
+    kw = dict(cu_seqlens_q=_cu(lq), cu_seqlens_k=_cu(lk), dropout_p=0.3, dropout_seed=11, **case)
+
+    def run(name):
+        ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        o = attention(*ins, backend=name, **kw)
+        return (o.detach(), *torch.autograd.grad(o, ins, do))
+
+    got, want = run(backend), run("torch")
+    no_drop = attention(q, k, v, backend="torch", **{**kw, "dropout_p": 0.0})
+    assert not torch.allclose(want[0], no_drop, **TOL)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_varlen_bad_arguments():

@@ -7,9 +7,11 @@ import inspect
 import pytest
 import torch
 
+from fastarch.backend import use_backend
 from fastarch.compat import flash_attn as fa
 from fastarch.ops.attention import attention_ref
 from fastarch.ops.rotary import rotary_embedding
+from tests._backends import require_backend
 
 TOL = {"rtol": 1e-4, "atol": 5e-5}
 _TRAIN = ["dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
@@ -134,6 +136,44 @@ def test_varlen_functions():
     torch.testing.assert_close(fa.flash_attn_varlen_func(q, pages_k, pages_v, cq, ck, 9, 9, causal=True,
                                                          block_table=bt),
                                fa.flash_attn_varlen_func(q, kk, vv, cq, ck, 9, 9, causal=True))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp", "triton"])
+def test_varlen_dropout(backend):
+    """dropout_p > 0 through flash_attn_varlen_func: each sequence's output is its kept S_dmask entries times
+    V over (1 - p), and every backend draws the same mask from the same generator state (outputs and
+    gradients equal the torch backend's)."""
+    require_backend("attention", backend)
+    p = 0.3
+    cq = torch.tensor([0, 5, 6, 6, 15], dtype=torch.int32)
+    ck = torch.tensor([0, 7, 10, 14, 23], dtype=torch.int32)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(15, 4, 16, generator=g)
+    k = torch.randn(23, 2, 16, generator=g)
+    v = torch.randn(23, 2, 16, generator=g)
+    do = torch.randn(15, 4, 16, generator=g)
+
+    def run(name):
+        ins = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        torch.manual_seed(9)
+        with use_backend(attention=name):
+            out, _, s = fa.flash_attn_varlen_func(*ins, cq, ck, 9, 9, dropout_p=p, causal=True,
+                                                  return_attn_probs=True)
+            grads = torch.autograd.grad(out, ins, do)
+        return out.detach(), s, grads
+
+    out, s, grads = run(backend)
+    assert (s < 0).any()
+    vv = v.repeat_interleave(2, 1)
+    for b in range(4):
+        qs, qe, ks, ke = int(cq[b]), int(cq[b + 1]), int(ck[b]), int(ck[b + 1])
+        kept = s[b, :, :qe - qs, :ke - ks].clamp(min=0) / (1 - p)
+        want = torch.matmul(kept, vv[ks:ke].transpose(0, 1)).transpose(0, 1)
+        torch.testing.assert_close(out[qs:qe], want, **TOL)
+    ref_out, _, ref_grads = run("torch")
+    torch.testing.assert_close(out, ref_out, **TOL)
+    for name, a, b in zip(("dq", "dk", "dv"), grads, ref_grads):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _cache(Bc=3, Lc=24, Hk=2, D=16, seed=5):

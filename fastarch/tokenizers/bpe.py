@@ -52,6 +52,8 @@ class BPETokenizer(BaseTokenizer):
         self.decoder = {"type": "BPEDecoder", "suffix": EOW}
         self.end_of_word_suffix = EOW
         self.fuse_unk = False
+        # a word that is itself a token is kept whole, without merging (Llama 3's tokenizer.json sets it)
+        self.ignore_merges = False
         self.merges: list[tuple[str, str]] = []
         self._ranks: dict[tuple[str, str], int] = {}
         self._cache: dict[str, list[str]] = {}
@@ -193,6 +195,8 @@ class BPETokenizer(BaseTokenizer):
         hit = self._cache.get(word)
         if hit is not None:
             return hit
+        if self.ignore_merges and word in self.vocab:
+            return [word]
         syms = self._symbols(word)
         ranks = self._ranks
         while len(syms) > 1:
@@ -235,7 +239,8 @@ class BPETokenizer(BaseTokenizer):
     # ---- persistence ------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         return {"vocab_size": self.vocab_size, "lowercase": self.lowercase, "merges": [list(p) for p in self.merges],
-                "end_of_word_suffix": self.end_of_word_suffix, "fuse_unk": self.fuse_unk}
+                "end_of_word_suffix": self.end_of_word_suffix, "fuse_unk": self.fuse_unk,
+                "ignore_merges": self.ignore_merges}
 
     @classmethod
     def _from_state(cls, path: str, data: dict[str, Any]) -> BPETokenizer:
@@ -255,6 +260,9 @@ class BPETokenizer(BaseTokenizer):
         tok._ranks = {p: r for r, p in enumerate(out)}
         tok.end_of_word_suffix = data.get("end_of_word_suffix", EOW)
         tok.fuse_unk = data.get("fuse_unk", False)
-        if not isinstance(tok.end_of_word_suffix, str) or not isinstance(tok.fuse_unk, bool):
-            raise TokenizerFileError(f"{path}: 'end_of_word_suffix' must be a string and 'fuse_unk' a bool")
+        tok.ignore_merges = data.get("ignore_merges", False)
+        if not isinstance(tok.end_of_word_suffix, str) or not isinstance(tok.fuse_unk, bool) \
+                or not isinstance(tok.ignore_merges, bool):
+            raise TokenizerFileError(f"{path}: 'end_of_word_suffix' must be a string, 'fuse_unk' and "
+                                     "'ignore_merges' bools")
         return tok

@@ -3,8 +3,8 @@
 Each stage is described by the JSON object the ``tokenizers`` library writes (``{"type": "Lowercase"}``,
 ``{"type": "Metaspace", "replacement": "▁", ...}``), so a tokenizer's pipeline is saved and loaded as is.
 Supported: normalizers ``BertNormalizer Lowercase NFC NFD NFKC NFKD Strip Replace Prepend Sequence``;
-pre-tokenizers ``BertPreTokenizer Whitespace WhitespaceSplit Metaspace Sequence``; decoders ``WordPiece
-BPEDecoder Metaspace``. Any other stage raises :class:`UnsupportedStageError` naming it.
+pre-tokenizers ``BertPreTokenizer Whitespace WhitespaceSplit Metaspace ByteLevel Sequence``; decoders
+``WordPiece BPEDecoder Metaspace ByteLevel``. Any other stage raises :class:`UnsupportedStageError` naming it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import unicodedata
 from typing import Any
 
 from .bert_basic import BasicTokenizer, is_control, is_whitespace
+from .byte_level import bytes_to_text, gpt2_split, text_to_bytes
 
 __all__ = ["UnsupportedStageError", "check_stage", "decode_tokens", "lowercases", "normalize", "pre_tokenize"]
 
@@ -116,6 +117,14 @@ def _metaspace(stage: dict[str, Any], text: str, at_start: bool) -> list[str]:
     return [p for p in re.split(f"(?={re.escape(rep)})", text) if p]
 
 
+def _byte_level(stage: dict[str, Any], text: str) -> list[str]:
+    # the prefix space goes before every piece of text between special tokens, as the library does
+    if stage.get("add_prefix_space", True) and text and not text.startswith(" "):
+        text = " " + text
+    words = gpt2_split(text) if stage.get("use_regex", True) else [text] if text else []
+    return [text_to_bytes(w) for w in words]
+
+
 def pre_tokenize(stage: Stage, text: str, at_start: bool = True) -> list[str]:
     """Split normalized text into words with a pre-tokenizer described by its ``tokenizer.json`` object;
     ``at_start``: the text begins the input (Metaspace's "first" scheme prepends only there)."""
@@ -135,6 +144,8 @@ def pre_tokenize(stage: Stage, text: str, at_start: bool = True) -> list[str]:
         return [w for word in text.split() for w in BasicTokenizer.split_on_punctuation(word)]
     if kind == "Metaspace":
         return _metaspace(stage, text, at_start)
+    if kind == "ByteLevel":
+        return _byte_level(stage, text)
     raise UnsupportedStageError(f"pre-tokenizer {kind!r} is not supported")
 
 
@@ -176,6 +187,8 @@ def decode_tokens(stage: Stage, tokens: list[str]) -> str:
                 tok = tok[1:]
             out.append(tok)
         return "".join(out)
+    if kind == "ByteLevel":
+        return bytes_to_text(tokens)
     raise UnsupportedStageError(f"decoder {kind!r} is not supported")
 
 

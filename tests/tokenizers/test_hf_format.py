@@ -234,14 +234,14 @@ def test_bad_files_are_refused(tmp_path):
         with pytest.raises(TokenizerFileError, match=match):
             load_tokenizer_json(bad)
 
-    refused(lambda d: d.update(pre_tokenizer={"type": "ByteLevel"}), "pre-tokenizer 'ByteLevel'")
+    refused(lambda d: d.update(pre_tokenizer={"type": "Digits"}), "pre-tokenizer 'Digits'")
     refused(lambda d: d["model"].update(type="WordLevel"), "model type 'WordLevel'")
     refused(lambda d: d.update(normalizer={"type": "Replace", "pattern": {"Regex": "("}, "content": ""}), "malformed")
     refused(lambda d: d.update(normalizer={"type": "Precompiled"}), "normalizer 'Precompiled'")
     refused(lambda d: d["model"].update(byte_fallback=True), "byte_fallback")
     refused(lambda d: d["added_tokens"][0].update(special=False), "not special")
     refused(lambda d: d["model"]["vocab"].pop("e"), "without gaps")
-    refused(lambda d: d.update(post_processor={"type": "RobertaProcessing"}), "RobertaProcessing")
+    refused(lambda d: d.update(post_processor={"type": "Custom"}), "post_processor 'Custom'")
     (tmp_path / "pickle.json").write_bytes(b"\x80\x04\x95")
     with pytest.raises(TokenizerFileError):
         load_tokenizer_json(tmp_path / "pickle.json")

@@ -6,8 +6,9 @@ import random
 import pytest
 import torch
 
-from fastarch.tokenizers import TokenizerFileError, load_tokenizer, load_tokenizer_json, save_tokenizer_json
+from fastarch.tokenizers import load_tokenizer_json
 from fastarch.tokenizers.byte_level import BYTE_TO_CHAR, bytes_to_text, gpt2_split, text_to_bytes
+from tests.tokenizers.library_checks import assert_matches_library
 
 tk = pytest.importorskip("tokenizers")
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
@@ -94,36 +95,14 @@ def test_byte_alphabet_and_round_trip():
 @pytest.mark.parametrize("name", sorted(HF_BUILDERS))
 def test_load_byte_level_files_written_by_tokenizers(tmp_path, name):
     hf = HF_BUILDERS[name]()
-    path = tmp_path / "tokenizer.json"
-    hf.save(str(path))
-    tok = load_tokenizer_json(path)
     specials = [t for t in hf.get_vocab() if t.startswith("<")]
     texts = PROBE + [f"{specials[0]}glued{specials[-1]} text {specials[0]}", f"a {specials[0]} b"]
-    for text in texts:
-        ref = hf.encode(text)
-        assert tok.encode(text) == ref.ids, (name, text, ref.tokens)
-        assert tok.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False).ids
-        for skip in (True, False):
-            assert tok.decode(ref.ids, skip_special_tokens=skip) == hf.decode(ref.ids, skip_special_tokens=skip)
+    tok = assert_matches_library(hf, tmp_path, texts, (PROBE[0], PROBE[5]))
     # decoding arbitrary ids, including ones that split a character's bytes
     rng = random.Random(1)
     for _ in range(50):
         ids = [rng.randrange(hf.get_vocab_size()) for _ in range(rng.randint(0, 8))]
         assert tok.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False), ids
-    pair = hf.encode(PROBE[0], PROBE[5])
-    enc = tok(PROBE[0], PROBE[5])
-    assert enc["input_ids"] == pair.ids and enc["token_type_ids"] == pair.type_ids
-    # fastarch's own format keeps the pipeline
-    tok.save(tmp_path / "fastarch.json")
-    native = load_tokenizer(tmp_path / "fastarch.json")
-    assert [native.encode(t) for t in texts] == [tok.encode(t) for t in texts]
-    # written back, the library reads it to the same ids and text
-    save_tokenizer_json(tok, tmp_path / "again.json")
-    hf2 = tk.Tokenizer.from_file(str(tmp_path / "again.json"))
-    for text in texts:
-        assert hf2.encode(text).ids == hf.encode(text).ids, text
-        assert hf2.encode(text, PROBE[2]).type_ids == hf.encode(text, PROBE[2]).type_ids
-        assert hf2.decode(hf.encode(text).ids) == hf.decode(hf.encode(text).ids)
     again = json.loads((tmp_path / "again.json").read_text(encoding="utf-8"))
     assert again["pre_tokenizer"]["type"] == "ByteLevel" and again["decoder"]["type"] == "ByteLevel"
     assert again["model"]["ignore_merges"] == (name == "llama3_template")
@@ -176,17 +155,9 @@ def test_batch_call_matches_transformers(tmp_path, name):
             assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids)
 
 
-def test_bad_byte_level_files_are_refused(tmp_path):
+def test_bad_byte_level_files_are_refused(refuse):
     data = json.loads(_template_hf().to_str())
-
-    def refused(edit, match):
-        d = json.loads(json.dumps(data))
-        edit(d)
-        bad = tmp_path / "bad.json"
-        bad.write_text(json.dumps(d), encoding="utf-8")
-        with pytest.raises(TokenizerFileError, match=match):
-            load_tokenizer_json(bad)
-
+    refused = lambda edit, match: refuse(data, edit, match)
     two = {"type": "TemplateProcessing", "single": [], "pair": [], "special_tokens": {}}
     refused(lambda d: d["post_processor"]["processors"].extend([two, two]), "one processor besides ByteLevel")
     refused(lambda d: d["model"].update(byte_fallback=True), "byte_fallback")

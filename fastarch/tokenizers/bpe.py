@@ -198,6 +198,10 @@ class BPETokenizer(BaseTokenizer):
         if self.ignore_merges and word in self.vocab:
             return [word]
         syms = self._symbols(word)
+        if not self.special_tokens.get("unk_token"):
+            # as the tokenizers library: without an unk token, symbols outside the vocabulary are dropped
+            # before merging (a byte-level vocabulary without the full byte alphabet, say)
+            syms = [s for s in syms if s in self.vocab]
         ranks = self._ranks
         while len(syms) > 1:
             best_rank, best = None, None

@@ -39,13 +39,16 @@ PROBE = [
 ]
 
 
-def _byte_level_hf(add_prefix_space: bool, specials=("<|endoftext|>", "<pad>"), ignore_merges=False):
+def _byte_level_hf(add_prefix_space: bool, specials=("<|endoftext|>", "<pad>"), ignore_merges=False,
+                   all_bytes=True):
+    """all_bytes=False: the alphabet is only the bytes of the corpus, so other bytes have no token."""
     t = tk.Tokenizer(models.BPE(ignore_merges=ignore_merges))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
     t.decoder = decoders.ByteLevel()
     t.post_processor = processors.ByteLevel(trim_offsets=True)
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if all_bytes else []
     t.train_from_iterator(TRAIN, trainers.BpeTrainer(vocab_size=420, special_tokens=list(specials),
-                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+                                                     initial_alphabet=alphabet))
     return t
 
 
@@ -66,7 +69,8 @@ def _template_hf():
 
 
 HF_BUILDERS = {"gpt2_prefix": lambda: _byte_level_hf(True), "gpt2_no_prefix": lambda: _byte_level_hf(False),
-               "roberta": _roberta_hf, "llama3_template": _template_hf}
+               "roberta": _roberta_hf, "llama3_template": _template_hf,
+               "corpus_bytes_only": lambda: _byte_level_hf(True, all_bytes=False)}
 
 
 def test_gpt2_split_matches_the_library_pattern():

@@ -8,6 +8,7 @@ import torch
 
 from fastarch.tokenizers import load_tokenizer_json
 from fastarch.tokenizers.byte_level import BYTE_TO_CHAR, bytes_to_text, gpt2_split, text_to_bytes
+from fastarch.tokenizers.pipeline import pre_tokenize
 from tests.tokenizers.library_checks import assert_matches_library
 
 tk = pytest.importorskip("tokenizers")
@@ -58,8 +59,18 @@ def _roberta_hf():
     return t
 
 
-def _template_hf():
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _llama3_hf():
+    """Llama 3's layout: Split on its pattern, then ByteLevel without the GPT-2 pattern; ignore_merges; a
+    Sequence post-processor adding the begin-of-text token."""
+    pytest.importorskip("regex")  # the pattern's \p{L} classes need it (Python's re has none)
     t = _byte_level_hf(False, ("<|begin_of_text|>", "<|end_of_text|>", "<pad>"), ignore_merges=True)
+    t.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(tk.Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     bos = t.token_to_id("<|begin_of_text|>")
     t.post_processor = processors.Sequence([
         processors.ByteLevel(trim_offsets=False),
@@ -69,7 +80,7 @@ def _template_hf():
 
 
 HF_BUILDERS = {"gpt2_prefix": lambda: _byte_level_hf(True), "gpt2_no_prefix": lambda: _byte_level_hf(False),
-               "roberta": _roberta_hf, "llama3_template": _template_hf,
+               "roberta": _roberta_hf, "llama3": _llama3_hf,
                "corpus_bytes_only": lambda: _byte_level_hf(True, all_bytes=False)}
 
 
@@ -84,6 +95,29 @@ def test_gpt2_split_matches_the_library_pattern():
         text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
         assert "".join(gpt2_split(text)) == text
         assert [text_to_bytes(w) for w in gpt2_split(text)] == [w for w, _ in pre.pre_tokenize_str(text)], repr(text)
+
+
+@pytest.mark.parametrize("behavior", ["removed", "isolated", "merged_with_previous", "merged_with_next",
+                                      "contiguous"])
+def test_split_pre_tokenizer_matches_the_library(behavior):
+    patterns = [tk.Regex(r"\s+"), " ", tk.Regex("a|b")] + ([tk.Regex(LLAMA3_SPLIT)] if _has_regex() else [])
+    alphabet = list("ab Z1²'s'tRE\n\r\t \u00a0\u3000\x1c.!,é東🙂\u0301-") + ["'ll", "'VE", "  ", "12345"]
+    rng = random.Random(2)
+    for pattern in patterns:
+        for invert in (False, True):
+            hf = pre_tokenizers.Split(pattern, behavior=behavior, invert=invert)
+            stage = json.loads(hf.__getstate__())
+            for _ in range(300):
+                text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+                assert pre_tokenize(stage, text) == [w for w, _ in hf.pre_tokenize_str(text)], (stage, text)
+
+
+def _has_regex() -> bool:
+    try:
+        import regex  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def test_byte_alphabet_and_round_trip():
@@ -108,8 +142,9 @@ def test_load_byte_level_files_written_by_tokenizers(tmp_path, name):
         ids = [rng.randrange(hf.get_vocab_size()) for _ in range(rng.randint(0, 8))]
         assert tok.decode(ids, skip_special_tokens=False) == hf.decode(ids, skip_special_tokens=False), ids
     again = json.loads((tmp_path / "again.json").read_text(encoding="utf-8"))
-    assert again["pre_tokenizer"]["type"] == "ByteLevel" and again["decoder"]["type"] == "ByteLevel"
-    assert again["model"]["ignore_merges"] == (name == "llama3_template")
+    original = json.loads(hf.to_str())
+    assert again["pre_tokenizer"] == original["pre_tokenizer"] and again["decoder"] == original["decoder"]
+    assert again["model"]["ignore_merges"] == (name == "llama3")
 
 
 def test_ignore_merges_keeps_whole_words(tmp_path):
@@ -160,10 +195,13 @@ def test_batch_call_matches_transformers(tmp_path, name):
 
 
 def test_bad_byte_level_files_are_refused(refuse):
-    data = json.loads(_template_hf().to_str())
+    data = json.loads(_llama3_hf().to_str())
     refused = lambda edit, match: refuse(data, edit, match)
     two = {"type": "TemplateProcessing", "single": [], "pair": [], "special_tokens": {}}
     refused(lambda d: d["post_processor"]["processors"].extend([two, two]), "one processor besides ByteLevel")
     refused(lambda d: d["model"].update(byte_fallback=True), "byte_fallback")
-    refused(lambda d: d.update(pre_tokenizer={"type": "Split", "pattern": {"Regex": "x"}, "behavior": "Isolated",
-                                              "invert": False}), "pre-tokenizer 'Split'")
+    split = {"type": "Split", "pattern": {"Regex": "x"}, "behavior": "Shuffled", "invert": False}
+    refused(lambda d: d.update(pre_tokenizer=split), "Split behavior 'Shuffled'")
+    split = {"type": "Split", "pattern": {"Regex": "(x"}, "behavior": "Isolated", "invert": False}
+    refused(lambda d: d.update(pre_tokenizer=split), "malformed")
+    refused(lambda d: d.update(pre_tokenizer={"type": "Digits"}), "pre-tokenizer 'Digits'")

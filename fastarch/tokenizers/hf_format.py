@@ -4,8 +4,8 @@ fast tokenizers load): ``model`` (BPE, WordPiece or Unigram), ``normalizer``, ``
 
 Supported stages are listed in :mod:`fastarch.tokenizers.pipeline`; post-processors ``TemplateProcessing``,
 ``BertProcessing``, ``RobertaProcessing``, ``ByteLevel`` (offsets only: no special tokens), a ``Sequence``
-of ``ByteLevel`` and one of the others, or none. Byte-level BPE (GPT-2, RoBERTa) is a BPE model with the
-``ByteLevel`` pre-tokenizer and decoder; ``ignore_merges`` is honoured. Added tokens must be special and matched on the raw text (``normalized``,
+of ``ByteLevel`` and one of the others, or none. Byte-level BPE (GPT-2, RoBERTa, Llama 3) is a BPE model with
+the ``ByteLevel`` pre-tokenizer and decoder; ``ignore_merges`` is honoured. Added tokens must be special and matched on the raw text (``normalized``,
 ``lstrip``, ``rstrip`` and ``single_word`` false). Anything else raises :class:`TokenizerFileError` naming it.
 The file's ``truncation`` sets ``model_max_length``; its ``padding`` is ignored (padding is per call).
 """

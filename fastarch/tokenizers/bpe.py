@@ -22,6 +22,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .byte_level import BYTE_TO_CHAR
 from .io import BaseTokenizer, TokenizerFileError, require
 
 __all__ = ["BPETokenizer"]
@@ -38,11 +39,18 @@ class BPETokenizer(BaseTokenizer):
         lowercase: lowercase the text before splitting on whitespace (the guide always does).
         unk_token, pad_token, bos_token, eos_token: special tokens (``None`` to omit); bos/eos are added by
             ``encode(add_special_tokens=True)`` when set.
+        byte_level: GPT-2's byte-level BPE instead of words with ``</w>``: the text is split with GPT-2's
+            pattern and merged over its UTF-8 bytes, the 256 byte symbols all in the vocabulary, so no text is
+            unknown and decoding gives the text back (with ``lowercase=False``; see
+            :mod:`fastarch.tokenizers.byte_level`).
+        add_prefix_space: with ``byte_level``, put a space before text that does not start with one, so a
+            first word is spelled as it is after a space.
     """
 
     def __init__(self, vocab_size: int = 1000, *, lowercase: bool = True, unk_token: str | None = "<unk>",
                  pad_token: str | None = "<pad>", bos_token: str | None = None, eos_token: str | None = None,
-                 additional_special_tokens: Sequence[str] = ()) -> None:
+                 additional_special_tokens: Sequence[str] = (), byte_level: bool = False,
+                 add_prefix_space: bool = False) -> None:
         super().__init__()
         self._configure(vocab_size, lowercase, pad_token=pad_token, unk_token=unk_token, bos_token=bos_token,
                         eos_token=eos_token)
@@ -51,6 +59,12 @@ class BPETokenizer(BaseTokenizer):
         self.pre_tokenizer = {"type": "WhitespaceSplit"}
         self.decoder = {"type": "BPEDecoder", "suffix": EOW}
         self.end_of_word_suffix = EOW
+        for name, flag in (("byte_level", byte_level), ("add_prefix_space", add_prefix_space)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"BPETokenizer: argument '{name}' must be a bool, got {flag!r}")
+        if byte_level:
+            stage = {"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": True, "use_regex": True}
+            self.pre_tokenizer, self.decoder, self.end_of_word_suffix = stage, dict(stage), ""
         self.fuse_unk = False
         # a word that is itself a token is kept whole, without merging (Llama 3's tokenizer.json sets it)
         self.ignore_merges = False
@@ -115,7 +129,10 @@ class BPETokenizer(BaseTokenizer):
             freq.update(self._words(text))
         words = [self._symbols(w) for w in freq]
         counts = list(freq.values())
-        alphabet = sorted({s for w in words for s in w})
+        symbols = {s for w in words for s in w}
+        if isinstance(self.pre_tokenizer, dict) and self.pre_tokenizer.get("type") == "ByteLevel":
+            symbols.update(BYTE_TO_CHAR.values())
+        alphabet = sorted(symbols)
         specials = self._specials_in_order()
         if num_merges is None:
             num_merges = max(0, self.vocab_size - len(alphabet) - len(specials))

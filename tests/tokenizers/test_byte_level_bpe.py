@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from fastarch.tokenizers import load_tokenizer_json
+from fastarch.tokenizers import BPETokenizer, load_tokenizer_json, save_tokenizer_json
 from fastarch.tokenizers.byte_level import BYTE_TO_CHAR, bytes_to_text, gpt2_split, text_to_bytes
 from fastarch.tokenizers.pipeline import pre_tokenize
 from tests.tokenizers.library_checks import assert_matches_library
@@ -145,6 +145,24 @@ def test_load_byte_level_files_written_by_tokenizers(tmp_path, name):
     original = json.loads(hf.to_str())
     assert again["pre_tokenizer"] == original["pre_tokenizer"] and again["decoder"] == original["decoder"]
     assert again["model"]["ignore_merges"] == (name == "llama3")
+
+
+@pytest.mark.parametrize("add_prefix_space", [False, True])
+def test_fastarch_trained_byte_level_bpe_read_by_the_library(tmp_path, add_prefix_space):
+    tok = BPETokenizer(400, lowercase=False, unk_token=None, pad_token="<pad>", eos_token="<|endoftext|>",
+                       byte_level=True, add_prefix_space=add_prefix_space)
+    tok.train(TRAIN)
+    assert set(BYTE_TO_CHAR.values()) <= set(tok.vocab)  # every byte has a token, seen in training or not
+    save_tokenizer_json(tok, tmp_path)
+    hf = tk.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for text in PROBE + ["tail<|endoftext|>"]:
+        ids = tok.encode(text)
+        assert hf.encode(text).ids == ids, (text, tok.convert_ids_to_tokens(ids))
+        assert hf.decode(ids) == tok.decode(ids)
+        plain = tok.encode(text, add_special_tokens=False)
+        assert tok.decode(plain, skip_special_tokens=False) == (" " + text if add_prefix_space and text and text[0] != " " else text)
+    with pytest.raises(TypeError, match="'byte_level'"):
+        BPETokenizer(100, byte_level="yes")
 
 
 def test_ignore_merges_keeps_whole_words(tmp_path):

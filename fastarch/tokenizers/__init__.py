@@ -1,7 +1,7 @@
-"""Tokenizers of guide 003 made real: BPE (incremental pair counts), WordPiece (likelihood-ratio training,
-BERT-compatible encoding and vocab.txt loading) and Unigram (EM + loss pruning + Viterbi), with ids,
-special tokens, transformers-style batch calls, decode and atomic JSON save/load, in fastarch's format
-or the ``tokenizers`` library's ``tokenizer.json``."""
+"""Tokenizers of guide 003 made real: BPE (incremental pair counts; byte-level as in GPT-2 too), WordPiece
+(likelihood-ratio training, BERT-compatible encoding and vocab.txt loading) and Unigram (EM + loss pruning +
+Viterbi), with ids, special tokens, transformers-style batch calls, decode and atomic JSON save/load, in
+fastarch's format or the ``tokenizers`` library's ``tokenizer.json``."""
 
 from __future__ import annotations
 

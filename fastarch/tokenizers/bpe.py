@@ -22,6 +22,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .byte_level import BYTE_TO_CHAR
 from .io import BaseTokenizer, TokenizerFileError, require
 
 __all__ = ["BPETokenizer"]
@@ -38,11 +39,18 @@ class BPETokenizer(BaseTokenizer):
         lowercase: lowercase the text before splitting on whitespace (the guide always does).
         unk_token, pad_token, bos_token, eos_token: special tokens (``None`` to omit); bos/eos are added by
             ``encode(add_special_tokens=True)`` when set.
+        byte_level: GPT-2's byte-level BPE instead of words with ``</w>``: the text is split with GPT-2's
+            pattern and merged over its UTF-8 bytes, the 256 byte symbols all in the vocabulary, so no text is
+            unknown and decoding gives the text back (with ``lowercase=False``; see
+            :mod:`fastarch.tokenizers.byte_level`).
+        add_prefix_space: with ``byte_level``, put a space before text that does not start with one, so a
+            first word is spelled as it is after a space.
     """
 
     def __init__(self, vocab_size: int = 1000, *, lowercase: bool = True, unk_token: str | None = "<unk>",
                  pad_token: str | None = "<pad>", bos_token: str | None = None, eos_token: str | None = None,
-                 additional_special_tokens: Sequence[str] = ()) -> None:
+                 additional_special_tokens: Sequence[str] = (), byte_level: bool = False,
+                 add_prefix_space: bool = False) -> None:
         super().__init__()
         self._configure(vocab_size, lowercase, pad_token=pad_token, unk_token=unk_token, bos_token=bos_token,
                         eos_token=eos_token)
@@ -51,7 +59,15 @@ class BPETokenizer(BaseTokenizer):
         self.pre_tokenizer = {"type": "WhitespaceSplit"}
         self.decoder = {"type": "BPEDecoder", "suffix": EOW}
         self.end_of_word_suffix = EOW
+        for name, flag in (("byte_level", byte_level), ("add_prefix_space", add_prefix_space)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"BPETokenizer: argument '{name}' must be a bool, got {flag!r}")
+        if byte_level:
+            stage = {"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": True, "use_regex": True}
+            self.pre_tokenizer, self.decoder, self.end_of_word_suffix = stage, dict(stage), ""
         self.fuse_unk = False
+        # a word that is itself a token is kept whole, without merging (Llama 3's tokenizer.json sets it)
+        self.ignore_merges = False
         self.merges: list[tuple[str, str]] = []
         self._ranks: dict[tuple[str, str], int] = {}
         self._cache: dict[str, list[str]] = {}
@@ -113,7 +129,10 @@ class BPETokenizer(BaseTokenizer):
             freq.update(self._words(text))
         words = [self._symbols(w) for w in freq]
         counts = list(freq.values())
-        alphabet = sorted({s for w in words for s in w})
+        symbols = {s for w in words for s in w}
+        if isinstance(self.pre_tokenizer, dict) and self.pre_tokenizer.get("type") == "ByteLevel":
+            symbols.update(BYTE_TO_CHAR.values())
+        alphabet = sorted(symbols)
         specials = self._specials_in_order()
         if num_merges is None:
             num_merges = max(0, self.vocab_size - len(alphabet) - len(specials))
@@ -193,7 +212,13 @@ class BPETokenizer(BaseTokenizer):
         hit = self._cache.get(word)
         if hit is not None:
             return hit
+        if self.ignore_merges and word in self.vocab:
+            return [word]
         syms = self._symbols(word)
+        if not self.special_tokens.get("unk_token"):
+            # as the tokenizers library: without an unk token, symbols outside the vocabulary are dropped
+            # before merging (a byte-level vocabulary without the full byte alphabet, say)
+            syms = [s for s in syms if s in self.vocab]
         ranks = self._ranks
         while len(syms) > 1:
             best_rank, best = None, None
@@ -235,7 +260,8 @@ class BPETokenizer(BaseTokenizer):
     # ---- persistence ------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         return {"vocab_size": self.vocab_size, "lowercase": self.lowercase, "merges": [list(p) for p in self.merges],
-                "end_of_word_suffix": self.end_of_word_suffix, "fuse_unk": self.fuse_unk}
+                "end_of_word_suffix": self.end_of_word_suffix, "fuse_unk": self.fuse_unk,
+                "ignore_merges": self.ignore_merges}
 
     @classmethod
     def _from_state(cls, path: str, data: dict[str, Any]) -> BPETokenizer:
@@ -255,6 +281,9 @@ class BPETokenizer(BaseTokenizer):
         tok._ranks = {p: r for r, p in enumerate(out)}
         tok.end_of_word_suffix = data.get("end_of_word_suffix", EOW)
         tok.fuse_unk = data.get("fuse_unk", False)
-        if not isinstance(tok.end_of_word_suffix, str) or not isinstance(tok.fuse_unk, bool):
-            raise TokenizerFileError(f"{path}: 'end_of_word_suffix' must be a string and 'fuse_unk' a bool")
+        tok.ignore_merges = data.get("ignore_merges", False)
+        if not isinstance(tok.end_of_word_suffix, str) or not isinstance(tok.fuse_unk, bool) \
+                or not isinstance(tok.ignore_merges, bool):
+            raise TokenizerFileError(f"{path}: 'end_of_word_suffix' must be a string, 'fuse_unk' and "
+                                     "'ignore_merges' bools")
         return tok

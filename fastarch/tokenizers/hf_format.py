@@ -3,7 +3,9 @@ fast tokenizers load): ``model`` (BPE, WordPiece or Unigram), ``normalizer``, ``
 ``post_processor``, ``decoder`` and ``added_tokens``. The file is plain JSON; nothing is unpickled.
 
 Supported stages are listed in :mod:`fastarch.tokenizers.pipeline`; post-processors ``TemplateProcessing``,
-``BertProcessing`` or none. Added tokens must be special and matched on the raw text (``normalized``,
+``BertProcessing``, ``RobertaProcessing``, ``ByteLevel`` (offsets only: no special tokens), a ``Sequence``
+of ``ByteLevel`` and one of the others, or none. Byte-level BPE (GPT-2, RoBERTa, Llama 3) is a BPE model with
+the ``ByteLevel`` pre-tokenizer and decoder; ``ignore_merges`` is honoured. Added tokens must be special and matched on the raw text (``normalized``,
 ``lstrip``, ``rstrip`` and ``single_word`` false). Anything else raises :class:`TokenizerFileError` naming it.
 The file's ``truncation`` sets ``model_max_length``; its ``padding`` is ignored (padding is per call).
 """
@@ -49,7 +51,7 @@ def _model_json(tok: BaseTokenizer) -> dict[str, Any]:
     if isinstance(tok, BPETokenizer):
         return {"type": "BPE", "dropout": None, "unk_token": tok.special_tokens.get("unk_token"),
                 "continuing_subword_prefix": None, "end_of_word_suffix": tok.end_of_word_suffix or None,
-                "fuse_unk": tok.fuse_unk, "byte_fallback": False, "ignore_merges": False,
+                "fuse_unk": tok.fuse_unk, "byte_fallback": False, "ignore_merges": tok.ignore_merges,
                 "vocab": dict(tok.vocab), "merges": [list(m) for m in tok.merges]}
     if isinstance(tok, WordPieceTokenizer):
         return {"type": "WordPiece", "unk_token": tok.unk_token, "continuing_subword_prefix": tok.prefix,
@@ -115,9 +117,21 @@ def _vocab_list(p: str, model_vocab: dict[str, int], added: dict[int, str]) -> l
 
 
 def _templates(p: str, post: Any, vocab: dict[str, int]) -> dict[str, list[tuple[str, int]]]:
-    if post is None:
-        return {"single": [("$A", 0)], "pair": [("$A", 0), ("$B", 1)]}
     kind = post.get("type") if isinstance(post, dict) else None
+    if kind == "Sequence":
+        # ByteLevel only moves offsets, so a sequence adds the special tokens of its one other processor
+        rest = [q for q in post.get("processors", []) if not (isinstance(q, dict) and q.get("type") == "ByteLevel")]
+        if len(rest) > 1:
+            raise TokenizerFileError(f"{p}: a post_processor Sequence may hold one processor besides ByteLevel, "
+                                     f"got {[q.get('type') if isinstance(q, dict) else q for q in rest]}")
+        post = rest[0] if rest else None
+        kind = post.get("type") if isinstance(post, dict) else None
+    if post is None or kind == "ByteLevel":
+        return {"single": [("$A", 0)], "pair": [("$A", 0), ("$B", 1)]}
+    if kind == "RobertaProcessing":
+        cls_t, sep_t = post["cls"][0], post["sep"][0]
+        return {"single": [(cls_t, 0), ("$A", 0), (sep_t, 0)],
+                "pair": [(cls_t, 0), ("$A", 0), (sep_t, 0), (sep_t, 0), ("$B", 0), (sep_t, 0)]}
     if kind == "BertProcessing":
         cls_t, sep_t = post["cls"][0], post["sep"][0]
         return {"single": [(cls_t, 0), ("$A", 0), (sep_t, 0)],
@@ -149,12 +163,12 @@ def _build(p: str, model: dict[str, Any], kind: str, tokens: list[str]) -> BaseT
         for key in ("dropout", "continuing_subword_prefix"):
             if model.get(key) not in (None, ""):
                 raise TokenizerFileError(f"{p}: BPE {key}={model[key]!r} is not supported")
-        for key in ("byte_fallback", "ignore_merges"):
-            if model.get(key):
-                raise TokenizerFileError(f"{p}: BPE {key}=true is not supported")
+        if model.get("byte_fallback"):
+            raise TokenizerFileError(f"{p}: BPE byte_fallback=true is not supported")
         bpe = BPETokenizer(n, lowercase=False, unk_token=None, pad_token=None)
         bpe.end_of_word_suffix = model.get("end_of_word_suffix") or ""
         bpe.fuse_unk = bool(model.get("fuse_unk", False))
+        bpe.ignore_merges = bool(model.get("ignore_merges", False))
         merges = []
         for i, m in enumerate(require(p, model, "merges", list, "a list of merges")):
             pair = m.split(" ") if isinstance(m, str) else m

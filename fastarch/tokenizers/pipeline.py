@@ -3,8 +3,8 @@
 Each stage is described by the JSON object the ``tokenizers`` library writes (``{"type": "Lowercase"}``,
 ``{"type": "Metaspace", "replacement": "▁", ...}``), so a tokenizer's pipeline is saved and loaded as is.
 Supported: normalizers ``BertNormalizer Lowercase NFC NFD NFKC NFKD Strip Replace Prepend Sequence``;
-pre-tokenizers ``BertPreTokenizer Whitespace WhitespaceSplit Metaspace Sequence``; decoders ``WordPiece
-BPEDecoder Metaspace``. Any other stage raises :class:`UnsupportedStageError` naming it.
+pre-tokenizers ``BertPreTokenizer Whitespace WhitespaceSplit Metaspace ByteLevel Split Sequence``; decoders
+``WordPiece BPEDecoder Metaspace ByteLevel``. Any other stage raises :class:`UnsupportedStageError` naming it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import unicodedata
 from typing import Any
 
 from .bert_basic import BasicTokenizer, is_control, is_whitespace
+from .byte_level import bytes_to_text, gpt2_split, text_to_bytes
 
 __all__ = ["UnsupportedStageError", "check_stage", "decode_tokens", "lowercases", "normalize", "pre_tokenize"]
 
@@ -53,11 +54,25 @@ class UnsupportedStageError(ValueError):
 
 
 def _regex(pattern: Any, where: str) -> re.Pattern[str]:
+    """A ``{"String": ...}`` or ``{"Regex": ...}`` pattern, compiled. Regexes use the ``regex`` package when it is
+    installed (transformers installs it): like the library's engine it knows ``\\p{L}`` and takes ``\\s`` and
+    ``\\w`` from Unicode's properties. Python's ``re`` is the fallback: no ``\\p{...}``, and its ``\\s`` also
+    matches U+001C..U+001F."""
     if isinstance(pattern, dict) and "String" in pattern:
         return re.compile(re.escape(pattern["String"]))
-    if isinstance(pattern, dict) and "Regex" in pattern:
-        return re.compile(pattern["Regex"])
-    raise UnsupportedStageError(f"{where}: pattern must be {{'String': ...}} or {{'Regex': ...}}, got {pattern!r}")
+    if not (isinstance(pattern, dict) and "Regex" in pattern):
+        raise UnsupportedStageError(f"{where}: pattern must be {{'String': ...}} or {{'Regex': ...}}, "
+                                    f"got {pattern!r}")
+    try:
+        import regex as engine
+    except ImportError:
+        engine = re
+    try:
+        return engine.compile(pattern["Regex"])
+    except engine.error as e:
+        hint = " (the 'regex' package, pip install regex, knows more patterns)" if engine is re else ""
+        raise UnsupportedStageError(f"{where}: pattern {pattern['Regex']!r} is malformed or not supported "
+                                    f"({e}){hint}") from None
 
 
 def normalize(stage: Stage, text: str) -> str:
@@ -116,6 +131,54 @@ def _metaspace(stage: dict[str, Any], text: str, at_start: bool) -> list[str]:
     return [p for p in re.split(f"(?={re.escape(rep)})", text) if p]
 
 
+def _byte_level(stage: dict[str, Any], text: str) -> list[str]:
+    # the prefix space goes before every piece of text between special tokens, as the library does
+    if stage.get("add_prefix_space", True) and text and not text.startswith(" "):
+        text = " " + text
+    words = gpt2_split(text) if stage.get("use_regex", True) else [text] if text else []
+    return [text_to_bytes(w) for w in words]
+
+
+_SPLIT_BEHAVIORS = ("Removed", "Isolated", "MergedWithPrevious", "MergedWithNext", "Contiguous")
+
+
+def _split(stage: dict[str, Any], text: str) -> list[str]:
+    """The ``Split`` pre-tokenizer: the pattern's matches (with ``invert``: the text between them) are
+    delimiters, removed, kept as pieces, or merged with the piece before or after, as the library does."""
+    behavior = stage["behavior"]
+    if behavior not in _SPLIT_BEHAVIORS:
+        raise UnsupportedStageError(f"Split behavior {behavior!r} is not supported (expected one of "
+                                    f"{', '.join(_SPLIT_BEHAVIORS)})")
+    spans: list[list[int]] = []  # [start, end, is_delimiter]
+    invert = bool(stage.get("invert", False))
+    prev = 0
+    for m in _regex(stage["pattern"], "Split pre-tokenizer").finditer(text):
+        if m.start() != prev:
+            spans.append([prev, m.start(), invert])
+        spans.append([m.start(), m.end(), not invert])
+        prev = m.end()
+    if prev != len(text):
+        spans.append([prev, len(text), invert])
+    if behavior == "MergedWithNext":
+        spans = [[len(text) - e, len(text) - s, d] for s, e, d in reversed(spans)]
+    out: list[list[int]] = []
+    before = False  # whether the previous span was a delimiter
+    for span in spans:
+        delim = span[2]
+        if behavior == "Removed":
+            if not delim:
+                out.append(span)
+        elif out and ((behavior == "Contiguous" and delim == before)
+                      or (behavior in ("MergedWithPrevious", "MergedWithNext") and delim and not before)):
+            out[-1][1] = span[1]
+        else:
+            out.append(span)
+        before = delim
+    if behavior == "MergedWithNext":
+        out = [[len(text) - e, len(text) - s, d] for s, e, d in reversed(out)]
+    return [text[s:e] for s, e, _ in out if e > s]
+
+
 def pre_tokenize(stage: Stage, text: str, at_start: bool = True) -> list[str]:
     """Split normalized text into words with a pre-tokenizer described by its ``tokenizer.json`` object;
     ``at_start``: the text begins the input (Metaspace's "first" scheme prepends only there)."""
@@ -135,6 +198,10 @@ def pre_tokenize(stage: Stage, text: str, at_start: bool = True) -> list[str]:
         return [w for word in text.split() for w in BasicTokenizer.split_on_punctuation(word)]
     if kind == "Metaspace":
         return _metaspace(stage, text, at_start)
+    if kind == "ByteLevel":
+        return _byte_level(stage, text)
+    if kind == "Split":
+        return _split(stage, text)
     raise UnsupportedStageError(f"pre-tokenizer {kind!r} is not supported")
 
 
@@ -176,6 +243,8 @@ def decode_tokens(stage: Stage, tokens: list[str]) -> str:
                 tok = tok[1:]
             out.append(tok)
         return "".join(out)
+    if kind == "ByteLevel":
+        return bytes_to_text(tokens)
     raise UnsupportedStageError(f"decoder {kind!r} is not supported")
 
 

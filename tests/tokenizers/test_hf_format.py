@@ -10,11 +10,11 @@ from fastarch.tokenizers import (
     TokenizerFileError,
     UnigramTokenizer,
     WordPieceTokenizer,
-    load_tokenizer,
     load_tokenizer_json,
     save_tokenizer_json,
 )
 from fastarch.tokenizers.batch import truncated_lengths
+from tests.tokenizers.library_checks import assert_matches_library
 
 tk = pytest.importorskip("tokenizers")
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers  # noqa: E402
@@ -95,30 +95,7 @@ HF_BUILDERS = {"wordpiece": _wordpiece_hf, "bpe_suffix": lambda: _bpe_hf(True), 
 
 @pytest.mark.parametrize("name", sorted(HF_BUILDERS))
 def test_load_files_written_by_tokenizers(tmp_path, name):
-    hf = HF_BUILDERS[name]()
-    path = tmp_path / "tokenizer.json"
-    hf.save(str(path))
-    tok = load_tokenizer_json(path)
-    for text in PROBE:
-        ref = hf.encode(text)
-        assert tok.encode(text) == ref.ids, (name, text, ref.tokens)
-        assert tok.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False).ids
-        for skip in (True, False):
-            assert tok.decode(ref.ids, skip_special_tokens=skip) == hf.decode(ref.ids, skip_special_tokens=skip)
-    pair = hf.encode(PROBE[0], PROBE[5])
-    assert tok.encode_pair(PROBE[0], PROBE[5]) == pair.ids
-    enc = tok(PROBE[0], PROBE[5])
-    assert enc["input_ids"] == pair.ids and enc["token_type_ids"] == pair.type_ids
-    # fastarch's own format keeps the pipeline
-    tok.save(tmp_path / "fastarch.json")
-    native = load_tokenizer(tmp_path / "fastarch.json")
-    assert [native.encode(t) for t in PROBE] == [tok.encode(t) for t in PROBE]
-    assert native.decode(pair.ids, skip_special_tokens=False) == tok.decode(pair.ids, skip_special_tokens=False)
-    # writing it back gives a file the library reads to the same ids
-    save_tokenizer_json(tok, tmp_path / "again.json")
-    hf2 = tk.Tokenizer.from_file(str(tmp_path / "again.json"))
-    for text in PROBE:
-        assert hf2.encode(text).ids == hf.encode(text).ids
+    assert_matches_library(HF_BUILDERS[name](), tmp_path, PROBE, (PROBE[0], PROBE[5]))
 
 
 def _native(kind):
@@ -220,28 +197,20 @@ def test_batch_call_shapes_and_errors():
         bpe(["a", "the quick"], padding=True)
 
 
-def test_bad_files_are_refused(tmp_path):
+def test_bad_files_are_refused(tmp_path, refuse):
     hf = _bpe_hf(True)
     path = tmp_path / "tokenizer.json"
     hf.save(str(path))
     data = json.loads(path.read_text(encoding="utf-8"))
-
-    def refused(edit, match):
-        d = json.loads(json.dumps(data))
-        edit(d)
-        bad = tmp_path / "bad.json"
-        bad.write_text(json.dumps(d), encoding="utf-8")
-        with pytest.raises(TokenizerFileError, match=match):
-            load_tokenizer_json(bad)
-
-    refused(lambda d: d.update(pre_tokenizer={"type": "ByteLevel"}), "pre-tokenizer 'ByteLevel'")
+    refused = lambda edit, match: refuse(data, edit, match)
+    refused(lambda d: d.update(pre_tokenizer={"type": "Digits"}), "pre-tokenizer 'Digits'")
     refused(lambda d: d["model"].update(type="WordLevel"), "model type 'WordLevel'")
     refused(lambda d: d.update(normalizer={"type": "Replace", "pattern": {"Regex": "("}, "content": ""}), "malformed")
     refused(lambda d: d.update(normalizer={"type": "Precompiled"}), "normalizer 'Precompiled'")
     refused(lambda d: d["model"].update(byte_fallback=True), "byte_fallback")
     refused(lambda d: d["added_tokens"][0].update(special=False), "not special")
     refused(lambda d: d["model"]["vocab"].pop("e"), "without gaps")
-    refused(lambda d: d.update(post_processor={"type": "RobertaProcessing"}), "RobertaProcessing")
+    refused(lambda d: d.update(post_processor={"type": "Custom"}), "post_processor 'Custom'")
     (tmp_path / "pickle.json").write_bytes(b"\x80\x04\x95")
     with pytest.raises(TokenizerFileError):
         load_tokenizer_json(tmp_path / "pickle.json")

@@ -367,7 +367,8 @@ def _patch_mamba(saved: dict[tuple[str, str], Callable]) -> None:
 
 
 # -- Mamba-2's norms -----------------------------------------------------------------------------------------
-def _gated_norm(module: torch.nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+def _gated_norm(module: torch.nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """``MambaRMSNormGated``: ``weight * norm(x * silu(gate))``, one RMS per group of ``group_size`` channels."""
     return _rms_norm_gated(hidden_states, module.weight, z=gate, eps=module.variance_epsilon,
                            group_size=module.group_size, norm_before_gate=False)

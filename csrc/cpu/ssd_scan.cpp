@@ -187,7 +187,7 @@ Scan make_scan(const torch::Tensor& x, const torch::Tensor& dt, const torch::Ten
   // Split a group's heads into blocks only when (batch, chunk, group) tasks are too few for the threads:
   // each block recomputes the group's C B^T.
   const int64_t base = std::max<int64_t>(s.batch * s.nc * s.G, 1);
-  const int64_t want = 2 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t want = 8 * static_cast<int64_t>(at::get_num_threads());
   s.nhb = std::min<int64_t>(s.rep, std::max<int64_t>(1, (want + base - 1) / base));
   s.hbs = (s.rep + s.nhb - 1) / s.nhb;
   s.nhb = (s.rep + s.hbs - 1) / s.hbs;
@@ -277,43 +277,46 @@ void scale_rows(const float* rows, int64_t ld, const float* w, int64_t T, int64_
   }
 }
 
-// out (T, n) (leading dimension ldo) = diag(w) a + beta out, for a strided (T, n) a (w null: ones). The walk
-// follows a's unit stride when it has one.
-void scale_rows(Mat a, const float* w, int64_t T, int64_t n, float beta, float* out, int64_t ldo) {
-  if (a.cs == 1 || a.rs != 1) {
-    for (int64_t t = 0; t < T; ++t) {
-      const float wt = w ? w[t] : 1.f;
-      const float* r = a.p + t * a.rs;
-      float* o = out + t * ldo;
-      if (a.cs == 1) {
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) o[j] = beta * o[j] + wt * r[j];
-      } else {
-        for (int64_t j = 0; j < n; ++j) o[j] = beta * o[j] + wt * r[j * a.cs];
+// Steps per block of the transposing walks below: a block's rows and columns stay in L1 even when the
+// strides alias to a few cache sets.
+constexpr int64_t kBlockSteps = 16;
+
+// out (T, n), row-major, = a strided (T, n) a. When the steps are a's unit stride (a transposed view) the
+// walk goes by blocks of steps, each column's cache line read once per block.
+void pack(Mat a, int64_t T, int64_t n, float* out) {
+  if (a.cs == 1) {
+    for (int64_t t = 0; t < T; ++t) std::copy(a.p + t * a.rs, a.p + t * a.rs + n, out + t * n);
+  } else if (a.rs == 1) {
+    for (int64_t t0 = 0; t0 < T; t0 += kBlockSteps) {
+      const int64_t nt = std::min(kBlockSteps, T - t0);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* col = a.p + j * a.cs + t0;
+        float* o = out + t0 * n + j;
+        for (int64_t t = 0; t < nt; ++t) o[t * n] = col[t];
       }
     }
   } else {
-    for (int64_t j = 0; j < n; ++j) {
-      const float* col = a.p + j * a.cs;
-      float* o = out + j;
-      for (int64_t t = 0; t < T; ++t) o[t * ldo] = beta * o[t * ldo] + (w ? w[t] : 1.f) * col[t];
-    }
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < n; ++j) out[t * n + j] = a.p[t * a.rs + j * a.cs];
   }
 }
 
-// y (T, P) (leading dimension ldy) += d * x for a strided (T, P) x; d[p * ds] (ds 0: one weight).
-void add_skip(Mat x, const float* d, int64_t ds, int64_t T, int64_t P, float* y, int64_t ldy) {
-  if (x.cs == 1 || x.rs != 1) {
-    for (int64_t t = 0; t < T; ++t) {
-      const float* r = x.p + t * x.rs;
-      float* o = y + t * ldy;
-      for (int64_t j = 0; j < P; ++j) o[j] += d[j * ds] * r[j * x.cs];
-    }
-  } else {
-    for (int64_t j = 0; j < P; ++j) {
-      const float* col = x.p + j * x.cs;
-      const float dj = d[j * ds];
-      for (int64_t t = 0; t < T; ++t) y[t * ldy + j] += dj * col[t];
+// y (T, P) (leading dimension ldy) += x diag(d) for a strided (T, P) x (the skip with one weight per channel;
+// one weight per head is folded into the mixing matrix's diagonal instead).
+void add_skip(Mat x, const float* d, int64_t T, int64_t P, float* y, int64_t ldy) {
+  float buf[kBlockSteps * 256];
+  const int64_t pb = std::min<int64_t>(P, 256);
+  for (int64_t p0 = 0; p0 < P; p0 += pb) {
+    const int64_t np = std::min(pb, P - p0);
+    for (int64_t t0 = 0; t0 < T; t0 += kBlockSteps) {
+      const int64_t nt = std::min(kBlockSteps, T - t0);
+      pack({x.p + t0 * x.rs + p0 * x.cs, x.rs, x.cs}, nt, np, buf);
+      for (int64_t t = 0; t < nt; ++t) {
+        float* o = y + (t0 + t) * ldy + p0;
+        const float* r = buf + t * np;
+#pragma omp simd
+        for (int64_t j = 0; j < np; ++j) o[j] += d[p0 + j] * r[j];
+      }
     }
   }
 }
@@ -413,14 +416,15 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
   for_tasks(s, [&](int64_t i, int64_t) {
     at::NoGradGuard ng2;
     const Task k = task_of(s, i);
-    float* bw = scratch[at::get_thread_num()].get(s.cmax * s.N);
+    float* Bp = scratch[at::get_thread_num()].get(2 * s.cmax * s.N);
+    float* bw = Bp + s.cmax * s.N;
     ChunkSeq q;
     q.fill(s, k);
     Decays d;
-    const Mat Bc = s.B_at(k.b, k.s0, k.g);
+    pack(s.B_at(k.b, k.s0, k.g), k.T, s.N, Bp);
     for (int64_t h = k.h0; h < k.h1; ++h) {
       d.fill(s, k, q, h);
-      scale_rows(Bc, d.wend.data(), k.T, s.N, 0.f, bw, s.N);
+      scale_rows(Bp, s.N, d.wend.data(), k.T, s.N, bw);
       float* own = k.c + 1 < s.nc ? pst + ((k.b * s.nc + k.c + 1) * s.H + h) * PN : pfin + (k.b * s.H + h) * PN;
       gemm(s.P, s.N, k.T, s.x_at(k.b, k.s0, h).t(), mat(bw, s.N), 0.f, own, s.N);
       pdec[(k.b * s.nc + k.c) * s.H + h] = d.decay;
@@ -436,8 +440,12 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
     at::NoGradGuard ng2;
     const Task k = task_of(s, i);
     const int64_t T = k.T;
-    float* cb = scratch[at::get_thread_num()].get(2 * T2);
+    float* cb = scratch[at::get_thread_num()].get(2 * T2 + 2 * s.cmax * s.N);
     float* m = cb + T2;
+    float* Cp = m + T2;
+    float* Bp = Cp + s.cmax * s.N;
+    pack(s.C_at(k.b, k.s0, k.g), T, s.N, Cp);
+    pack(s.B_at(k.b, k.s0, k.g), T, s.N, Bp);
     ChunkSeq q;
     q.fill(s, k);
     // the chunk starts a new sequence (or chunk 0 has no initial state): the entering state is never read
@@ -445,10 +453,10 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
     float* yb = py + (k.b * s.L + k.s0) * ldy;
     if (reads_state) {
       const float* S = pst + ((k.b * s.nc + k.c) * s.H + k.h0) * PN;  // (heads, P, N): the heads' rows
-      gemm(T, (k.h1 - k.h0) * s.P, s.N, s.C_at(k.b, k.s0, k.g), mat(S, s.N, true), 0.f, yb + k.h0 * s.P, ldy);
+      gemm(T, (k.h1 - k.h0) * s.P, s.N, mat(Cp, s.N), mat(S, s.N, true), 0.f, yb + k.h0 * s.P, ldy);
     }
     Decays d;
-    chunk_cb(s, k, cb);
+    gemm_lower_abt(T, s.N, Cp, s.N, Bp, s.N, cb, T);
     for (int64_t h = k.h0; h < k.h1; ++h) {
       d.fill(s, k, q, h);
       float* yh = yb + h * s.P;
@@ -474,10 +482,11 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
           for (int64_t j = 0; j <= t; ++j) mr[j] = cbr[j] * fast_exp(ct - d.cum[j]) * d.dt[j];
         }
         std::fill(mr + t + 1, mr + T, 0.f);
+        if (s.D && !s.D_ps) mr[t] += s.D[h];  // the skip D_h x_t as the diagonal of M
       }
       const Mat xh = s.x_at(k.b, k.s0, h);
       gemm_tri(false, T, s.P, m, T, xh, reads_state ? 1.f : 0.f, yh, ldy);
-      if (s.D) add_skip(xh, s.D + h * (s.D_ps ? s.P : 1), s.D_ps, T, s.P, yh, ldy);
+      if (s.D && s.D_ps) add_skip(xh, s.D + h * s.P, T, s.P, yh, ldy);
     }
   });
   return {y, final_states, states};

@@ -7,6 +7,7 @@
 // strides, e.g. views of a (batch, channels, L) convolution output, so no copy is made of them):
 //   x, y, dy, dx: (batch, L, H, P)   dt, ddt: (batch, L, H)   A: (H,)   B, C, dB, dC: (batch, L, G, N)
 //   D: (H,) or (H, P), optional: the forward's y then includes the skip D x
+//   The forward also takes dt raw (any strides) with dt_bias (H,), softplus and clamp applied as it reads it.
 //   initial_states, final_states, dfinal: (batch, H, P, N)   seq_idx: (batch, L) int32
 //   chunk_states: (batch, nc, H, P, N), the state entering each chunk (before any restart at its first step)
 // Head h reads group h / (H / G).
@@ -123,6 +124,17 @@ struct Scan {
   const float* C;
   const float* init;
   const int32_t* seq;
+  int64_t sdt[3];    // element strides of dt (batch, L, H)
+  // The step the scan uses from dt: clamp(softplus(dt + dt_bias), lo, hi), each part only where asked (the
+  // forward takes the raw dt; the backward the step itself).
+  const float* dt_bias;  // (H,) or null
+  bool dt_softplus, dt_clamp;
+  float dt_lo, dt_hi;
+  float step(float v, int64_t h) const {
+    if (dt_bias) v += dt_bias[h];
+    if (dt_softplus && v <= 20.f) v = std::log1p(std::exp(v));
+    return dt_clamp ? std::min(std::max(v, dt_lo), dt_hi) : v;
+  }
   const float* D;    // (H,) or (H, P) skip weights, or null
   int64_t D_ps;      // D's stride over P: 0 for (H,), 1 for (H, P)
   int64_t sx[4], sB[4], sC[4];  // element strides of x (batch, L, H, P), B and C (batch, L, G, N)
@@ -160,11 +172,13 @@ Scan make_scan(const torch::Tensor& x, const torch::Tensor& dt, const torch::Ten
   s.batch = x.size(0), s.L = x.size(1), s.H = x.size(2), s.P = x.size(3), s.G = B.size(2), s.N = B.size(3);
   TORCH_CHECK(s.G >= 1 && s.H % s.G == 0, "ssd_scan (cpp): H=", s.H, " is not a multiple of G=", s.G);
   check(x, "x", {s.batch, s.L, s.H, s.P}, strided);
-  check(dt, "dt", {s.batch, s.L, s.H});
+  check(dt, "dt", {s.batch, s.L, s.H}, strided);
   check(A, "A", {s.H});
   check(B, "B", {s.batch, s.L, s.G, s.N}, strided);
   check(C, "C", {s.batch, s.L, s.G, s.N}, strided);
   strides_of(x, s.sx), strides_of(B, s.sB), strides_of(C, s.sC);
+  for (int i = 0; i < 3; ++i) s.sdt[i] = dt.stride(i);
+  s.dt_bias = nullptr, s.dt_softplus = false, s.dt_clamp = false, s.dt_lo = 0.f, s.dt_hi = 0.f;
   s.D = nullptr, s.D_ps = 0;
   s.x = x.data_ptr<float>(), s.dt = dt.data_ptr<float>(), s.A = A.data_ptr<float>();
   s.B = B.data_ptr<float>(), s.C = C.data_ptr<float>();
@@ -244,10 +258,10 @@ struct Decays {
     const int64_t T = k.T;
     cum.resize(T), dt.resize(T), carry.resize(T), eend.resize(T), wend.resize(T);
     const float a = s.A[h];
-    const float* d = s.dt + (k.b * s.L + k.s0) * s.H + h;
+    const float* d = s.dt + k.b * s.sdt[0] + k.s0 * s.sdt[1] + h * s.sdt[2];
     float acc = 0.f;
     for (int64_t t = 0; t < T; ++t) {
-      dt[t] = d[t * s.H];
+      dt[t] = s.step(d[t * s.sdt[1]], h);
       acc += dt[t] * a;
       cum[t] = acc;
     }
@@ -387,13 +401,21 @@ void pass_states(const Scan& s, float* slots, const float* start, float* past, c
 }
 
 // -- forward ---------------------------------------------------------------------------------------------------
-// x, B, C may have any strides; D (optional, (H,) or (H, P)) adds the skip D * x to y.
+// x, dt, B, C may have any strides; dt is raw: the step is clamp(softplus(dt + dt_bias), lo, hi) (bias when
+// given, softplus when dt_softplus, clamp when dt_clamp); D (optional, (H,) or (H, P)) adds the skip D * x to y.
 std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
                                    torch::Tensor C, c10::optional<torch::Tensor> D,
-                                   c10::optional<torch::Tensor> initial_states,
+                                   c10::optional<torch::Tensor> dt_bias, bool dt_softplus, bool dt_clamp,
+                                   double dt_lo, double dt_hi, c10::optional<torch::Tensor> initial_states,
                                    c10::optional<torch::Tensor> seq_idx, int64_t chunk_size) {
   at::NoGradGuard ng;
   Scan s = make_scan(x, dt, A, B, C, initial_states, seq_idx, chunk_size, true);
+  if (dt_bias) {
+    check(*dt_bias, "dt_bias", {s.H});
+    s.dt_bias = dt_bias->data_ptr<float>();
+  }
+  s.dt_softplus = dt_softplus, s.dt_clamp = dt_clamp;
+  s.dt_lo = static_cast<float>(dt_lo), s.dt_hi = static_cast<float>(dt_hi);
   if (D) {
     TORCH_CHECK(D->dim() == 1 || D->dim() == 2, "ssd_scan (cpp): D must be (H,) or (H, P), got ", D->sizes());
     check(*D, "D", D->dim() == 1 ? at::IntArrayRef({s.H}) : at::IntArrayRef({s.H, s.P}));
@@ -685,7 +707,8 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastarch: Mamba-2's SSD chunked scan on CPU";
   m.def("ssd_scan_fwd", &ssd_fwd, "SSD scan forward -> (y (+ D x), final_states, chunk_states)", py::arg("x"),
-        py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("initial_states"),
+        py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("dt_bias"),
+        py::arg("dt_softplus"), py::arg("dt_clamp"), py::arg("dt_lo"), py::arg("dt_hi"), py::arg("initial_states"),
         py::arg("seq_idx"), py::arg("chunk_size"));
   m.def("ssd_scan_bwd", &ssd_bwd, "SSD scan backward -> (dx, ddt, dA, dB, dC, dinitial_states)", py::arg("dy"),
         py::arg("dfinal"), py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"),

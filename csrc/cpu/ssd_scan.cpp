@@ -365,11 +365,15 @@ void for_tasks(const Scan& s, const Body& body) {
   }
 }
 
+// Below this many multiply-adds the state passes (streaming, one multiply-add per float) run on the calling
+// thread: waking a worker costs more, most of all on a loaded machine.
+constexpr int64_t kSerialStreamWork = 1 << 23;
+
 // body(r0, r1) over the (batch, head) rows of the state passes, each touching nc * P * N floats.
 template <class Body>
 void for_rows(const Scan& s, const Body& body) {
   const int64_t per_row = std::max<int64_t>(1, s.nc * s.P * s.N);
-  at::parallel_for(0, s.batch * s.H, std::max<int64_t>(1, kSerialWork / per_row), body);
+  at::parallel_for(0, s.batch * s.H, std::max<int64_t>(1, kSerialStreamWork / per_row), body);
 }
 
 // The pass between chunks for every (batch, head) row of the (batch, nc, H, P, N) slots, each already holding

@@ -3,8 +3,11 @@
 // by chunks of `cs` steps. Within a chunk the output is a masked (T, T) matrix product; between chunks only
 // the (P, N) states pass.
 //
-// Layout the Python glue hands us (all fp32 contiguous unless said):
+// Layout the Python glue hands us (all fp32 contiguous unless said; the forward reads x, B and C through any
+// strides, e.g. views of a (batch, channels, L) convolution output, so no copy is made of them):
 //   x, y, dy, dx: (batch, L, H, P)   dt, ddt: (batch, L, H)   A: (H,)   B, C, dB, dC: (batch, L, G, N)
+//   D: (H,) or (H, P), optional: the forward's y then includes the skip D x
+//   The forward also takes dt raw (any strides) with dt_bias (H,), softplus and clamp applied as it reads it.
 //   initial_states, final_states, dfinal: (batch, H, P, N)   seq_idx: (batch, L) int32
 //   chunk_states: (batch, nc, H, P, N), the state entering each chunk (before any restart at its first step)
 // Head h reads group h / (H / G).
@@ -18,9 +21,9 @@
 //
 // Work is split in three passes so the per-chunk matrix products run in parallel over (batch, chunk, group,
 // block of heads) and only the cheap state pass is sequential over chunks:
-//   forward:  1. per chunk: y = M x (intra-chunk) and each chunk's own end-state contribution;
+//   forward:  1. per chunk: each chunk's own end-state contribution;
 //             2. per (batch, head): the states pass from chunk to chunk (in place in chunk_states);
-//             3. per chunk: y += carry * C S^T.
+//             3. per chunk: y = carry * C S^T (one product for a block of heads) + M x + D x.
 //   backward: A. per chunk: dY^T diag(carry) C, the output's pull on the entering state;
 //             B. per (batch, head): the state gradients pass backwards from chunk to chunk;
 //             C. per chunk: every input gradient, recomputing the chunk from its entering state.
@@ -41,24 +44,28 @@ namespace {
 
 using fastarch::fast_exp;
 
-// The (rows, cols) matrix stored row-major at p with leading dimension ld, or, when trans, the transpose of
-// the (cols, rows) matrix stored there.
-at::Tensor matrix(const float* p, int64_t rows, int64_t cols, int64_t ld, bool trans) {
-  auto opts = at::TensorOptions().dtype(at::kFloat);
-  auto* q = const_cast<float*>(p);
-  return trans ? torch::from_blob(q, {rows, cols}, {1, ld}, opts) : torch::from_blob(q, {rows, cols}, {ld, 1}, opts);
-}
+// A matrix operand: element (i, j) at p[i * rs + j * cs].
+struct Mat {
+  const float* p;
+  int64_t rs, cs;
+  Mat rows_from(int64_t i) const { return {p + i * rs, rs, cs}; }
+  Mat t() const { return {p, cs, rs}; }
+};
 
-// c (m, n) = op(a) (m, k) op(b) (k, n) + beta c, row-major with leading dimensions.
-void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-          int64_t ldb, float beta, float* c, int64_t ldc) {
+// The row-major (rows, cols) matrix at p with leading dimension ld, or its transpose (trans).
+Mat mat(const float* p, int64_t ld, bool trans = false) { return trans ? Mat{p, 1, ld} : Mat{p, ld, 1}; }
+
+// c (m, n) = a (m, k) b (k, n) + beta c, c row-major with leading dimension ldc.
+void gemm(int64_t m, int64_t n, int64_t k, Mat a, Mat b, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
-  auto cm = matrix(c, m, n, ldc, false);
+  auto opts = at::TensorOptions().dtype(at::kFloat);
+  auto cm = torch::from_blob(c, {m, n}, {ldc, 1}, opts);
   if (k == 0) {
     if (beta == 0.f) cm.zero_();
     return;
   }
-  auto am = matrix(a, m, k, lda, ta), bm = matrix(b, k, n, ldb, tb);
+  auto am = torch::from_blob(const_cast<float*>(a.p), {m, k}, {a.rs, a.cs}, opts);
+  auto bm = torch::from_blob(const_cast<float*>(b.p), {k, n}, {b.rs, b.cs}, opts);
   if (beta == 0.f) {
     at::mm_out(cm, am, bm);
   } else {
@@ -66,32 +73,47 @@ void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int
   }
 }
 
+// c (m, n) = op(a) (m, k) op(b) (k, n) + beta c, row-major with leading dimensions.
+void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+          int64_t ldb, float beta, float* c, int64_t ldc) {
+  gemm(m, n, k, mat(a, lda, ta), mat(b, ldb, tb), beta, c, ldc);
+}
+
 // Below this many steps the triangular products below are one plain product.
 constexpr int64_t kSplitSteps = 64;
 
 // c (T, n) = a b (lower-triangular a (T, T)) or a^T b (trans), skipping the quarter of a above the diagonal:
 // the top half of the rows (lower) or the bottom half (trans) needs only half of the sum.
-void gemm_tri(bool trans, int64_t T, int64_t n, const float* a, int64_t lda, const float* b, int64_t ldb,
-              float beta, float* c, int64_t ldc) {
-  if (T < kSplitSteps) return gemm(trans, false, T, n, T, a, lda, b, ldb, beta, c, ldc);
+void gemm_tri(bool trans, int64_t T, int64_t n, const float* a, int64_t lda, Mat b, float beta, float* c,
+              int64_t ldc) {
+  if (T < kSplitSteps) return gemm(T, n, T, mat(a, lda, trans), b, beta, c, ldc);
   const int64_t h = T / 2;
   if (!trans) {
-    gemm(false, false, h, n, h, a, lda, b, ldb, beta, c, ldc);
-    gemm(false, false, T - h, n, T, a + h * lda, lda, b, ldb, beta, c + h * ldc, ldc);
+    gemm(h, n, h, mat(a, lda), b, beta, c, ldc);
+    gemm(T - h, n, T, mat(a + h * lda, lda), b, beta, c + h * ldc, ldc);
   } else {
-    gemm(true, false, h, n, T, a, lda, b, ldb, beta, c, ldc);
-    gemm(true, false, T - h, n, T - h, a + h * lda + h, lda, b + h * ldb, ldb, beta, c + h * ldc, ldc);
+    gemm(h, n, T, mat(a, lda, true), b, beta, c, ldc);
+    gemm(T - h, n, T - h, mat(a + h * lda + h, lda, true), b.rows_from(h), beta, c + h * ldc, ldc);
   }
+}
+
+void gemm_tri(bool trans, int64_t T, int64_t n, const float* a, int64_t lda, const float* b, int64_t ldb,
+              float beta, float* c, int64_t ldc) {
+  gemm_tri(trans, T, n, a, lda, mat(b, ldb), beta, c, ldc);
 }
 
 // The lower triangle (diagonal included) of c (T, T) = a b^T for a, b (T, k); some entries above it are left
 // unwritten.
+void gemm_lower_abt(int64_t T, int64_t k, Mat a, Mat b, float* c, int64_t ldc) {
+  if (T < kSplitSteps) return gemm(T, T, k, a, b.t(), 0.f, c, ldc);
+  const int64_t h = T / 2;
+  gemm(h, h, k, a, b.t(), 0.f, c, ldc);
+  gemm(T - h, T, k, a.rows_from(h), b.t(), 0.f, c + h * ldc, ldc);
+}
+
 void gemm_lower_abt(int64_t T, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
                     int64_t ldc) {
-  if (T < kSplitSteps) return gemm(false, true, T, T, k, a, lda, b, ldb, 0.f, c, ldc);
-  const int64_t h = T / 2;
-  gemm(false, true, h, h, k, a, lda, b, ldb, 0.f, c, ldc);
-  gemm(false, true, T - h, T, k, a + h * lda, lda, b, ldb, 0.f, c + h * ldc, ldc);
+  gemm_lower_abt(T, k, mat(a, lda), mat(b, ldb), c, ldc);
 }
 
 struct Scan {
@@ -102,34 +124,62 @@ struct Scan {
   const float* C;
   const float* init;
   const int32_t* seq;
+  int64_t sdt[3];    // element strides of dt (batch, L, H)
+  // The step the scan uses from dt: clamp(softplus(dt + dt_bias), lo, hi), each part only where asked (the
+  // forward takes the raw dt; the backward the step itself).
+  const float* dt_bias;  // (H,) or null
+  bool dt_softplus, dt_clamp;
+  float dt_lo, dt_hi;
+  float step(float v, int64_t h) const {
+    if (dt_bias) v += dt_bias[h];
+    if (dt_softplus && v <= 20.f) v = std::log1p(std::exp(v));
+    return dt_clamp ? std::min(std::max(v, dt_lo), dt_hi) : v;
+  }
+  const float* D;    // (H,) or (H, P) skip weights, or null
+  int64_t D_ps;      // D's stride over P: 0 for (H,), 1 for (H, P)
+  int64_t sx[4], sB[4], sC[4];  // element strides of x (batch, L, H, P), B and C (batch, L, G, N)
   int64_t batch, L, H, P, G, N, cs, nc, rep;
   int64_t cmax;      // the longest chunk: min(cs, L), what scratch is sized for
   int64_t nhb, hbs;  // head blocks per group and heads per block
   int64_t ldx() const { return H * P; }
   int64_t ldb() const { return G * N; }
+  // Step t0's (T, P) block of x for head h of batch row b, and the (T, N) block of B or C for group g.
+  Mat x_at(int64_t b, int64_t t0, int64_t h) const { return {x + b * sx[0] + t0 * sx[1] + h * sx[2], sx[1], sx[3]}; }
+  Mat B_at(int64_t b, int64_t t0, int64_t g) const { return {B + b * sB[0] + t0 * sB[1] + g * sB[2], sB[1], sB[3]}; }
+  Mat C_at(int64_t b, int64_t t0, int64_t g) const { return {C + b * sC[0] + t0 * sC[1] + g * sC[2], sC[1], sC[3]}; }
   int64_t tasks() const { return batch * nc * G * nhb; }
 };
 
-void check(const torch::Tensor& t, const char* name, at::IntArrayRef shape) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous(), "ssd_scan (cpp): ",
-              name, " must be a contiguous fp32 CPU tensor, got ", t.scalar_type(), " ", t.sizes());
+// strided: any strides (the forward reads x, B and C through them), else contiguous.
+void check(const torch::Tensor& t, const char* name, at::IntArrayRef shape, bool strided = false) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && (strided || t.is_contiguous()),
+              "ssd_scan (cpp): ", name, " must be a", strided ? "n" : " contiguous", " fp32 CPU tensor, got ",
+              t.scalar_type(), " ", t.sizes());
   TORCH_CHECK(t.sizes() == shape, "ssd_scan (cpp): ", name, " has shape ", t.sizes(), ", expected ", shape);
+}
+
+void strides_of(const torch::Tensor& t, int64_t* out) {
+  for (int i = 0; i < 4; ++i) out[i] = t.stride(i);
 }
 
 Scan make_scan(const torch::Tensor& x, const torch::Tensor& dt, const torch::Tensor& A, const torch::Tensor& B,
                const torch::Tensor& C, const c10::optional<torch::Tensor>& init,
-               const c10::optional<torch::Tensor>& seq_idx, int64_t chunk_size) {
+               const c10::optional<torch::Tensor>& seq_idx, int64_t chunk_size, bool strided = false) {
   TORCH_CHECK(x.dim() == 4, "ssd_scan (cpp): x must be (batch, L, H, P), got ", x.sizes());
   TORCH_CHECK(B.dim() == 4, "ssd_scan (cpp): B must be (batch, L, G, N), got ", B.sizes());
   TORCH_CHECK(chunk_size >= 1, "ssd_scan (cpp): chunk_size must be positive, got ", chunk_size);
   Scan s;
   s.batch = x.size(0), s.L = x.size(1), s.H = x.size(2), s.P = x.size(3), s.G = B.size(2), s.N = B.size(3);
   TORCH_CHECK(s.G >= 1 && s.H % s.G == 0, "ssd_scan (cpp): H=", s.H, " is not a multiple of G=", s.G);
-  check(x, "x", {s.batch, s.L, s.H, s.P});
-  check(dt, "dt", {s.batch, s.L, s.H});
+  check(x, "x", {s.batch, s.L, s.H, s.P}, strided);
+  check(dt, "dt", {s.batch, s.L, s.H}, strided);
   check(A, "A", {s.H});
-  check(B, "B", {s.batch, s.L, s.G, s.N});
-  check(C, "C", {s.batch, s.L, s.G, s.N});
+  check(B, "B", {s.batch, s.L, s.G, s.N}, strided);
+  check(C, "C", {s.batch, s.L, s.G, s.N}, strided);
+  strides_of(x, s.sx), strides_of(B, s.sB), strides_of(C, s.sC);
+  for (int i = 0; i < 3; ++i) s.sdt[i] = dt.stride(i);
+  s.dt_bias = nullptr, s.dt_softplus = false, s.dt_clamp = false, s.dt_lo = 0.f, s.dt_hi = 0.f;
+  s.D = nullptr, s.D_ps = 0;
   s.x = x.data_ptr<float>(), s.dt = dt.data_ptr<float>(), s.A = A.data_ptr<float>();
   s.B = B.data_ptr<float>(), s.C = C.data_ptr<float>();
   s.init = nullptr, s.seq = nullptr;
@@ -151,7 +201,7 @@ Scan make_scan(const torch::Tensor& x, const torch::Tensor& dt, const torch::Ten
   // Split a group's heads into blocks only when (batch, chunk, group) tasks are too few for the threads:
   // each block recomputes the group's C B^T.
   const int64_t base = std::max<int64_t>(s.batch * s.nc * s.G, 1);
-  const int64_t want = 2 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t want = 8 * static_cast<int64_t>(at::get_num_threads());
   s.nhb = std::min<int64_t>(s.rep, std::max<int64_t>(1, (want + base - 1) / base));
   s.hbs = (s.rep + s.nhb - 1) / s.nhb;
   s.nhb = (s.rep + s.hbs - 1) / s.hbs;
@@ -208,10 +258,10 @@ struct Decays {
     const int64_t T = k.T;
     cum.resize(T), dt.resize(T), carry.resize(T), eend.resize(T), wend.resize(T);
     const float a = s.A[h];
-    const float* d = s.dt + (k.b * s.L + k.s0) * s.H + h;
+    const float* d = s.dt + k.b * s.sdt[0] + k.s0 * s.sdt[1] + h * s.sdt[2];
     float acc = 0.f;
     for (int64_t t = 0; t < T; ++t) {
-      dt[t] = d[t * s.H];
+      dt[t] = s.step(d[t * s.sdt[1]], h);
       acc += dt[t] * a;
       cum[t] = acc;
     }
@@ -227,8 +277,7 @@ struct Decays {
 
 // cb (T, T) = C B^T of the task's chunk and group, its lower triangle.
 void chunk_cb(const Scan& s, const Task& k, float* cb) {
-  const int64_t off = (k.b * s.L + k.s0) * s.ldb() + k.g * s.N;
-  gemm_lower_abt(k.T, s.N, s.C + off, s.ldb(), s.B + off, s.ldb(), cb, k.T);
+  gemm_lower_abt(k.T, s.N, s.C_at(k.b, k.s0, k.g), s.B_at(k.b, k.s0, k.g), cb, k.T);
 }
 
 // rows (T, n) scaled row-wise by w into out (T, n), rows read with leading dimension ld.
@@ -239,6 +288,50 @@ void scale_rows(const float* rows, int64_t ld, const float* w, int64_t T, int64_
     float* o = out + t * n;
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) o[j] = wt * r[j];
+  }
+}
+
+// Steps per block of the transposing walks below: a block's rows and columns stay in L1 even when the
+// strides alias to a few cache sets.
+constexpr int64_t kBlockSteps = 16;
+
+// out (T, n), row-major, = a strided (T, n) a. When the steps are a's unit stride (a transposed view) the
+// walk goes by blocks of steps, each column's cache line read once per block.
+void pack(Mat a, int64_t T, int64_t n, float* out) {
+  if (a.cs == 1) {
+    for (int64_t t = 0; t < T; ++t) std::copy(a.p + t * a.rs, a.p + t * a.rs + n, out + t * n);
+  } else if (a.rs == 1) {
+    for (int64_t t0 = 0; t0 < T; t0 += kBlockSteps) {
+      const int64_t nt = std::min(kBlockSteps, T - t0);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* col = a.p + j * a.cs + t0;
+        float* o = out + t0 * n + j;
+        for (int64_t t = 0; t < nt; ++t) o[t * n] = col[t];
+      }
+    }
+  } else {
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < n; ++j) out[t * n + j] = a.p[t * a.rs + j * a.cs];
+  }
+}
+
+// y (T, P) (leading dimension ldy) += x diag(d) for a strided (T, P) x (the skip with one weight per channel;
+// one weight per head is folded into the mixing matrix's diagonal instead).
+void add_skip(Mat x, const float* d, int64_t T, int64_t P, float* y, int64_t ldy) {
+  float buf[kBlockSteps * 256];
+  const int64_t pb = std::min<int64_t>(P, 256);
+  for (int64_t p0 = 0; p0 < P; p0 += pb) {
+    const int64_t np = std::min(pb, P - p0);
+    for (int64_t t0 = 0; t0 < T; t0 += kBlockSteps) {
+      const int64_t nt = std::min(kBlockSteps, T - t0);
+      pack({x.p + t0 * x.rs + p0 * x.cs, x.rs, x.cs}, nt, np, buf);
+      for (int64_t t = 0; t < nt; ++t) {
+        float* o = y + (t0 + t) * ldy + p0;
+        const float* r = buf + t * np;
+#pragma omp simd
+        for (int64_t j = 0; j < np; ++j) o[j] += d[p0 + j] * r[j];
+      }
+    }
   }
 }
 
@@ -272,11 +365,15 @@ void for_tasks(const Scan& s, const Body& body) {
   }
 }
 
+// Below this many multiply-adds the state passes (streaming, one multiply-add per float) run on the calling
+// thread: waking a worker costs more, most of all on a loaded machine.
+constexpr int64_t kSerialStreamWork = 1 << 23;
+
 // body(r0, r1) over the (batch, head) rows of the state passes, each touching nc * P * N floats.
 template <class Body>
 void for_rows(const Scan& s, const Body& body) {
   const int64_t per_row = std::max<int64_t>(1, s.nc * s.P * s.N);
-  at::parallel_for(0, s.batch * s.H, std::max<int64_t>(1, kSerialWork / per_row), body);
+  at::parallel_for(0, s.batch * s.H, std::max<int64_t>(1, kSerialStreamWork / per_row), body);
 }
 
 // The pass between chunks for every (batch, head) row of the (batch, nc, H, P, N) slots, each already holding
@@ -308,13 +405,29 @@ void pass_states(const Scan& s, float* slots, const float* start, float* past, c
 }
 
 // -- forward ---------------------------------------------------------------------------------------------------
+// x, dt, B, C may have any strides; dt is raw: the step is clamp(softplus(dt + dt_bias), lo, hi) (bias when
+// given, softplus when dt_softplus, clamp when dt_clamp); D (optional, (H,) or (H, P)) adds the skip D * x to y.
 std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
-                                   torch::Tensor C, c10::optional<torch::Tensor> initial_states,
+                                   torch::Tensor C, c10::optional<torch::Tensor> D,
+                                   c10::optional<torch::Tensor> dt_bias, bool dt_softplus, bool dt_clamp,
+                                   double dt_lo, double dt_hi, c10::optional<torch::Tensor> initial_states,
                                    c10::optional<torch::Tensor> seq_idx, int64_t chunk_size) {
   at::NoGradGuard ng;
-  const Scan s = make_scan(x, dt, A, B, C, initial_states, seq_idx, chunk_size);
-  const int64_t PN = s.P * s.N, T2 = s.cmax * s.cmax;
-  auto opts = x.options();
+  Scan s = make_scan(x, dt, A, B, C, initial_states, seq_idx, chunk_size, true);
+  if (dt_bias) {
+    check(*dt_bias, "dt_bias", {s.H});
+    s.dt_bias = dt_bias->data_ptr<float>();
+  }
+  s.dt_softplus = dt_softplus, s.dt_clamp = dt_clamp;
+  s.dt_lo = static_cast<float>(dt_lo), s.dt_hi = static_cast<float>(dt_hi);
+  if (D) {
+    TORCH_CHECK(D->dim() == 1 || D->dim() == 2, "ssd_scan (cpp): D must be (H,) or (H, P), got ", D->sizes());
+    check(*D, "D", D->dim() == 1 ? at::IntArrayRef({s.H}) : at::IntArrayRef({s.H, s.P}));
+    s.D = D->data_ptr<float>();
+    s.D_ps = D->dim() == 2 ? 1 : 0;
+  }
+  const int64_t PN = s.P * s.N, T2 = s.cmax * s.cmax, ldy = s.H * s.P;
+  auto opts = x.options().memory_format(at::MemoryFormat::Contiguous);
   auto y = torch::empty({s.batch, s.L, s.H, s.P}, opts);
   auto states = torch::empty({s.batch, s.nc, s.H, s.P, s.N}, opts);
   auto final_states = torch::empty({s.batch, s.H, s.P, s.N}, opts);
@@ -325,21 +438,62 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
   float* pdec = decays.data_ptr<float>();
   std::vector<Scratch> scratch(nthreads());
 
-  // 1. intra-chunk outputs and each chunk's own end-state contribution (into the next chunk's slot)
+  // 1. each chunk's own end-state contribution x^T diag(wend) B (into the next chunk's slot)
+  for_tasks(s, [&](int64_t i, int64_t) {
+    at::NoGradGuard ng2;
+    const Task k = task_of(s, i);
+    float* Bp = scratch[at::get_thread_num()].get(2 * s.cmax * s.N);
+    float* bw = Bp + s.cmax * s.N;
+    ChunkSeq q;
+    q.fill(s, k);
+    Decays d;
+    pack(s.B_at(k.b, k.s0, k.g), k.T, s.N, Bp);
+    for (int64_t h = k.h0; h < k.h1; ++h) {
+      d.fill(s, k, q, h);
+      scale_rows(Bp, s.N, d.wend.data(), k.T, s.N, bw);
+      float* own = k.c + 1 < s.nc ? pst + ((k.b * s.nc + k.c + 1) * s.H + h) * PN : pfin + (k.b * s.H + h) * PN;
+      gemm(s.P, s.N, k.T, s.x_at(k.b, k.s0, h).t(), mat(bw, s.N), 0.f, own, s.N);
+      pdec[(k.b * s.nc + k.c) * s.H + h] = d.decay;
+    }
+  });
+
+  // 2. the states pass from chunk to chunk
+  pass_states(s, pst, s.init, pfin, pdec, false);
+
+  // 3. the outputs: the entering states' part for the block's heads in one product (C S^T, then each head's
+  // rows scaled by carry), the intra-chunk part M x, the skip D x
   for_tasks(s, [&](int64_t i, int64_t) {
     at::NoGradGuard ng2;
     const Task k = task_of(s, i);
     const int64_t T = k.T;
-    float* cb = scratch[at::get_thread_num()].get(2 * T2 + s.cmax * s.N);
+    float* cb = scratch[at::get_thread_num()].get(2 * T2 + 2 * s.cmax * s.N);
     float* m = cb + T2;
-    float* bw = m + T2;
+    float* Cp = m + T2;
+    float* Bp = Cp + s.cmax * s.N;
+    pack(s.C_at(k.b, k.s0, k.g), T, s.N, Cp);
+    pack(s.B_at(k.b, k.s0, k.g), T, s.N, Bp);
     ChunkSeq q;
     q.fill(s, k);
+    // the chunk starts a new sequence (or chunk 0 has no initial state): the entering state is never read
+    const bool reads_state = (k.c > 0 || s.init) && q.in[0] != 0.f;
+    float* yb = py + (k.b * s.L + k.s0) * ldy;
+    if (reads_state) {
+      const float* S = pst + ((k.b * s.nc + k.c) * s.H + k.h0) * PN;  // (heads, P, N): the heads' rows
+      gemm(T, (k.h1 - k.h0) * s.P, s.N, mat(Cp, s.N), mat(S, s.N, true), 0.f, yb + k.h0 * s.P, ldy);
+    }
     Decays d;
-    chunk_cb(s, k, cb);
-    const float* Bc = s.B + (k.b * s.L + k.s0) * s.ldb() + k.g * s.N;
+    gemm_lower_abt(T, s.N, Cp, s.N, Bp, s.N, cb, T);
     for (int64_t h = k.h0; h < k.h1; ++h) {
       d.fill(s, k, q, h);
+      float* yh = yb + h * s.P;
+      if (reads_state) {
+        for (int64_t t = 0; t < T; ++t) {
+          float* r = yh + t * ldy;
+          const float w = d.carry[t];
+#pragma omp simd
+          for (int64_t j = 0; j < s.P; ++j) r[j] *= w;
+        }
+      }
       for (int64_t t = 0; t < T; ++t) {
         const float ct = d.cum[t];
         const float* cbr = cb + t * T;
@@ -354,36 +508,11 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
           for (int64_t j = 0; j <= t; ++j) mr[j] = cbr[j] * fast_exp(ct - d.cum[j]) * d.dt[j];
         }
         std::fill(mr + t + 1, mr + T, 0.f);
+        if (s.D && !s.D_ps) mr[t] += s.D[h];  // the skip D_h x_t as the diagonal of M
       }
-      const int64_t xo = (k.b * s.L + k.s0) * s.ldx() + h * s.P;
-      gemm_tri(false, T, s.P, m, T, s.x + xo, s.ldx(), 0.f, py + xo, s.ldx());
-      scale_rows(Bc, s.ldb(), d.wend.data(), T, s.N, bw);
-      float* own = k.c + 1 < s.nc ? pst + ((k.b * s.nc + k.c + 1) * s.H + h) * PN : pfin + (k.b * s.H + h) * PN;
-      gemm(true, false, s.P, s.N, T, s.x + xo, s.ldx(), bw, s.N, 0.f, own, s.N);
-      pdec[(k.b * s.nc + k.c) * s.H + h] = d.decay;
-    }
-  });
-
-  // 2. the states pass from chunk to chunk
-  pass_states(s, pst, s.init, pfin, pdec, false);
-
-  // 3. the entering states' contribution to the outputs
-  for_tasks(s, [&](int64_t i, int64_t) {
-    at::NoGradGuard ng2;
-    const Task k = task_of(s, i);
-    if (k.c == 0 && !s.init) return;
-    float* cw = scratch[at::get_thread_num()].get(s.cmax * s.N);
-    ChunkSeq q;
-    q.fill(s, k);
-    if (q.in[0] == 0.f) return;  // the chunk starts a new sequence: the entering state is never read
-    Decays d;
-    const float* Cc = s.C + (k.b * s.L + k.s0) * s.ldb() + k.g * s.N;
-    for (int64_t h = k.h0; h < k.h1; ++h) {
-      d.fill(s, k, q, h);
-      scale_rows(Cc, s.ldb(), d.carry.data(), k.T, s.N, cw);
-      const int64_t xo = (k.b * s.L + k.s0) * s.ldx() + h * s.P;
-      const float* S = pst + ((k.b * s.nc + k.c) * s.H + h) * PN;
-      gemm(false, true, k.T, s.P, s.N, cw, s.N, S, s.N, 1.f, py + xo, s.ldx());
+      const Mat xh = s.x_at(k.b, k.s0, h);
+      gemm_tri(false, T, s.P, m, T, xh, reads_state ? 1.f : 0.f, yh, ldy);
+      if (s.D && s.D_ps) add_skip(xh, s.D + h * s.P, T, s.P, yh, ldy);
     }
   });
   return {y, final_states, states};
@@ -581,9 +710,10 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fastarch: Mamba-2's SSD chunked scan on CPU";
-  m.def("ssd_scan_fwd", &ssd_fwd, "SSD scan forward -> (y, final_states, chunk_states)", py::arg("x"),
-        py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("initial_states"), py::arg("seq_idx"),
-        py::arg("chunk_size"));
+  m.def("ssd_scan_fwd", &ssd_fwd, "SSD scan forward -> (y (+ D x), final_states, chunk_states)", py::arg("x"),
+        py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("dt_bias"),
+        py::arg("dt_softplus"), py::arg("dt_clamp"), py::arg("dt_lo"), py::arg("dt_hi"), py::arg("initial_states"),
+        py::arg("seq_idx"), py::arg("chunk_size"));
   m.def("ssd_scan_bwd", &ssd_bwd, "SSD scan backward -> (dx, ddt, dA, dB, dC, dinitial_states)", py::arg("dy"),
         py::arg("dfinal"), py::arg("x"), py::arg("dt"), py::arg("A"), py::arg("B"), py::arg("C"),
         py::arg("initial_states"), py::arg("seq_idx"), py::arg("chunk_states"), py::arg("chunk_size"));

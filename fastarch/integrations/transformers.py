@@ -35,6 +35,13 @@ stub returning None, which sends the mixer down its unfused path). :func:`regist
 signatures on fastarch's ops); :func:`unregister` puts the originals back. Where transformers found the real
 package, tensors on an accelerator still go to it; CPU tensors (which the real kernels refuse) and every call
 where transformers had only its PyTorch path go to fastarch.
+
+**Mamba-2's norms.** transformers' Mamba-2 normalises in composed PyTorch, with no kernel function to swap:
+:func:`register` replaces the ``forward`` of the classes in :data:`NORM_MODULES` (``MambaRMSNormGated``, the
+gated, grouped norm after the scan, and ``Mamba2RMSNorm``, each block's input norm and the final norm) with
+forwards on :func:`fastarch.ops.rms_norm_gated` and :func:`fastarch.ops.rms_norm`, same formula, same
+parameters, result in the dtype transformers' forward returns; :func:`unregister` puts the classes' own
+forwards back.
 """
 
 from __future__ import annotations
@@ -74,10 +81,13 @@ from ..compat.mamba_ssm.ops.triton.ssd_combined import (  # noqa: E402
     mamba_split_conv1d_scan_combined,
 )
 from ..ops import attention as _attention  # noqa: E402
+from ..ops.rms_norm import rms_norm as _rms_norm  # noqa: E402
+from ..ops.rms_norm_gated import rms_norm_gated as _rms_norm_gated  # noqa: E402
 
 __all__ = [
     "CompactMask",
     "MAMBA_MODULES",
+    "NORM_MODULES",
     "attention_forward",
     "attention_mask",
     "hf_window",
@@ -91,6 +101,10 @@ __all__ = [
 # mamba_inner_fn (and fastarch's) over d_inner after it, so its training forward would change meaning.
 MAMBA_MODULES: tuple[str, ...] = ("transformers.models.mamba.modeling_mamba",
                                    "transformers.models.mamba2.modeling_mamba2")
+
+# (modeling module, norm class) whose forward register() runs on fastarch's norm ops.
+NORM_MODULES: tuple[tuple[str, str], ...] = (("transformers.models.mamba2.modeling_mamba2", "MambaRMSNormGated"),
+                                            ("transformers.models.mamba2.modeling_mamba2", "Mamba2RMSNorm"))
 
 # transformers' kernel name -> fastarch's function with the original package's signature.
 _KERNELS: dict[str, Callable] = {
@@ -352,6 +366,47 @@ def _patch_mamba(saved: dict[tuple[str, str], Callable]) -> None:
             setattr(module, attr, _dispatcher(fn, name, _uses_real_package(cells)))
 
 
+# -- Mamba-2's norms -----------------------------------------------------------------------------------------
+def _gated_norm(module: torch.nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """``MambaRMSNormGated``: ``weight * norm(x * silu(gate))``, one RMS per group of ``group_size`` channels."""
+    return _rms_norm_gated(hidden_states, module.weight, z=gate, eps=module.variance_epsilon,
+                           group_size=module.group_size, norm_before_gate=False)
+
+
+def _norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``Mamba2RMSNorm``: ``weight * norm(x)`` over the last dimension."""
+    return _rms_norm(hidden_states, module.weight, module.variance_epsilon)
+
+
+_NORMS: dict[str, Callable[..., torch.Tensor]] = {"MambaRMSNormGated": _gated_norm, "Mamba2RMSNorm": _norm}
+
+
+def _norm_forward(original: Callable, fast: Callable[..., torch.Tensor]) -> Callable:
+    @functools.wraps(original)
+    def forward(self, hidden_states, *args, **kwargs):
+        if is_torchdynamo_exporting():
+            return original(self, hidden_states, *args, **kwargs)
+        out = fast(self, hidden_states, *args, **kwargs)
+        # transformers' forwards return weight * x.to(input dtype), in the promoted dtype
+        return out.to(torch.promote_types(self.weight.dtype, hidden_states.dtype))
+
+    forward.__fastarch_original__ = original
+    return forward
+
+
+def _patch_norms(saved: dict[tuple[type, str], Callable]) -> None:
+    for modname, clsname in NORM_MODULES:
+        if importlib.util.find_spec(modname) is None:
+            continue
+        cls = getattr(importlib.import_module(modname), clsname, None)
+        original = None if cls is None else vars(cls).get("forward")
+        if original is None or hasattr(original, "__fastarch_original__"):
+            continue
+        saved[(cls, "forward")] = original
+        cls.forward = _norm_forward(original, _NORMS[clsname])
+
+
 # -- register / unregister ----------------------------------------------------------------------------------
 _MISSING = object()
 # name -> what register() replaced: the previous attention and mask entries, and the Mamba functions.
@@ -360,8 +415,8 @@ _STATE: dict[str, dict] = {}
 
 def register(name: str = "fastarch", *, mamba: bool = True) -> None:
     """Register fastarch's attention and mask functions with transformers as ``name``, and (``mamba=True``)
-    route the Mamba mixers of :data:`MAMBA_MODULES` to fastarch's kernels. Idempotent; undone by
-    :func:`unregister`."""
+    route the Mamba mixers of :data:`MAMBA_MODULES` to fastarch's kernels and the norms of
+    :data:`NORM_MODULES` to fastarch's norm ops. Idempotent; undone by :func:`unregister`."""
     if not isinstance(name, str) or not name or name == "eager":
         raise ValueError(f"register: argument 'name' must be a non-empty string other than 'eager', got {name!r}")
     if name in _STATE:
@@ -371,9 +426,11 @@ def register(name: str = "fastarch", *, mamba: bool = True) -> None:
         "attention": AttentionInterface._global_mapping.get(name, _MISSING),
         "mask": masks._global_mapping.get(name, _MISSING),
         "mamba": {},
+        "norms": {},
     }
-    if mamba and not any(s["mamba"] for s in _STATE.values()):
+    if mamba and not any(s["mamba"] or s["norms"] for s in _STATE.values()):
         _patch_mamba(state["mamba"])
+        _patch_norms(state["norms"])
     AttentionInterface.register(name, attention_forward)
     masks.register(name, attention_mask)
     _STATE[name] = state
@@ -381,7 +438,8 @@ def register(name: str = "fastarch", *, mamba: bool = True) -> None:
 
 def unregister(name: str | None = None) -> None:
     """Undo :func:`register` for ``name`` (every registered name when None): the interface entries go back to
-    what they were (removed, or the function a name shadowed) and the Mamba functions to transformers' own.
+    what they were (removed, or the function a name shadowed) and the Mamba functions and norm forwards to
+    transformers' own.
     Models still set to ``name`` must be switched (``model.set_attn_implementation("sdpa")``) before use."""
     for key in list(_STATE) if name is None else [name]:
         state = _STATE.pop(key, None)
@@ -395,6 +453,8 @@ def unregister(name: str | None = None) -> None:
                 mapping[key] = previous
         for (modname, attr), fn in state["mamba"].items():
             setattr(importlib.import_module(modname), attr, fn)
+        for (cls, attr), fn in state["norms"].items():
+            setattr(cls, attr, fn)
 
 
 def registered() -> list[str]:

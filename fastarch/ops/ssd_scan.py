@@ -19,7 +19,14 @@ final states ``(batch, H, P, N)``; ``seq_idx`` ``(batch, L)`` integer; ``cu_seql
 
 The kernels compute the core scan only: ``(x, dt, A, B, C, initial_states, seq_idx, chunk_size) -> (y,
 final_states, chunk_states)``, with ``dt`` already biased, softplus-ed and clamped, and ``y = h_t C_t`` in fp32.
-The bias, softplus, clamp, ``D`` and the gate are elementwise PyTorch around it, differentiated by autograd.
+The gate is elementwise PyTorch around it, differentiated by autograd. The steps (bias, softplus, clamp) and
+the skip ``D * x`` belong to the custom op: an implementation with ``fused_elementwise`` (cpp) takes the raw
+``dt`` and forms the steps as it reads them, adds the skip inside its forward, and reads ``x``, ``dt``, ``B``,
+``C`` through their strides (they are often views of one projection and one convolution output, so no copy
+and no extra pass is made); for the others the op forms the steps with :func:`effective_dt`, makes the inputs
+contiguous and adds the skip after the kernel. The op's backward recomputes the steps with autograd (nothing
+extra is stored) to carry their gradient to ``dt`` and ``dt_bias``, and forms the skip's gradients (``x``,
+``D``) from the saved inputs.
 ``chunk_states`` ``(batch, n_chunks, H, P, N)`` fp32 holds the state entering each chunk of ``chunk_size``
 steps (the true state at position ``c * chunk_size - 1``, before any restart at the chunk's first step;
 ``initial_states`` or 0 for chunk 0). It is all the backward keeps besides the inputs, and what the varlen
@@ -39,10 +46,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..backend import Call, register
+from ..backend import Call, choose, register
 from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, in_layout_of, resolve, run, run_backward
+from ._dispatch import call_of, in_layout_of, resolve, run_backward
 
 __all__ = ["mamba_chunk_scan_combined", "ssd_scan", "ssd_scan_ref"]
 
@@ -195,6 +202,11 @@ def n_chunks(seqlen: int, chunk_size: int) -> int:
 
 
 # -- the custom ops -----------------------------------------------------------------------------------------
+def _skip_weight(D: torch.Tensor) -> torch.Tensor:
+    """``D`` ``(H,)`` or ``(H, P)`` as a weight broadcasting over ``(..., H, P)``."""
+    return D[:, None] if D.dim() == 1 else D
+
+
 @torch.library.custom_op("fastarch::ssd_scan_fwd", mutates_args=())
 def _ssd_scan_fwd(
     x: torch.Tensor,
@@ -202,19 +214,33 @@ def _ssd_scan_fwd(
     A: torch.Tensor,
     B: torch.Tensor,
     C: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    dt_softplus: bool,
+    dt_low: float,
+    dt_high: float,
     initial_states: torch.Tensor | None,
     seq_idx: torch.Tensor | None,
     chunk_size: int,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``dt`` is the effective fp32 step. Returns fp32 (y, final_states, chunk_states)."""
-    y, final, chunk_states = run(OP, "forward", _call(x, B, chunk_size), backend, x, dt, A, B, C,
-                                 initial_states, seq_idx, chunk_size)
+    """``dt`` is raw (the step is :func:`effective_dt` of it); ``x``, ``dt``, ``B``, ``C`` may have any strides;
+    ``D`` and ``dt_bias`` fp32 or None. Returns fp32 (y + D x, final_states, chunk_states)."""
+    impl = choose(OP, _call(x, B, chunk_size), backend)
+    if getattr(impl, "fused_elementwise", False):
+        y, final, chunk_states = impl.forward(x, dt, A, B, C, initial_states, seq_idx, chunk_size, D=D,
+                                              dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=(dt_low, dt_high))
+        return y, final, chunk_states
+    dte = effective_dt(dt, dt_bias, dt_softplus, (dt_low, dt_high)).contiguous()
+    y, final, chunk_states = impl.forward(x.contiguous(), dte, A, B.contiguous(), C.contiguous(), initial_states,
+                                          seq_idx, chunk_size)
+    if D is not None:
+        y = y + x.float() * _skip_weight(D)
     return y, final, chunk_states
 
 
 @_ssd_scan_fwd.register_fake
-def _(x, dt, A, B, C, initial_states, seq_idx, chunk_size, backend):
+def _(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_low, dt_high, initial_states, seq_idx, chunk_size, backend):
     b, L, h, p = x.shape
     n = B.shape[3]
     return (x.new_empty(b, L, h, p, dtype=torch.float32), x.new_empty(b, h, p, n, dtype=torch.float32),
@@ -253,21 +279,39 @@ def _(dy, dfinal, x, dt, A, B, C, initial_states, seq_idx, chunk_states, chunk_s
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, dt, A, B, C, initial_states, seq_idx, chunk_size, backend = inputs
-    ctx.save_for_backward(x, dt, A, B, C, initial_states, seq_idx, output[2])
+    x, dt, A, B, C, D, dt_bias, dt_softplus, dt_low, dt_high, initial_states, seq_idx, chunk_size, backend = inputs
+    ctx.save_for_backward(x, dt, A, B, C, D, dt_bias, initial_states, seq_idx, output[2])
+    ctx.dt_softplus, ctx.dt_limit = dt_softplus, (dt_low, dt_high)
     ctx.chunk_size, ctx.backend = chunk_size, backend
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, dfinal, _dchunk_states):
-    x, dt, A, B, C, initial_states, seq_idx, chunk_states = ctx.saved_tensors
+    x, dt, A, B, C, D, dt_bias, initial_states, seq_idx, chunk_states = ctx.saved_tensors
     if dy is None:
         dy = x.new_zeros(x.shape, dtype=torch.float32)
-    grads = _ssd_scan_bwd(dy.float().contiguous(), dfinal, x, dt, A, B, C, initial_states, seq_idx,
+    dy = dy.float().contiguous()
+    # the steps again, with autograd, to carry their gradient to dt and dt_bias (recomputed, not stored)
+    steps_of = [t.detach().requires_grad_() for t in (dt, dt_bias) if t is not None]
+    with torch.enable_grad():
+        dte = effective_dt(steps_of[0], steps_of[1] if dt_bias is not None else None, ctx.dt_softplus,
+                           ctx.dt_limit)
+    # the backends' backward takes contiguous inputs (the forward may have read strided views)
+    x, B, C = x.contiguous(), B.contiguous(), C.contiguous()
+    grads = _ssd_scan_bwd(dy, dfinal, x, dte.detach().contiguous(), A, B, C, initial_states, seq_idx,
                           chunk_states, ctx.chunk_size, ctx.backend)
-    inputs = (x, dt, A, B, C, initial_states)
-    res = tuple(None if t is None else g.to(t.dtype) for g, t in zip(grads, inputs))
-    return (*res, None, None, None)
+    dx, ddte, dA, dB, dC, dinit = grads
+    step_grads = torch.autograd.grad(dte, steps_of, ddte)
+    ddt = step_grads[0].to(dt.dtype)
+    dbias = step_grads[1].to(dt_bias.dtype) if dt_bias is not None else None
+    dD = None
+    if D is not None:  # y += D x
+        dx = dx + dy * _skip_weight(D)
+        dD = (dy * x.float()).sum((0, 1))
+        dD = (dD.sum(-1) if D.dim() == 1 else dD).to(D.dtype)
+    dinit = None if initial_states is None else dinit.to(initial_states.dtype)
+    return (dx.to(x.dtype), ddt, dA.to(A.dtype), dB.to(B.dtype), dC.to(C.dtype), dD, dbias, None, None, None, dinit,
+            None, None, None)
 
 
 _ssd_scan_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -357,18 +401,19 @@ def ssd_scan(
     if x.numel() == 0 or B.shape[3] == 0:
         return ssd_scan_ref(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens,
                             dt_softplus, dt_limit, return_final_states, return_varlen_states)
-    dte = effective_dt(dt, dt_bias, dt_softplus, dt_limit).contiguous()
     name = resolve(OP, lambda: _call(x, B, chunk_size), backend)
     y, final, chunk_states = _ssd_scan_fwd(
-        x.contiguous(), dte, A.float().contiguous(), B.contiguous(), C.contiguous(),
-        None if initial_states is None else initial_states.float().contiguous(),
+        x, dt, A.float().contiguous(), B, C, None if D is None else D.float().contiguous(),
+        None if dt_bias is None else dt_bias.float().contiguous(), bool(dt_softplus), float(dt_limit[0]),
+        float(dt_limit[1]), None if initial_states is None else initial_states.float().contiguous(),
         None if seq_idx is None else seq_idx.to(torch.int32).contiguous(), chunk_size, name)
-    res: list[torch.Tensor] = [skip_and_gate(y, x, D, z)]
+    res: list[torch.Tensor] = [skip_and_gate(y, x, None, z)]
     if return_final_states:
         res.append(final)
     if return_varlen_states:
         assert cu_seqlens is not None and seq_idx is not None
         with torch.no_grad():
+            dte = effective_dt(dt, dt_bias, dt_softplus, dt_limit)
             res.append(varlen_states(x, dte, A, B, seq_idx, chunk_states, cu_seqlens, chunk_size))
     return res[0] if len(res) == 1 else tuple(res)
 
@@ -529,6 +574,7 @@ def ssd_chunked_backward(dy, dfinal, x, dt, A, B, C, initial_states, seq_idx, ch
 
 class TorchSsdScan(TorchImplementation):
     op = OP
+    fused_elementwise = False  # forward takes contiguous x, B, C and the steps; the op does the rest
     description = "PyTorch chunked SSD (matrix multiplies within chunks, state passing between); analytic backward"
 
     def forward(self, x, dt, A, B, C, initial_states, seq_idx, chunk_size):
@@ -544,18 +590,26 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 
 
 class CppSsdScan(CppImplementation):
-    """The core scan of the module docstring in ``csrc/cpu/ssd_scan.cpp``. ``x``, ``B``, ``C`` (any float dtype)
-    are read as fp32; every output is fp32: ``forward`` returns (y ``(batch, L, H, P)``, final_states
+    """The core scan of the module docstring in ``csrc/cpu/ssd_scan.cpp``. ``x``, ``dt``, ``B``, ``C`` (any float
+    dtype; the forward takes any strides) are read as fp32; the forward's ``dt`` is raw, the steps
+    :func:`effective_dt` of it with ``dt_bias``, ``dt_softplus``, ``dt_limit``; ``D`` (``(H,)`` or ``(H, P)``,
+    optional) adds the skip ``D * x`` to ``y``; every output is fp32: ``forward`` returns (y ``(batch, L, H, P)``, final_states
     ``(batch, H, P, N)``, chunk_states ``(batch, n_chunks, H, P, N)``), ``backward`` the gradients of (x, dt,
     A, B, C, initial_states) in their shapes, None for absent initial states."""
 
     op, extension = OP, "ssd_scan"
+    # forward takes raw dt (bias, softplus, clamp as it reads it), x, dt, B, C through their strides, and adds D x
+    fused_elementwise = True
     limits: dict[str, int] = {}  # any headdim, dstate and chunk_size: scratch is chunk-sized per thread
     description = ("C++: chunked SSD, chunk matrix products on ATen's BLAS in parallel over (batch, chunk, group, "
                    "head block), states passed between chunks; backward recomputes each chunk from its state")
 
-    def forward(self, x, dt, A, B, C, initial_states, seq_idx, chunk_size):
-        return tuple(self.lib.ssd_scan_fwd(_f32(x), _f32(dt), _f32(A), _f32(B), _f32(C),
+    def forward(self, x, dt, A, B, C, initial_states, seq_idx, chunk_size, D=None, dt_bias=None, dt_softplus=False,
+                dt_limit=(0.0, math.inf)):
+        return tuple(self.lib.ssd_scan_fwd(x.float(), dt.float(), _f32(A), B.float(), C.float(),
+                                           None if D is None else _f32(D),
+                                           None if dt_bias is None else _f32(dt_bias), dt_softplus,
+                                           tuple(dt_limit) != (0.0, math.inf), dt_limit[0], dt_limit[1],
                                            None if initial_states is None else _f32(initial_states),
                                            seq_idx, chunk_size))
 
@@ -568,6 +622,7 @@ class CppSsdScan(CppImplementation):
 
 class TritonSsdScan(TritonImplementation):
     op, kernel_module = OP, "ssd_scan"
+    fused_elementwise = False
     limits = {"headdim": 128, "dstate": 256}
     max_state_tile = 128 * 128  # the backward holds a whole (headdim, dstate) tile, padded to powers of two
     description = ("Triton chunked SSD: per-chunk cumsum, state terms and outputs as block matrix products, a "

@@ -21,6 +21,7 @@ _fwd_bwd = mamba1_tests._fwd_bwd
 VOCAB = 101
 KERNEL_ATTRS = ["causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan", "mamba2_selective_state_update",
                 "mamba2_split_conv1d_scan_combined"]
+NORM_CLASSES = ["MambaRMSNormGated", "Mamba2RMSNorm"]
 
 
 @pytest.fixture(autouse=True)
@@ -84,10 +85,37 @@ def test_greedy_generation_identical(kernel_calls):
 def test_register_patches_and_unregister_restores():
     patched = sorted(a for a, f in vars(mm).items() if hasattr(f, "__fastarch_original__"))
     assert patched == sorted(KERNEL_ATTRS)
+    assert all(hasattr(vars(getattr(mm, c))["forward"], "__fastarch_original__") for c in NORM_CLASSES)
     fh.unregister()
     assert all(not hasattr(getattr(mm, a), "__fastarch_original__") for a in KERNEL_ATTRS)
+    assert all(not hasattr(vars(getattr(mm, c))["forward"], "__fastarch_original__") for c in NORM_CLASSES)
     # transformers' own fused stub (no mamba_ssm here) sends the mixer down its unfused path again
     assert mm.mamba2_split_conv1d_scan_combined(torch.zeros(1, 1, 1), None, None, None, None, None, 1) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_norms_run_on_fastarch_and_match(dtype, groups, monkeypatch):
+    """The swapped norm forwards reach fastarch's norm ops and agree with transformers' own forwards."""
+    calls = []
+    for name, fn in (("_rms_norm", fh._rms_norm), ("_rms_norm_gated", fh._rms_norm_gated)):
+        monkeypatch.setattr(fh, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    torch.manual_seed(0)
+    gated, plain = mm.MambaRMSNormGated(64, group_size=64 // groups, eps=1e-5), mm.Mamba2RMSNorm(64, eps=1e-5)
+    for norm in (gated, plain):
+        norm.weight.data.add_(0.3 * torch.randn(64))
+        norm.to(dtype)
+    x, gate = torch.randn(2, 7, 64, dtype=dtype) * 3, torch.randn(2, 7, 64, dtype=dtype)
+    with torch.no_grad():
+        got = gated(x, gate), gated(x), plain(x)
+    assert calls == ["_rms_norm_gated", "_rms_norm_gated", "_rms_norm"]
+    fh.unregister()
+    with torch.no_grad():
+        want = gated(x, gate), gated(x), plain(x)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, **tol)
 
 
 def test_accelerator_tensors_keep_the_real_kernel():

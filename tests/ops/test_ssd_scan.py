@@ -196,12 +196,49 @@ def test_compiles_without_graph_breaks():
                                f(*args, inputs["D"], inputs["dt_bias"]))
 
 
-def test_opcheck():
+@pytest.mark.parametrize("impl", ["torch", "cpp"])
+def test_opcheck(impl):
     from fastarch.ops.ssd_scan import _ssd_scan_fwd
 
     inputs = make(1, 20, H, 8, 2, 8)
-    x, dt, A, B, C = (inputs[k] for k in ("x", "dt", "A", "B", "C"))
-    torch.library.opcheck(_ssd_scan_fwd, (x, dt.abs(), A, B, C, inputs["initial_states"], None, 8, "torch"))
+    x, dt, A, B, C, D = (inputs[k] for k in ("x", "dt", "A", "B", "C", "D"))
+    torch.library.opcheck(_ssd_scan_fwd, (x, dt, A, B, C, D, inputs["dt_bias"], True, 0.0, math.inf,
+                                          inputs["initial_states"], None, 8, impl))
+    torch.library.opcheck(_ssd_scan_fwd, (x, dt, A, B, C, D, None, True, 0.01, 0.5, None, None, 8, impl))
+    torch.library.opcheck(_ssd_scan_fwd, (x, dt.abs(), A, B, C, None, None, False, 0.0, math.inf, None, None, 8,
+                                          impl))
+
+
+@pytest.mark.parametrize("d_per_head,dt_limit", [(False, (0.0, math.inf)), (True, (0.01, 0.5))],
+                         ids=["D-per-head", "D-per-channel-dt-limit"])
+def test_strided_views_of_one_tensor(backend, d_per_head, dt_limit):
+    """Non-contiguous x, B, C (views of one convolution output) and dt (a view of a projection), as Mamba-2
+    passes them (the cpp forward reads them through their strides, forms the steps and adds D x itself):
+    outputs and every gradient as the oracle's."""
+    inputs = make(2, 70, H, 8, 2, 16, d_per_head=d_per_head)
+    dt_wide = torch.cat([inputs["dt"], torch.randn(2, 70, 3)], dim=-1).requires_grad_()
+    dt = dt_wide[..., :H]
+    flat = torch.cat([inputs[k].reshape(2, 70, -1) for k in ("x", "B", "C")], dim=-1)
+    leaf = flat.transpose(1, 2).contiguous().requires_grad_()
+    views = leaf.transpose(1, 2).split([H * 8, 2 * 16, 2 * 16], dim=-1)
+    x, B, C = (v.view(inputs[k].shape) for v, k in zip(views, ("x", "B", "C")))
+    assert not any(t.is_contiguous() for t in (x, B, C))
+    params = {k: inputs[k].clone().requires_grad_() for k in ("A", "D", "dt_bias")}
+    assert not dt.is_contiguous()
+    out = ssd_scan(x, dt, params["A"], B, C, 32, D=params["D"], dt_bias=params["dt_bias"], dt_softplus=True,
+                   dt_limit=dt_limit, backend=backend)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    (out * g).sum().backward()
+    want_in = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
+    want = ssd_scan_ref(want_in["x"], want_in["dt"], want_in["A"], want_in["B"], want_in["C"], D=want_in["D"],
+                        dt_bias=want_in["dt_bias"], dt_softplus=True, dt_limit=dt_limit)
+    (want * g).sum().backward()
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    dflat = torch.cat([want_in[k].grad.reshape(2, 70, -1) for k in ("x", "B", "C")], dim=-1)
+    torch.testing.assert_close(leaf.grad.transpose(1, 2), dflat, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(dt_wide.grad[..., :H], want_in["dt"].grad, rtol=1e-3, atol=1e-3)
+    for k in ("A", "D", "dt_bias"):
+        torch.testing.assert_close(params[k].grad, want_in[k].grad, rtol=1e-3, atol=1e-3, msg=k)
 
 
 def _args(**over):

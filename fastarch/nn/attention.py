@@ -38,7 +38,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.attention import attention, dropout_keep_mask
-from ..ops.linear import CPP_MAX_ROWS, linear
 from ._models_common import check_input, layer_norm
 from .kv_cache import KVCache
 from .linear import Linear
@@ -237,17 +236,7 @@ class Attention(nn.Module):
         if self.fused:
             if key is not query or value is not query:
                 raise ValueError(f"{type(self).__name__}: a fused QKV projection takes self-attention only")
-            qkv = getattr(self, self._names[0])
-            if B * Lq <= CPP_MAX_ROWS or type(qkv) not in (Linear, nn.Linear) or qkv._forward_hooks \
-                    or qkv._forward_pre_hooks:
-                # A decode step reads the fused weight once; a replaced or hooked module runs as it is.
-                q, k, v = qkv(query).view(B, Lq, 3, H, D).unbind(2)
-                return q, k, v
-            # Many rows: one product per row block of the fused weight gives q, k and v as three contiguous
-            # (B, L, E) tensors, not strided views of one (B, L, 3E) output (same parameters).
-            E = self.embed_dim
-            biases = (None, None, None) if qkv.bias is None else qkv.bias.split(E)
-            q, k, v = (linear(query, w, b).view(B, Lq, H, D) for w, b in zip(qkv.weight.split(E), biases))
+            q, k, v = getattr(self, self._names[0])(query).view(B, Lq, 3, H, D).unbind(2)
             return q, k, v
         q, k, v = (getattr(self, n)(t) for n, t in zip(self._names[:3], (query, key, value)))
         Lk = k.shape[1]

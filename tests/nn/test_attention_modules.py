@@ -173,10 +173,10 @@ def test_torch_multihead_wrapper(batch_first):
     torch.testing.assert_close(w_f, w_r)
 
 
-@pytest.mark.parametrize("shape", [(1, 5), (3, 12)])  # a decode-sized call (one product) and a many-row one
+@pytest.mark.parametrize("shape", [(1, 5), (3, 12)])  # a decode-sized call and a many-row one
 def test_fused_qkv_projection_matches_reference_with_gradients(shape):
-    """The fused QKV projection (one product for few rows, one per row block of the weight for many) gives
-    softmax attention of the fused weight's q, k, v, and its gradients, with a causal mask and weights."""
+    """Attention over the fused QKV projection's strided q, k, v views gives softmax attention of the fused
+    weight's q, k, v, and its gradients, with a causal mask and returned weights."""
     torch.manual_seed(0)
     B, L = shape
     E, H = 32, 4
@@ -195,7 +195,7 @@ def test_fused_qkv_projection_matches_reference_with_gradients(shape):
     want = torch.autograd.grad(ref, [x, mod.qkv.weight, mod.qkv.bias], g)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-    # A hook on the projection still runs (the module is called as it is).
+    # The projection runs as a module (its hooks see the fused output).
     seen = []
     mod.qkv.register_forward_hook(lambda m, i, o: seen.append(o.shape))
     torch.testing.assert_close(mod(x, causal=True)[0], ref, rtol=1e-5, atol=1e-5)

@@ -277,8 +277,8 @@ class TransformerBlock(nn.Module):
         self.attention = FusedQKVAttention(embed_dim, num_heads, dropout)
         self.norm1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
         self.dropout1 = nn.Dropout(dropout)
-        self.ffn = nn.Sequential(nn.Linear(embed_dim, ff_dim), gelu_module(activation), nn.Dropout(dropout),
-                                 nn.Linear(ff_dim, embed_dim))
+        self.ffn = nn.Sequential(nn.Linear(embed_dim, ff_dim), gelu_module(activation, inplace=True),
+                                 nn.Dropout(dropout), nn.Linear(ff_dim, embed_dim))
         self.norm2 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
         self.dropout2 = nn.Dropout(dropout)
 

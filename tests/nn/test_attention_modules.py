@@ -171,3 +171,32 @@ def test_torch_multihead_wrapper(batch_first):
     o_f, w_f = ours(q, kv, kv)
     torch.testing.assert_close(o_f, o_r)
     torch.testing.assert_close(w_f, w_r)
+
+
+@pytest.mark.parametrize("shape", [(1, 5), (3, 12)])  # a decode-sized call and a many-row one
+def test_fused_qkv_projection_matches_reference_with_gradients(shape):
+    """Attention over the fused QKV projection's strided q, k, v views gives softmax attention of the fused
+    weight's q, k, v, and its gradients, with a causal mask and returned weights."""
+    torch.manual_seed(0)
+    B, L = shape
+    E, H = 32, 4
+    mod = FA.Attention(E, H, fused=True)
+    x = torch.randn(B, L, E, requires_grad=True)
+    out, w = mod(x, causal=True, need_weights=True)
+    q, k, v = (t.view(B, L, H, E // H).transpose(1, 2) for t in mod.qkv(x).split(E, -1))
+    s = (q @ k.transpose(-2, -1)) * (E // H) ** -0.5
+    s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+    p = s.softmax(-1)
+    ref = mod.out_proj((p @ v).transpose(1, 2).reshape(B, L, E))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w, p, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, [x, mod.qkv.weight, mod.qkv.bias], g)
+    want = torch.autograd.grad(ref, [x, mod.qkv.weight, mod.qkv.bias], g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # The projection runs as a module (its hooks see the fused output).
+    seen = []
+    mod.qkv.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    torch.testing.assert_close(mod(x, causal=True)[0], ref, rtol=1e-5, atol=1e-5)
+    assert seen == [(B, L, 3 * E)]

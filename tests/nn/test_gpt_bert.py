@@ -189,3 +189,35 @@ def test_bert_from_hf_errors(tmp_path):
         bert_from_hf({"foo": torch.zeros(1)})
     with pytest.raises(TypeError):
         bert_from_hf(3)
+
+
+@pytest.mark.parametrize("activation,approximate", [("gelu", "none"), ("gelu_new", "tanh")])
+def test_bert_block_inplace_gelu_matches_out_of_place(activation, approximate):
+    from fastarch.nn._models_common import gelu_module
+
+    act = gelu_module(activation, inplace=True)
+    assert isinstance(act, nn.GELU) and act.approximate == approximate
+    x = torch.randn(4, 16)
+    ref = F.gelu(x, approximate=approximate)
+    # Without autograd the input is overwritten and returned.
+    buf = x.clone()
+    with torch.no_grad():
+        out = act(buf)
+    assert out.data_ptr() == buf.data_ptr() and torch.equal(out, ref)
+    # An input autograd needs is left alone, and the gradient is GELU's.
+    leaf = x.clone().requires_grad_()
+    out = act(leaf)
+    assert out.data_ptr() != leaf.data_ptr() and torch.equal(leaf.detach(), x) and torch.equal(out.detach(), ref)
+    out.sum().backward()
+    leaf_ref = x.clone().requires_grad_()
+    F.gelu(leaf_ref, approximate=approximate).sum().backward()
+    torch.testing.assert_close(leaf.grad, leaf_ref.grad, rtol=0, atol=0)
+    # The block (whose activation is in place) gives the same output with and without autograd, and trains.
+    torch.manual_seed(0)
+    block = fnn.TransformerBlock(32, 4, 64, 0.0, activation=activation).eval()
+    h = torch.randn(2, 6, 32, requires_grad=True)
+    y = block(h)
+    y.square().sum().backward()
+    assert h.grad is not None and all(p.grad is not None for p in block.ffn.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(block(h), y.detach(), rtol=1e-5, atol=1e-5)

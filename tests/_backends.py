@@ -8,7 +8,9 @@ even without a toolchain; a build that fails where a toolchain exists always fai
 from __future__ import annotations
 
 import os
+import platform
 import shutil
+import sys
 
 import pytest
 import torch
@@ -26,6 +28,16 @@ def cpp_required() -> bool:
     if flag is not None:
         return flag.strip().lower() not in ("", "0", "false", "no")
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def import_triton():
+    """triton: a dependency on Linux x86-64, where its absence is a broken install and fails; elsewhere an
+    optional package whose absence skips."""
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        import triton
+
+        return triton
+    return pytest.importorskip("triton", reason="triton is not installed")
 
 
 def devices_present() -> tuple[str, ...]:

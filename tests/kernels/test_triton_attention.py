@@ -12,9 +12,10 @@ import math
 import pytest
 import torch
 
+from tests._backends import import_triton
 from tests._tolerance import assert_fa_close
 
-triton = pytest.importorskip("triton", reason="triton is not installed")
+triton = import_triton()
 
 from fastarch.kernels import attention as A  # noqa: E402
 

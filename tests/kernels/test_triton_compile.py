@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton", reason="triton is not installed")
+from tests._backends import import_triton
+
+import_triton()
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

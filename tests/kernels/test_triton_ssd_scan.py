@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from fastarch.ops.ssd_scan import ssd_chunked, ssd_scan_ref
+from tests._backends import import_triton
 
-triton = pytest.importorskip("triton", reason="triton is not installed")
+triton = import_triton()
 
 from fastarch.kernels import ssd_scan as K  # noqa: E402
 

@@ -8,6 +8,8 @@ Providers per case:
   ``eps`` outside the square root; the guide's interleaved ``apply_rotary``; a composed RMSNorm);
 - ``torch``: ``F.layer_norm`` / ``F.rms_norm`` (fused ATen kernels; note ``F.layer_norm`` computes the
   standard biased-variance LayerNorm, the same amount of work but not the guide's formula);
+- ``rms_norm_gated`` (Mamba-2's gated RMSNorm) against its fp32 composition, and ``linear`` for decode-sized
+  calls (1 and 8 rows) against ``F.linear``;
 - peers (CUDA only): flash-attn's Triton ``layer_norm_fn``/``rms_norm_fn`` and ``apply_rotary_emb``.
 
 The LayerNorm cases use the guide's semantics (``unbiased=True, eps_inside_sqrt=False``) so that fastarch
@@ -152,6 +154,42 @@ def _rotary_case(batch: int, seq: int, heads: int, dim: int, backward: bool, cfg
     )
 
 
+def _gated_case(rows: int, n: int, groups: int, cfg: BenchConfig) -> Case:
+    """Mamba-2's gated, grouped RMSNorm forward (``norm_before_gate=False``) against its fp32 composition."""
+    def inputs() -> list[torch.Tensor]:
+        return [randn(rows, n, cfg=cfg, seed=5), 1 + 0.1 * randn(n, cfg=cfg, seed=6), randn(rows, n, cfg=cfg, seed=7)]
+
+    def run(fn: Callable[..., Any], **kw: Any) -> Callable[[], Any]:
+        return timed_call(lambda x, w, z: fn(x, w, None, z, EPS, n // groups, False, **kw), inputs(), False)
+
+    from fastarch.ops import rms_norm_gated, rms_norm_gated_ref  # a composition on the rms_norm op
+
+    return Case(name=f"rms_norm_gated fwd rows={rows},N={n},groups={groups}",
+                params={"rows": rows, "N": n, "groups": groups}, flops=None, bytes=float(3 * rows * n * 4),
+                providers=[Provider("fastarch", "fastarch", lambda: run(rms_norm_gated)),
+                           Provider("reference", "reference", lambda: run(rms_norm_gated_ref))],
+                group="rms_norm_gated fwd", x="rows", ratios=(Ratio("fastarch", "reference"),))
+
+
+def _linear_case(rows: int, n_in: int, n_out: int, cfg: BenchConfig) -> Case:
+    """``ops.linear`` for a decode-sized call (a few rows: the weight read dominates) against ``F.linear``."""
+    def inputs() -> list[torch.Tensor]:
+        return [randn(rows, n_in, cfg=cfg, seed=8), randn(n_out, n_in, cfg=cfg, seed=9, scale=0.02)]
+
+    def ours(backend: str) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            require_backend("linear", backend, cfg.device, cfg.dtype)
+            op = fastarch_op("linear")
+            return timed_call(lambda x, w: op(x, w, backend=backend), inputs(), False)
+        return setup
+
+    return Case(name=f"linear fwd rows={rows},in={n_in},out={n_out}", params={"rows": rows, "in": n_in, "out": n_out},
+                flops=2.0 * rows * n_in * n_out, bytes=float(n_in * n_out * 4),
+                providers=[Provider("fastarch-cpp", "fastarch", ours("cpp")),
+                           Provider("torch", "torch", lambda: timed_call(F.linear, inputs(), False))],
+                reference="torch", group="linear fwd", x="rows", ratios=(Ratio("fastarch-cpp", "torch"),))
+
+
 def cases(cfg: BenchConfig) -> list[Case]:
     rows_list, widths = _sizes(cfg)
     # Quick mode keeps the sweep only for the headline (LayerNorm fwd+bwd) and the largest size
@@ -176,6 +214,8 @@ def cases(cfg: BenchConfig) -> list[Case]:
     for backward in ((False,) if cfg.quick else (False, True)):
         for seq in seqs:
             out.append(_rotary_case(2, seq, 8, 64, backward, cfg))
+    out.append(_gated_case(64 if cfg.toy else 2048, 128 if cfg.toy else 1536, 1, cfg))
+    out.extend(_linear_case(rows, 128 if cfg.toy else 768, 256 if cfg.toy else 3352, cfg) for rows in (1, 8))
     return out
 
 

@@ -5,7 +5,9 @@ fast tokenizers load): ``model`` (BPE, WordPiece or Unigram), ``normalizer``, ``
 Supported stages are listed in :mod:`fastarch.tokenizers.pipeline`; post-processors ``TemplateProcessing``,
 ``BertProcessing``, ``RobertaProcessing``, ``ByteLevel`` (offsets only: no special tokens), a ``Sequence``
 of ``ByteLevel`` and one of the others, or none. Byte-level BPE (GPT-2, RoBERTa, Llama 3) is a BPE model with
-the ``ByteLevel`` pre-tokenizer and decoder; ``ignore_merges`` is honoured. Added tokens must be special and matched on the raw text (``normalized``,
+the ``ByteLevel`` pre-tokenizer and decoder; ``ignore_merges``, ``fuse_unk``, ``byte_fallback`` (BPE and
+Unigram: an unknown character becomes its ``<0xHH>`` byte tokens, as in Llama 2, Mistral and Gemma) and BPE's
+``dropout`` (see :meth:`~fastarch.tokenizers.BPETokenizer.set_dropout` to seed it) are honoured. Added tokens must be special and matched on the raw text (``normalized``,
 ``lstrip``, ``rstrip`` and ``single_word`` false). Anything else raises :class:`TokenizerFileError` naming it.
 The file's ``truncation`` sets ``model_max_length``; its ``padding`` is ignored (padding is per call).
 """
@@ -49,9 +51,9 @@ def _template_json(tok: BaseTokenizer) -> dict[str, Any]:
 
 def _model_json(tok: BaseTokenizer) -> dict[str, Any]:
     if isinstance(tok, BPETokenizer):
-        return {"type": "BPE", "dropout": None, "unk_token": tok.special_tokens.get("unk_token"),
+        return {"type": "BPE", "dropout": tok.dropout, "unk_token": tok.special_tokens.get("unk_token"),
                 "continuing_subword_prefix": None, "end_of_word_suffix": tok.end_of_word_suffix or None,
-                "fuse_unk": tok.fuse_unk, "byte_fallback": False, "ignore_merges": tok.ignore_merges,
+                "fuse_unk": tok.fuse_unk, "byte_fallback": tok.byte_fallback, "ignore_merges": tok.ignore_merges,
                 "vocab": dict(tok.vocab), "merges": [list(m) for m in tok.merges]}
     if isinstance(tok, WordPieceTokenizer):
         return {"type": "WordPiece", "unk_token": tok.unk_token, "continuing_subword_prefix": tok.prefix,
@@ -59,7 +61,8 @@ def _model_json(tok: BaseTokenizer) -> dict[str, Any]:
     if isinstance(tok, UnigramTokenizer):
         scores = tok.piece_scores()
         return {"type": "Unigram", "unk_id": tok.vocab[tok.unk_token],
-                "vocab": [[t, scores[t]] for t in tok.convert_ids_to_tokens(range(len(tok)))], "byte_fallback": False}
+                "vocab": [[t, scores[t]] for t in tok.convert_ids_to_tokens(range(len(tok)))],
+                "byte_fallback": tok.byte_fallback}
     raise TypeError(f"to_tokenizer_json: argument 'tok' must be a BPE, WordPiece or Unigram tokenizer, "
                     f"got {type(tok).__name__}")
 
@@ -160,14 +163,18 @@ def _templates(p: str, post: Any, vocab: dict[str, int]) -> dict[str, list[tuple
 def _build(p: str, model: dict[str, Any], kind: str, tokens: list[str]) -> BaseTokenizer:
     n = len(tokens)
     if kind == "BPE":
-        for key in ("dropout", "continuing_subword_prefix"):
-            if model.get(key) not in (None, ""):
-                raise TokenizerFileError(f"{p}: BPE {key}={model[key]!r} is not supported")
-        if model.get("byte_fallback"):
-            raise TokenizerFileError(f"{p}: BPE byte_fallback=true is not supported")
+        if model.get("continuing_subword_prefix") not in (None, ""):
+            raise TokenizerFileError(f"{p}: BPE continuing_subword_prefix={model['continuing_subword_prefix']!r} "
+                                     "is not supported")
         bpe = BPETokenizer(n, lowercase=False, unk_token=None, pad_token=None)
+        try:
+            bpe.set_dropout(model.get("dropout"))
+        except ValueError as e:
+            raise TokenizerFileError(f"{p}: BPE 'dropout' must be null or a number in [0, 1], "
+                                     f"got {model.get('dropout')!r}") from e
         bpe.end_of_word_suffix = model.get("end_of_word_suffix") or ""
         bpe.fuse_unk = bool(model.get("fuse_unk", False))
+        bpe.byte_fallback = bool(model.get("byte_fallback", False))
         bpe.ignore_merges = bool(model.get("ignore_merges", False))
         merges = []
         for i, m in enumerate(require(p, model, "merges", list, "a list of merges")):
@@ -184,8 +191,6 @@ def _build(p: str, model: dict[str, Any], kind: str, tokens: list[str]) -> BaseT
                                   max_input_chars_per_word=model.get("max_input_chars_per_word", 100),
                                   prefix=model.get("continuing_subword_prefix", "##"))
     if kind == "Unigram":
-        if model.get("byte_fallback"):
-            raise TokenizerFileError(f"{p}: Unigram byte_fallback=true is not supported")
         unk_id = model.get("unk_id")
         if not isinstance(unk_id, int) or not 0 <= unk_id < n:
             raise TokenizerFileError(f"{p}: Unigram needs an 'unk_id' in [0, {n}), got {unk_id!r}")
@@ -193,6 +198,7 @@ def _build(p: str, model: dict[str, Any], kind: str, tokens: list[str]) -> BaseT
         uni = UnigramTokenizer(n, tokens[unk_id], lowercase=False, pad_token=None,
                                max_piece_length=max(len(t) for t in tokens))
         uni._logp = scores
+        uni.byte_fallback = bool(model.get("byte_fallback", False))
         uni.token_probs = {}
         return uni
     raise TokenizerFileError(f"{p}: model type {kind!r} is not supported (expected BPE, WordPiece or Unigram)")

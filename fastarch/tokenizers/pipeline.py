@@ -282,14 +282,9 @@ def _decode_chain(stage: dict[str, Any], tokens: list[str]) -> list[str]:
         return [t.replace(suffix, "" if i == n - 1 else " ") for i, t in enumerate(tokens)]
     if kind == "Metaspace":
         rep = stage.get("replacement", "\u2581")
-        strip_first = _prepend_scheme(stage) != "never"
-        out = []
-        for i, tok in enumerate(tokens):
-            tok = tok.replace(rep, " ")
-            if i == 0 and strip_first and tok.startswith(" "):
-                tok = tok[1:]
-            out.append(tok)
-        return out
+        # as the library: unless the scheme is "never", the first token loses every replacement character
+        drop_first = _prepend_scheme(stage) != "never"
+        return [tok.replace(rep, "" if i == 0 and drop_first else " ") for i, tok in enumerate(tokens)]
     if kind == "ByteLevel":
         return [bytes_to_text(tokens)]
     if kind == "ByteFallback":

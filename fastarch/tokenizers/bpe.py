@@ -306,7 +306,7 @@ class BPETokenizer(BaseTokenizer):
         if hit is not None:
             return hit
         syms = self._merge(self._initial_symbols(word), None)
-        if len(self._cache) < 100_000:
+        if len(self._cache) < 100_000 and len(word) < 256:  # long texts (no pre-tokenizer) are not kept
             self._cache[word] = syms
         return syms
 

@@ -233,7 +233,7 @@ class BPETokenizer(BaseTokenizer):
         """The symbols merging starts from, as the ``tokenizers`` library builds them: a character outside
         the vocabulary becomes its ``<0xHH>`` byte tokens (``byte_fallback``, when all of them are in the
         vocabulary), else ``unk_token`` (a run of them one unk with ``fuse_unk``), else it is dropped."""
-        vocab = self.vocab
+        vocab = self.model_vocab()
         unk = self.special_tokens.get("unk_token")
         out: list[str] = []
         pending_unk = False
@@ -300,7 +300,7 @@ class BPETokenizer(BaseTokenizer):
         if self.dropout:
             # as the library: with dropout active the cache and ignore_merges are both bypassed
             return self._merge(self._initial_symbols(word), self.dropout)
-        if self.ignore_merges and word in self.vocab:
+        if self.ignore_merges and word in self.model_vocab():
             return [word]
         hit = self._cache.get(word)
         if hit is not None:

@@ -17,7 +17,8 @@ from typing import Any
 from .bert_basic import BasicTokenizer, is_control, is_whitespace
 from .byte_level import bytes_to_text, gpt2_split, text_to_bytes
 
-__all__ = ["UnsupportedStageError", "byte_token", "check_stage", "decode_tokens", "lowercases", "normalize", "pre_tokenize"]
+__all__ = ["UnsupportedStageError", "byte_token", "check_stage", "decode_tokens", "is_word_char", "lowercases",
+           "normalize", "pre_tokenize"]
 
 Stage = dict[str, Any] | None
 
@@ -32,6 +33,11 @@ def _char_class(ch: str) -> int:
     if ch.isalpha() or unicodedata.category(ch) in _WORD_CATEGORIES or ch in "\u200c\u200d":
         return 1
     return 2
+
+
+def is_word_char(ch: str) -> bool:
+    """Whether ``ch`` is a word character as Rust's Unicode ``\\w`` defines it."""
+    return _char_class(ch) == 1
 
 
 def _whitespace_words(text: str) -> list[str]:

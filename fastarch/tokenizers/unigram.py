@@ -102,16 +102,16 @@ class UnigramTokenizer(BaseTokenizer):
         return pieces[::-1], best[n]
 
     def piece_scores(self) -> dict[str, float]:
-        """Scores of every piece of the vocabulary, as the lattice sees them: learned log-probabilities, and
-        0.0 for the special tokens (they are split out of the text before segmentation)."""
+        """Scores of every piece of the model's vocabulary (not :attr:`added_only`), as the lattice sees them:
+        learned log-probabilities, and 0.0 for the special tokens (split out of the text before segmentation)."""
         return dict(self._lattice_scores()[0])
 
     def _lattice_scores(self) -> tuple[dict[str, float], float]:
         """:meth:`piece_scores` (not to be modified) and the unknown-character score, the lowest minus 10."""
-        key = (id(self._logp), len(self._logp), id(self._id_to_token), len(self._id_to_token))
+        key = (id(self._logp), len(self._logp), id(self._id_to_token), len(self._id_to_token), len(self.added_only))
         cached = getattr(self, "_scores_cache", None)
         if cached is None or cached[0] != key:  # rebuilt only when the vocabulary or the model changes
-            scores = {**{t: 0.0 for t in self._id_to_token}, **self._logp}
+            scores = {**{t: 0.0 for t in self._id_to_token if t not in self.added_only}, **self._logp}
             cached = (key, scores, min(scores.values(), default=0.0) - 10.0)
             self._scores_cache = cached
         return cached[1], cached[2]

@@ -181,7 +181,7 @@ def test_bad_byte_fallback_files_are_refused(refuse):
     refused(lambda d: d.update(decoder={"type": "Strip", "content": " ", "start": "x", "stop": 0}), "malformed")
     refused(lambda d: d["model"].update(dropout=-0.1), "dropout")
     refused(lambda d: d["model"].update(dropout="0.1"), "dropout")
-    refused(lambda d: d["added_tokens"][1].update(lstrip=True), "lstrip")
+    refused(lambda d: d["added_tokens"][1].update(normalized=True), "normalized=true and the normalizer changes it")
 
 
 # ---- BPE-dropout ----------------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ from .pipeline import byte_token
 __all__ = ["BPETokenizer"]
 
 EOW = "</w>"
+# symbol lists up to this long are merged by rescanning their pairs (see BPETokenizer._merge_short)
+_SCAN_SYMBOLS = 24
 
 
 class BPETokenizer(BaseTokenizer):
@@ -263,6 +265,8 @@ class BPETokenizer(BaseTokenizer):
         ones return to the queue after the next merge that is not dropped."""
         ranks = self._ranks
         n = len(syms)
+        if not dropout and n <= _SCAN_SYMBOLS:
+            return self._merge_short(syms)
         sym: list[str | None] = list(syms)
         nxt = list(range(1, n)) + [-1]
         prv = list(range(-1, n - 1))
@@ -292,6 +296,22 @@ class BPETokenizer(BaseTokenizer):
                 if k != -1 and nxt[k] != -1 and (r := ranks.get((sym[k], sym[nxt[k]]))) is not None:  # type: ignore
                     heapq.heappush(heap, (r, k, sym[k] + sym[nxt[k]]))  # type: ignore[operator]
         return [s for s in sym if s is not None]
+
+    def _merge_short(self, syms: list[str]) -> list[str]:
+        """:meth:`_merge` without dropout for a short symbol list, where rescanning the pairs is cheaper than a
+        queue: merge the leftmost occurrence of the lowest-ranked pair until no pair has a merge."""
+        ranks = self._ranks
+        syms = list(syms)
+        while len(syms) > 1:
+            best_rank, best = None, -1
+            for i in range(len(syms) - 1):
+                r = ranks.get((syms[i], syms[i + 1]))
+                if r is not None and (best_rank is None or r < best_rank):
+                    best_rank, best = r, i
+            if best < 0:
+                break
+            syms[best:best + 2] = [syms[best] + syms[best + 1]]
+        return syms
 
     def _bpe(self, word: str) -> list[str]:
         """One word as token strings: its initial symbols merged, pair by pair, in merge order."""

@@ -279,3 +279,31 @@ def test_dropout_is_reproducible_with_a_seed(tmp_path, llama_json):
         native["dropout"] = 2
         (tmp_path / "bad.json").write_text(json.dumps(native), encoding="utf-8")
         load_tokenizer(tmp_path / "bad.json")
+
+
+# ---- merge order --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(4))
+def test_merge_order_matches_the_library_on_random_merge_lists(tmp_path, monkeypatch, seed):
+    """Random merge lists over a small alphabet, in random order (a merge may use a token that a later merge
+    makes, as in SentencePiece-converted files), on random words short and long: the library's queue order
+    (lowest rank, then leftmost) is reproduced by both the rescanning path for short words and the queue."""
+    import fastarch.tokenizers.bpe as bpe_module
+
+    rng = random.Random(seed)
+    tokens, merges = list("abcd"), []
+    while len(merges) < 40:
+        a, b = rng.choice(tokens), rng.choice(tokens)
+        if (a, b) not in merges and len(a + b) <= 6:
+            merges.append((a, b))
+            if a + b not in tokens:
+                tokens.append(a + b)
+    rng.shuffle(merges)
+    hf = tk.Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer_json(tmp_path / "tokenizer.json")
+    words = ["".join(rng.choice("abcd") for _ in range(rng.randint(1, 60))) for _ in range(300)]
+    for scan in (bpe_module._SCAN_SYMBOLS, 0):  # 0: every word through the queue
+        monkeypatch.setattr(bpe_module, "_SCAN_SYMBOLS", scan)
+        tok._cache = {}
+        for w in words:
+            assert tok.tokenize(w) == hf.encode(w).tokens, (scan, w)

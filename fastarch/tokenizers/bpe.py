@@ -32,6 +32,7 @@ __all__ = ["BPETokenizer"]
 EOW = "</w>"
 # symbol lists up to this long are merged by rescanning their pairs (see BPETokenizer._merge_short)
 _SCAN_SYMBOLS = 24
+_NO_MERGE = 1 << 62  # the rank of a pair without a merge
 
 
 class BPETokenizer(BaseTokenizer):
@@ -300,17 +301,20 @@ class BPETokenizer(BaseTokenizer):
     def _merge_short(self, syms: list[str]) -> list[str]:
         """:meth:`_merge` without dropout for a short symbol list, where rescanning the pairs is cheaper than a
         queue: merge the leftmost occurrence of the lowest-ranked pair until no pair has a merge."""
-        ranks = self._ranks
+        ranks, none = self._ranks, _NO_MERGE
         syms = list(syms)
-        while len(syms) > 1:
-            best_rank, best = None, -1
-            for i in range(len(syms) - 1):
-                r = ranks.get((syms[i], syms[i + 1]))
-                if r is not None and (best_rank is None or r < best_rank):
-                    best_rank, best = r, i
-            if best < 0:
+        pair_ranks = [ranks.get(p, none) for p in zip(syms, syms[1:])]  # pair_ranks[i]: syms[i], syms[i + 1]
+        while pair_ranks:
+            best = min(pair_ranks)
+            if best == none:
                 break
-            syms[best:best + 2] = [syms[best] + syms[best + 1]]
+            i = pair_ranks.index(best)  # the leftmost occurrence
+            syms[i:i + 2] = [syms[i] + syms[i + 1]]
+            del pair_ranks[i]
+            if i > 0:
+                pair_ranks[i - 1] = ranks.get((syms[i - 1], syms[i]), none)
+            if i < len(pair_ranks):
+                pair_ranks[i] = ranks.get((syms[i], syms[i + 1]), none)
         return syms
 
     def _bpe(self, word: str) -> list[str]:

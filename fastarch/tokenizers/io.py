@@ -95,6 +95,7 @@ class BaseTokenizer:
         self.additional_special_tokens: list[str] = []
         # Options of added tokens (ADDED_TOKEN_FLAGS) where they differ from a plain special token's; an entry
         # with special=False is an added token that is not special (split out of the text, kept by decode).
+        # Replace an entry to change it (the matchers are rebuilt when an entry changes identity and value).
         self.added_token_flags: dict[str, dict[str, bool]] = {}
         self._special_re: tuple[Any, _Matcher, _Matcher] | None = None  # the matchers of _added_matchers
         # Tokens that only the added tokens have (a tokenizer.json's added tokens missing from its model's
@@ -209,9 +210,11 @@ class BaseTokenizer:
     def _added_matchers(self) -> tuple[_Matcher, _Matcher]:
         """Matchers of the added tokens found in the raw text and of those found in the normalized text (their
         normalized spelling), rebuilt when the added tokens or the normalizer change."""
-        added = self.added_tokens()
-        key = (repr(added), repr(self.normalizer))
+        # cheap to compare on every call (the same objects compare by identity); an entry of added_token_flags
+        # or the normalizer is replaced, not edited in place
+        key = (tuple(self._specials_in_order()), tuple(self.added_token_flags.items()), self.normalizer, self.vocab)
         if self._special_re is None or self._special_re[0] != key:
+            added = self.added_tokens()
             raw = {t: (t, f) for t, f in reversed(added) if not f["normalized"]}
             norm = {n: (t, f) for t, f in reversed(added) if f["normalized"] and (n := normalize(self.normalizer, t))}
             self._special_re = (key, _matcher(raw), _matcher(norm))

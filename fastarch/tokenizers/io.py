@@ -396,14 +396,15 @@ class BaseTokenizer:
             if templates is not None:
                 tok.templates = {k: [(str(item), int(t)) for item, t in templates[k]] for k in ("single", "pair")}
             tok.model_max_length = pipeline.get("model_max_length")
+        known = set(vocab)
         flags = data.get("added_token_flags", {})  # absent from files written before added tokens had options
         if not isinstance(flags, dict) or not all(
-                isinstance(t, str) and t in vocab and isinstance(f, dict)
+                isinstance(t, str) and t in known and isinstance(f, dict)
                 and all(k in ADDED_TOKEN_FLAGS and isinstance(v, bool) for k, v in f.items()) for t, f in flags.items()):
             raise _fail(p, f"field 'added_token_flags' must map tokens of the vocabulary to {{option: bool}} with "
                            f"options among {ADDED_TOKEN_FLAGS}")
         added_only = data.get("added_only", [])
-        if not isinstance(added_only, list) or not all(isinstance(t, str) and t in vocab for t in added_only):
+        if not isinstance(added_only, list) or not all(isinstance(t, str) and t in known for t in added_only):
             raise _fail(p, "field 'added_only' must be a list of tokens of the vocabulary")
         tok.special_tokens = dict(specials)
         tok.additional_special_tokens = list(extra)

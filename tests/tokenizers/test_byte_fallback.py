@@ -37,7 +37,7 @@ PROBE = [
     " ",
     "   ",
     "",
-    "lines\nand\ttabs\n",
+    "lines\nand\ttabs\n\n\n<table>x</table>",
     "inline <s> specials </s>glued<unk>",
     "literal <0x41> and <0xZZ> and ▁ and ▁▁x",
     "CAFÉ naïve e\u0301 Привет مرحبا",
@@ -95,6 +95,21 @@ def _mistral_bpe():
     return _template(_with_byte_tokens(t))
 
 
+def _gemma_bpe():
+    """Gemma's layout: the normalizer only replaces spaces (no "▁" prepended), the decoder has no Strip, and
+    non-special added tokens (HTML tags, whitespace runs) are matched on the raw text."""
+    from tokenizers import AddedToken
+
+    t = tk.Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    t.normalizer = normalizers.Replace(" ", SPACE)
+    t.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    t.train_from_iterator(TRAIN, trainers.BpeTrainer(vocab_size=260, special_tokens=SPECIALS, limit_alphabet=40))
+    t = _template(_with_byte_tokens(t))
+    t.add_tokens([AddedToken("<table>", normalized=False), AddedToken("\n\n", normalized=False),
+                  AddedToken(SPACE * 2, normalized=False)])
+    return t
+
+
 def _unigram_fallback():
     t = tk.Tokenizer(models.Unigram())
     t.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
@@ -114,8 +129,8 @@ def _partial_bytes():
     return tk.Tokenizer.from_str(json.dumps(data))
 
 
-HF_BUILDERS = {"llama2_bpe": _llama2_bpe, "mistral_bpe": _mistral_bpe, "unigram": _unigram_fallback,
-               "partial_bytes": _partial_bytes}
+HF_BUILDERS = {"llama2_bpe": _llama2_bpe, "mistral_bpe": _mistral_bpe, "gemma_bpe": _gemma_bpe,
+               "unigram": _unigram_fallback, "partial_bytes": _partial_bytes}
 
 
 @pytest.mark.parametrize("name", sorted(HF_BUILDERS))

@@ -2,10 +2,11 @@
 
 Each stage is described by the JSON object the ``tokenizers`` library writes (``{"type": "Lowercase"}``,
 ``{"type": "Metaspace", "replacement": "▁", ...}``), so a tokenizer's pipeline is saved and loaded as is.
-Supported: normalizers ``BertNormalizer Lowercase NFC NFD NFKC NFKD Strip Replace Prepend Sequence``;
+Supported: normalizers ``BertNormalizer Lowercase NFC NFD NFKC NFKD Nmt Strip Replace Prepend Sequence``;
 pre-tokenizers ``BertPreTokenizer Whitespace WhitespaceSplit Metaspace ByteLevel Split Sequence``; decoders
 ``WordPiece BPEDecoder Metaspace ByteLevel ByteFallback Fuse Strip Replace Sequence`` (what SentencePiece-style
-files such as Llama 2's and Mistral's use: ``Replace`` "▁" by " ", ``ByteFallback``, ``Fuse``, ``Strip``). Any other stage raises :class:`UnsupportedStageError` naming it.
+files such as Llama 2's and Mistral's use: ``Replace`` "▁" by " ", ``ByteFallback``, ``Fuse``, ``Strip``).
+Any other stage raises :class:`UnsupportedStageError` naming it.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ def _whitespace_words(text: str) -> list[str]:
     return out
 
 
+# The Nmt normalizer (SentencePiece's NMT rules): control characters removed, some spaces and marks made a space
+_NMT = {**{c: None for c in [*range(0x01, 0x09), 0x0B, *range(0x0E, 0x20), 0x7F, 0x8F, 0x9F]},
+        **{c: " " for c in [0x09, 0x0A, 0x0C, 0x0D, 0x1680, *range(0x200B, 0x2010), 0x2028, 0x2029, 0x2581, 0xFEFF,
+                            0xFFFD]}}
+
+
 class UnsupportedStageError(ValueError):
     """A ``tokenizer.json`` pipeline stage that fastarch does not implement."""
 
@@ -102,6 +109,8 @@ def normalize(stage: Stage, text: str) -> str:
     if kind == "Replace":
         content = stage["content"]
         return _regex(stage["pattern"], "Replace normalizer").sub(lambda _: content, text)
+    if kind == "Nmt":
+        return text.translate(_NMT)
     if kind == "Prepend":
         return stage["prepend"] + text if text else text
     if kind == "BertNormalizer":

@@ -110,6 +110,29 @@ def _gemma_bpe():
     return t
 
 
+def _sentencepiece_implementations(kind):
+    """The library's own SentencePiece-style builders (NFKC, Metaspace), given byte tokens and byte_fallback."""
+    from tokenizers.implementations import SentencePieceBPETokenizer, SentencePieceUnigramTokenizer
+
+    if kind == "bpe":
+        t = SentencePieceBPETokenizer(fuse_unk=True)
+        t.train_from_iterator(TRAIN, vocab_size=260, special_tokens=SPECIALS, limit_alphabet=40, show_progress=False)
+    else:
+        t = SentencePieceUnigramTokenizer()
+        t.train_from_iterator(TRAIN, vocab_size=150, special_tokens=SPECIALS, unk_token="<unk>", show_progress=False)
+    t = _with_byte_tokens(t)
+    t.decoder = decoders.Sequence([decoders.ByteFallback(), json_decoder(t)])
+    return _template(t)
+
+
+def json_decoder(t):
+    """The library decoder ``t`` has now, rebuilt (to put it in a Sequence)."""
+    spec = json.loads(t.to_str())["decoder"]
+    assert spec["type"] == "Metaspace"
+    return decoders.Metaspace(replacement=spec["replacement"], prepend_scheme=spec["prepend_scheme"],
+                              split=spec["split"])
+
+
 def _unigram_fallback():
     t = tk.Tokenizer(models.Unigram())
     t.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
@@ -130,7 +153,9 @@ def _partial_bytes():
 
 
 HF_BUILDERS = {"llama2_bpe": _llama2_bpe, "mistral_bpe": _mistral_bpe, "gemma_bpe": _gemma_bpe,
-               "unigram": _unigram_fallback, "partial_bytes": _partial_bytes}
+               "unigram": _unigram_fallback, "partial_bytes": _partial_bytes,
+               "sp_bpe_builder": lambda: _sentencepiece_implementations("bpe"),
+               "sp_unigram_builder": lambda: _sentencepiece_implementations("unigram")}
 
 
 @pytest.mark.parametrize("name", sorted(HF_BUILDERS))
@@ -187,6 +212,17 @@ def test_sentencepiece_decoders_match_the_library():
             if spec.get("type") == "Strip" and any(len(t) < spec["start"] + spec["stop"] for t in tokens):
                 continue  # the library panics when the cuts overlap or pass the token's end
             assert decode_tokens(spec, tokens) == stage.decode(tokens), (spec, tokens)
+
+
+def test_nmt_normalizer_matches_the_library():
+    """Every code point, alone (the rules are per character) and in a text."""
+    from fastarch.tokenizers.pipeline import normalize
+
+    nmt = normalizers.Nmt()
+    chars = "".join(chr(c) for c in range(0x110000) if not 0xD800 <= c < 0xE000)
+    assert normalize({"type": "Nmt"}, chars) == nmt.normalize_str(chars)
+    for text in PROBE + ["a\tb\x01c\u2581d\u200b\ufeffe\r\n"]:
+        assert normalize({"type": "Nmt"}, text) == nmt.normalize_str(text), text
 
 
 def test_bad_byte_fallback_files_are_refused(refuse):

@@ -268,7 +268,7 @@ def load_tokenizer_json(path: str | os.PathLike[str]) -> BaseTokenizer:
     tok.added_only = {t for t, _ in added.values() if t not in model_vocab}
     tok.special_tokens = roles
     tok.additional_special_tokens = extra
-    tok._special_re = None
+    tok._added_cache = None
     tok.normalizer = data.get("normalizer")
     tok.pre_tokenizer = data.get("pre_tokenizer")
     tok.decoder = data.get("decoder")

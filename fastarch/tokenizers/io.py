@@ -93,11 +93,11 @@ class BaseTokenizer:
         self._id_to_token: list[str] = []
         self.special_tokens: dict[str, str] = {}
         self.additional_special_tokens: list[str] = []
-        # Options of added tokens (ADDED_TOKEN_FLAGS) where they differ from a plain special token's; an entry
-        # with special=False is an added token that is not special (split out of the text, kept by decode).
-        # Replace an entry to change it (the matchers are rebuilt when an entry changes identity and value).
+        # Options of added tokens (ADDED_TOKEN_FLAGS; a missing one takes a plain special token's value). An
+        # entry with special=False is an added token that is not special (split out of the text, kept by
+        # decode). Replace an entry to change it: the matchers are rebuilt when an entry is another object.
         self.added_token_flags: dict[str, dict[str, bool]] = {}
-        self._special_re: tuple[Any, _Matcher, _Matcher] | None = None  # the matchers of _added_matchers
+        self._added_cache: tuple[Any, _Matcher, _Matcher] | None = None  # the matchers of _added_matchers
         # Tokens that only the added tokens have (a tokenizer.json's added tokens missing from its model's
         # vocabulary): the model never produces them.
         self.added_only: set[str] = set()
@@ -126,13 +126,13 @@ class BaseTokenizer:
             raise ValueError(f"{type(self).__name__}: duplicate tokens in the vocabulary: {dup}")
         self._id_to_token = list(tokens)
         self.vocab = {t: i for i, t in enumerate(tokens)}
-        self._special_re = None
+        self._added_cache = None
 
     def model_vocab(self) -> dict[str, int]:
         """The vocabulary the model segments words into: :attr:`vocab` without :attr:`added_only`."""
         if not self.added_only:
             return self.vocab
-        key = (id(self.vocab), len(self.vocab), id(self.added_only), len(self.added_only))
+        key = (self.vocab, len(self.vocab), self.added_only, len(self.added_only))  # the same objects: identity
         cached = getattr(self, "_model_vocab_cache", None)
         if cached is None or cached[0] != key:
             cached = (key, {t: i for t, i in self.vocab.items() if t not in self.added_only})
@@ -213,12 +213,12 @@ class BaseTokenizer:
         # cheap to compare on every call (the same objects compare by identity); an entry of added_token_flags
         # or the normalizer is replaced, not edited in place
         key = (tuple(self._specials_in_order()), tuple(self.added_token_flags.items()), self.normalizer, self.vocab)
-        if self._special_re is None or self._special_re[0] != key:
+        if self._added_cache is None or self._added_cache[0] != key:
             added = self.added_tokens()
             raw = {t: (t, f) for t, f in reversed(added) if not f["normalized"]}
             norm = {n: (t, f) for t, f in reversed(added) if f["normalized"] and (n := normalize(self.normalizer, t))}
-            self._special_re = (key, _matcher(raw), _matcher(norm))
-        return self._special_re[1], self._special_re[2]
+            self._added_cache = (key, _matcher(raw), _matcher(norm))
+        return self._added_cache[1], self._added_cache[2]
 
     def _words(self, text: str, at_start: bool = True) -> list[str]:
         """Normalization and pre-tokenization: ``text`` as the words that :meth:`_segment` splits.
@@ -249,7 +249,8 @@ class BaseTokenizer:
                 if token is not None:
                     out.append(token)
                 else:
-                    out += [t for w in pre_tokenize(self.pre_tokenizer, sub, i == 0 and j == 0) for t in self._segment(w)]
+                    words = pre_tokenize(self.pre_tokenizer, sub, i == 0 and j == 0)
+                    out += [t for w in words for t in self._segment(w)]
         return out
 
     def _default_template(self, pair: bool) -> list[tuple[str, int]]:
@@ -400,7 +401,8 @@ class BaseTokenizer:
         flags = data.get("added_token_flags", {})  # absent from files written before added tokens had options
         if not isinstance(flags, dict) or not all(
                 isinstance(t, str) and t in known and isinstance(f, dict)
-                and all(k in ADDED_TOKEN_FLAGS and isinstance(v, bool) for k, v in f.items()) for t, f in flags.items()):
+                and all(k in ADDED_TOKEN_FLAGS and isinstance(v, bool) for k, v in f.items())
+                for t, f in flags.items()):
             raise _fail(p, f"field 'added_token_flags' must map tokens of the vocabulary to {{option: bool}} with "
                            f"options among {ADDED_TOKEN_FLAGS}")
         added_only = data.get("added_only", [])

@@ -18,16 +18,21 @@ Deviations from the guide:
 from __future__ import annotations
 
 import heapq
+import random
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .byte_level import BYTE_TO_CHAR
 from .io import BaseTokenizer, TokenizerFileError, require
+from .pipeline import byte_token
 
 __all__ = ["BPETokenizer"]
 
 EOW = "</w>"
+# symbol lists up to this long are merged by rescanning their pairs (see BPETokenizer._merge_short)
+_SCAN_SYMBOLS = 24
+_NO_MERGE = 1 << 62  # the rank of a pair without a merge
 
 
 class BPETokenizer(BaseTokenizer):
@@ -45,12 +50,18 @@ class BPETokenizer(BaseTokenizer):
             :mod:`fastarch.tokenizers.byte_level`).
         add_prefix_space: with ``byte_level``, put a space before text that does not start with one, so a
             first word is spelled as it is after a space.
+        dropout: BPE-dropout probability for encoding (``None``: deterministic); see :meth:`set_dropout`,
+            which also seeds it.
+
+    Attributes read from ``tokenizer.json`` files: ``fuse_unk`` (a run of unknown characters is one
+    ``unk_token``), ``byte_fallback`` (an unknown character is spelled by its ``<0xHH>`` byte tokens, as in
+    Llama 2 and Mistral) and ``ignore_merges`` (a word that is a token is kept whole).
     """
 
     def __init__(self, vocab_size: int = 1000, *, lowercase: bool = True, unk_token: str | None = "<unk>",
                  pad_token: str | None = "<pad>", bos_token: str | None = None, eos_token: str | None = None,
                  additional_special_tokens: Sequence[str] = (), byte_level: bool = False,
-                 add_prefix_space: bool = False) -> None:
+                 add_prefix_space: bool = False, dropout: float | None = None) -> None:
         super().__init__()
         self._configure(vocab_size, lowercase, pad_token=pad_token, unk_token=unk_token, bos_token=bos_token,
                         eos_token=eos_token)
@@ -66,6 +77,9 @@ class BPETokenizer(BaseTokenizer):
             stage = {"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": True, "use_regex": True}
             self.pre_tokenizer, self.decoder, self.end_of_word_suffix = stage, dict(stage), ""
         self.fuse_unk = False
+        # a character outside the vocabulary becomes its <0xHH> byte tokens (Llama 2, Mistral)
+        self.byte_fallback = False
+        self.set_dropout(dropout)
         # a word that is itself a token is kept whole, without merging (Llama 3's tokenizer.json sets it)
         self.ignore_merges = False
         self.merges: list[tuple[str, str]] = []
@@ -207,61 +221,127 @@ class BPETokenizer(BaseTokenizer):
         self._cache = {}
 
     # ---- encoding ---------------------------------------------------------------------------------------
+    def set_dropout(self, dropout: float | None, seed: int | None = None) -> None:
+        """BPE-dropout (Provilkov et al., 2020): while encoding, each merge the queue offers is skipped with
+        probability ``dropout``, so one text gets varied segmentations (for training). ``None`` or 0
+        encodes deterministically. ``seed`` seeds the generator, for reproducible draws."""
+        if dropout is not None and (isinstance(dropout, bool) or not isinstance(dropout, (int, float))
+                                    or not 0.0 <= dropout <= 1.0):
+            raise ValueError(f"BPETokenizer.set_dropout: argument 'dropout' must be None or a float in [0, 1], "
+                             f"got {dropout!r}")
+        self.dropout = None if dropout is None else float(dropout)
+        self.dropout_rng = random.Random(seed)
+
+    def _initial_symbols(self, word: str) -> list[str]:
+        """The symbols merging starts from, as the ``tokenizers`` library builds them: a character outside
+        the vocabulary becomes its ``<0xHH>`` byte tokens (``byte_fallback``, when all of them are in the
+        vocabulary), else ``unk_token`` (a run of them one unk with ``fuse_unk``), else it is dropped."""
+        vocab = self.model_vocab()
+        unk = self.special_tokens.get("unk_token")
+        out: list[str] = []
+        pending_unk = False
+        for s in self._symbols(word):
+            if s in vocab:
+                if pending_unk:
+                    out.append(unk)  # type: ignore[arg-type]
+                    pending_unk = False
+                out.append(s)
+                continue
+            if self.byte_fallback:
+                pieces = [byte_token(b) for b in s.encode("utf-8")]
+                if all(p in vocab for p in pieces):
+                    out.extend(pieces)  # a pending unk stays pending across them, as in the library
+                    continue
+            if unk:
+                if pending_unk and not self.fuse_unk:
+                    out.append(unk)
+                pending_unk = True
+        if pending_unk:
+            out.append(unk)  # type: ignore[arg-type]
+        return out
+
+    def _merge(self, syms: list[str], dropout: float | None) -> list[str]:
+        """Apply the merges to a symbol list: a queue of candidate merges, lowest rank first and leftmost
+        among equals. With ``dropout`` each popped merge is set aside with that probability; the set-aside
+        ones return to the queue after the next merge that is not dropped."""
+        ranks = self._ranks
+        n = len(syms)
+        if not dropout and n <= _SCAN_SYMBOLS:
+            return self._merge_short(syms)
+        sym: list[str | None] = list(syms)
+        nxt = list(range(1, n)) + [-1]
+        prv = list(range(-1, n - 1))
+        # entries (rank, position, merged token); an entry is still valid while its pair makes that token
+        heap = [(r, i, a + b) for i, (a, b) in enumerate(zip(syms, syms[1:])) if (r := ranks.get((a, b))) is not None]
+        heapq.heapify(heap)
+        skipped: list[tuple[int, int, str]] = []
+        rng = self.dropout_rng
+        while heap:
+            entry = heapq.heappop(heap)
+            if dropout and rng.random() < dropout:
+                skipped.append(entry)
+                continue
+            for old in skipped:
+                heapq.heappush(heap, old)
+            skipped.clear()
+            _, i, new = entry
+            left, j = sym[i], nxt[i]
+            if left is None or j == -1 or (left, sym[j]) not in ranks or left + sym[j] != new:  # type: ignore
+                continue  # stale entry: a merge since it was queued changed this pair
+            sym[i] = new
+            sym[j] = None
+            nxt[i] = nxt[j]
+            if nxt[i] != -1:
+                prv[nxt[i]] = i
+            for k in (prv[i], i):
+                if k != -1 and nxt[k] != -1 and (r := ranks.get((sym[k], sym[nxt[k]]))) is not None:  # type: ignore
+                    heapq.heappush(heap, (r, k, sym[k] + sym[nxt[k]]))  # type: ignore[operator]
+        return [s for s in sym if s is not None]
+
+    def _merge_short(self, syms: list[str]) -> list[str]:
+        """:meth:`_merge` without dropout for a short symbol list, where rescanning the pairs is cheaper than a
+        queue: merge the leftmost occurrence of the lowest-ranked pair until no pair has a merge."""
+        ranks, none = self._ranks, _NO_MERGE
+        syms = list(syms)
+        pair_ranks = [ranks.get(p, none) for p in zip(syms, syms[1:])]  # pair_ranks[i]: syms[i], syms[i + 1]
+        while pair_ranks:
+            best = min(pair_ranks)
+            if best == none:
+                break
+            i = pair_ranks.index(best)  # the leftmost occurrence
+            syms[i:i + 2] = [syms[i] + syms[i + 1]]
+            del pair_ranks[i]
+            if i > 0:
+                pair_ranks[i - 1] = ranks.get((syms[i - 1], syms[i]), none)
+            if i < len(pair_ranks):
+                pair_ranks[i] = ranks.get((syms[i], syms[i + 1]), none)
+        return syms
+
     def _bpe(self, word: str) -> list[str]:
-        """Apply the merges to one word: repeatedly merge the adjacent pair learned earliest."""
+        """One word as token strings: its initial symbols merged, pair by pair, in merge order."""
+        if not word:
+            return []
+        if self.dropout:
+            # as the library: with dropout active the cache and ignore_merges are both bypassed
+            return self._merge(self._initial_symbols(word), self.dropout)
+        if self.ignore_merges and word in self.model_vocab():
+            return [word]
         hit = self._cache.get(word)
         if hit is not None:
             return hit
-        if self.ignore_merges and word in self.vocab:
-            return [word]
-        syms = self._symbols(word)
-        if not self.special_tokens.get("unk_token"):
-            # as the tokenizers library: without an unk token, symbols outside the vocabulary are dropped
-            # before merging (a byte-level vocabulary without the full byte alphabet, say)
-            syms = [s for s in syms if s in self.vocab]
-        ranks = self._ranks
-        while len(syms) > 1:
-            best_rank, best = None, None
-            for p in zip(syms, syms[1:]):
-                r = ranks.get(p)
-                if r is not None and (best_rank is None or r < best_rank):
-                    best_rank, best = r, p
-            if best is None:
-                break
-            a, b = best
-            out: list[str] = []
-            j = 0
-            while j < len(syms):
-                if j < len(syms) - 1 and syms[j] == a and syms[j + 1] == b:
-                    out.append(a + b)
-                    j += 2
-                else:
-                    out.append(syms[j])
-                    j += 1
-            syms = out
-        if len(self._cache) < 100_000:
+        syms = self._merge(self._initial_symbols(word), None)
+        if len(self._cache) < 100_000 and len(word) < 256:  # long texts (no pre-tokenizer) are not kept
             self._cache[word] = syms
         return syms
 
     def _segment(self, word: str) -> list[str]:
-        pieces = self._bpe(word)
-        if not self.fuse_unk:
-            return pieces
-        unk = self.special_tokens.get("unk_token")
-        out: list[str] = []
-        for p in pieces:
-            if p not in self.vocab:
-                p = unk or p
-                if out and out[-1] == p:
-                    continue  # consecutive unknown symbols become one unk
-            out.append(p)
-        return out
+        return self._bpe(word)
 
     # ---- persistence ------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         return {"vocab_size": self.vocab_size, "lowercase": self.lowercase, "merges": [list(p) for p in self.merges],
                 "end_of_word_suffix": self.end_of_word_suffix, "fuse_unk": self.fuse_unk,
-                "ignore_merges": self.ignore_merges}
+                "ignore_merges": self.ignore_merges, "byte_fallback": self.byte_fallback, "dropout": self.dropout}
 
     @classmethod
     def _from_state(cls, path: str, data: dict[str, Any]) -> BPETokenizer:
@@ -282,8 +362,13 @@ class BPETokenizer(BaseTokenizer):
         tok.end_of_word_suffix = data.get("end_of_word_suffix", EOW)
         tok.fuse_unk = data.get("fuse_unk", False)
         tok.ignore_merges = data.get("ignore_merges", False)
-        if not isinstance(tok.end_of_word_suffix, str) or not isinstance(tok.fuse_unk, bool) \
-                or not isinstance(tok.ignore_merges, bool):
-            raise TokenizerFileError(f"{path}: 'end_of_word_suffix' must be a string, 'fuse_unk' and "
-                                     "'ignore_merges' bools")
+        tok.byte_fallback = data.get("byte_fallback", False)
+        if not isinstance(tok.end_of_word_suffix, str) or not all(
+                isinstance(f, bool) for f in (tok.fuse_unk, tok.ignore_merges, tok.byte_fallback)):
+            raise TokenizerFileError(f"{path}: 'end_of_word_suffix' must be a string, 'fuse_unk', 'ignore_merges' "
+                                     "and 'byte_fallback' bools")
+        try:
+            tok.set_dropout(data.get("dropout"))
+        except ValueError as e:
+            raise TokenizerFileError(f"{path}: {e}") from None
         return tok

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import unicodedata
 
-__all__ = ["BYTE_TO_CHAR", "CHAR_TO_BYTE", "bytes_to_text", "gpt2_split", "text_to_bytes"]
+__all__ = ["BYTE_TO_CHAR", "CHAR_TO_BYTE", "WHITE_SPACE", "bytes_to_text", "gpt2_split", "text_to_bytes"]
 
 
 def _byte_to_char() -> dict[int, str]:
@@ -38,14 +38,14 @@ CHAR_TO_BYTE: dict[str, int] = {c: b for b, c in BYTE_TO_CHAR.items()}
 
 # Unicode's White_Space property (what ``\s`` matches in the tokenizers library's regex engine); note that
 # Python's str.isspace also accepts U+001C..U+001F, which ``\s`` does not.
-_WHITE_SPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
+WHITE_SPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000"
                          + "".join(chr(c) for c in range(0x2000, 0x200B)))
 _CONTRACTIONS = ("'s", "'t", "'re", "'ve", "'m", "'ll", "'d")
 
 
 def _kind(ch: str) -> str:
     """``"s"`` whitespace, ``"L"`` letter, ``"N"`` number, ``"o"`` anything else."""
-    if ch in _WHITE_SPACE:
+    if ch in WHITE_SPACE:
         return "s"
     major = unicodedata.category(ch)[0]
     return major if major in ("L", "N") else "o"

@@ -5,8 +5,15 @@ fast tokenizers load): ``model`` (BPE, WordPiece or Unigram), ``normalizer``, ``
 Supported stages are listed in :mod:`fastarch.tokenizers.pipeline`; post-processors ``TemplateProcessing``,
 ``BertProcessing``, ``RobertaProcessing``, ``ByteLevel`` (offsets only: no special tokens), a ``Sequence``
 of ``ByteLevel`` and one of the others, or none. Byte-level BPE (GPT-2, RoBERTa, Llama 3) is a BPE model with
-the ``ByteLevel`` pre-tokenizer and decoder; ``ignore_merges`` is honoured. Added tokens must be special and matched on the raw text (``normalized``,
-``lstrip``, ``rstrip`` and ``single_word`` false). Anything else raises :class:`TokenizerFileError` naming it.
+the ``ByteLevel`` pre-tokenizer and decoder; ``ignore_merges``, ``fuse_unk``, ``byte_fallback`` (BPE and
+Unigram: an unknown character becomes its ``<0xHH>`` byte tokens, as in Llama 2, Mistral and Gemma) and BPE's
+``dropout`` (see :meth:`~fastarch.tokenizers.BPETokenizer.set_dropout` to seed it) are honoured.
+
+Added tokens, special or not, are split out of the text as the library does (see
+:meth:`~fastarch.tokenizers.BaseTokenizer.tokenize_with_specials`), with their ``single_word``, ``lstrip``,
+``rstrip`` and ``normalized`` options; a ``normalized`` token must be left unchanged by the normalizer (the
+library would match and return its normalized spelling). Added tokens missing from the model's vocabulary are
+never produced by the model (``added_only``). Anything else raises :class:`TokenizerFileError` naming it.
 The file's ``truncation`` sets ``model_max_length``; its ``padding`` is ignored (padding is per call).
 """
 
@@ -17,8 +24,8 @@ import os
 from typing import Any
 
 from .bpe import BPETokenizer
-from .io import BaseTokenizer, TokenizerFileError, atomic_write_text, read_json, require
-from .pipeline import UnsupportedStageError, check_stage, lowercases
+from .io import ADDED_TOKEN_FLAGS, BaseTokenizer, TokenizerFileError, atomic_write_text, read_json, require
+from .pipeline import UnsupportedStageError, check_stage, lowercases, normalize
 from .unigram import UnigramTokenizer
 from .wordpiece import WordPieceTokenizer
 
@@ -48,18 +55,23 @@ def _template_json(tok: BaseTokenizer) -> dict[str, Any]:
 
 
 def _model_json(tok: BaseTokenizer) -> dict[str, Any]:
+    vocab = tok.model_vocab()
     if isinstance(tok, BPETokenizer):
-        return {"type": "BPE", "dropout": None, "unk_token": tok.special_tokens.get("unk_token"),
+        return {"type": "BPE", "dropout": tok.dropout, "unk_token": tok.special_tokens.get("unk_token"),
                 "continuing_subword_prefix": None, "end_of_word_suffix": tok.end_of_word_suffix or None,
-                "fuse_unk": tok.fuse_unk, "byte_fallback": False, "ignore_merges": tok.ignore_merges,
-                "vocab": dict(tok.vocab), "merges": [list(m) for m in tok.merges]}
+                "fuse_unk": tok.fuse_unk, "byte_fallback": tok.byte_fallback, "ignore_merges": tok.ignore_merges,
+                "vocab": dict(vocab), "merges": [list(m) for m in tok.merges]}
     if isinstance(tok, WordPieceTokenizer):
         return {"type": "WordPiece", "unk_token": tok.unk_token, "continuing_subword_prefix": tok.prefix,
-                "max_input_chars_per_word": tok.max_input_chars_per_word, "vocab": dict(tok.vocab)}
+                "max_input_chars_per_word": tok.max_input_chars_per_word, "vocab": dict(vocab)}
     if isinstance(tok, UnigramTokenizer):
         scores = tok.piece_scores()
+        if sorted(vocab.values()) != list(range(len(vocab))):
+            raise ValueError("to_tokenizer_json: a Unigram model's pieces must have the ids 0..n-1, before the "
+                             f"added-only tokens; got added-only tokens {sorted(tok.added_only)} among them")
         return {"type": "Unigram", "unk_id": tok.vocab[tok.unk_token],
-                "vocab": [[t, scores[t]] for t in tok.convert_ids_to_tokens(range(len(tok)))], "byte_fallback": False}
+                "vocab": [[t, scores[t]] for t in tok.convert_ids_to_tokens(range(len(vocab)))],
+                "byte_fallback": tok.byte_fallback}
     raise TypeError(f"to_tokenizer_json: argument 'tok' must be a BPE, WordPiece or Unigram tokenizer, "
                     f"got {type(tok).__name__}")
 
@@ -67,8 +79,7 @@ def _model_json(tok: BaseTokenizer) -> dict[str, Any]:
 def to_tokenizer_json(tok: BaseTokenizer) -> dict[str, Any]:
     """The ``tokenizer.json`` object of ``tok``."""
     tok._require_vocab()
-    added = [{"id": tok.vocab[t], "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for t in tok.all_special_tokens if t in tok.vocab]
+    added = [{"id": tok.vocab[t], "content": t, **flags} for t, flags in tok.added_tokens()]
     truncation = None
     if tok.model_max_length is not None:
         truncation = {"direction": "Right", "max_length": tok.model_max_length, "strategy": "LongestFirst",
@@ -88,18 +99,23 @@ def save_tokenizer_json(tok: BaseTokenizer, path: str | os.PathLike[str]) -> Non
 
 
 # ---- reading ------------------------------------------------------------------------------------------------
-def _added_tokens(p: str, data: dict[str, Any]) -> dict[int, str]:
-    out: dict[int, str] = {}
+def _added_tokens(p: str, data: dict[str, Any]) -> dict[int, tuple[str, dict[str, bool]]]:
+    """``{id: (content, flags)}`` of the file's added tokens."""
+    out: dict[int, tuple[str, dict[str, bool]]] = {}
     for i, a in enumerate(require(p, data, "added_tokens", list, "a list of added tokens")):
         if not isinstance(a, dict) or not isinstance(a.get("content"), str) or not isinstance(a.get("id"), int):
             raise TokenizerFileError(f"{p}: added token {i} must have an int 'id' and a str 'content', got {a!r}")
-        if not a.get("special", False):
-            raise TokenizerFileError(f"{p}: added token {a['content']!r} is not special; only special added "
-                                     "tokens are supported")
-        for flag in ("normalized", "lstrip", "rstrip", "single_word"):
-            if a.get(flag, False):
-                raise TokenizerFileError(f"{p}: added token {a['content']!r} has {flag}=true, which is not supported")
-        out[a["id"]] = a["content"]
+        # the library's defaults for a field left out
+        flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": not a.get("special", False),
+                 "special": False}
+        for flag in ADDED_TOKEN_FLAGS:
+            flags[flag] = a.get(flag, flags[flag])
+            if not isinstance(flags[flag], bool):
+                raise TokenizerFileError(f"{p}: added token {a['content']!r} field '{flag}' must be a bool, "
+                                         f"got {flags[flag]!r}")
+        if not a["content"]:
+            raise TokenizerFileError(f"{p}: added token {i} has an empty 'content'")
+        out[a["id"]] = (a["content"], flags)
     return out
 
 
@@ -160,14 +176,18 @@ def _templates(p: str, post: Any, vocab: dict[str, int]) -> dict[str, list[tuple
 def _build(p: str, model: dict[str, Any], kind: str, tokens: list[str]) -> BaseTokenizer:
     n = len(tokens)
     if kind == "BPE":
-        for key in ("dropout", "continuing_subword_prefix"):
-            if model.get(key) not in (None, ""):
-                raise TokenizerFileError(f"{p}: BPE {key}={model[key]!r} is not supported")
-        if model.get("byte_fallback"):
-            raise TokenizerFileError(f"{p}: BPE byte_fallback=true is not supported")
+        if model.get("continuing_subword_prefix") not in (None, ""):
+            raise TokenizerFileError(f"{p}: BPE continuing_subword_prefix={model['continuing_subword_prefix']!r} "
+                                     "is not supported")
         bpe = BPETokenizer(n, lowercase=False, unk_token=None, pad_token=None)
+        try:
+            bpe.set_dropout(model.get("dropout"))
+        except ValueError as e:
+            raise TokenizerFileError(f"{p}: BPE 'dropout' must be null or a number in [0, 1], "
+                                     f"got {model.get('dropout')!r}") from e
         bpe.end_of_word_suffix = model.get("end_of_word_suffix") or ""
         bpe.fuse_unk = bool(model.get("fuse_unk", False))
+        bpe.byte_fallback = bool(model.get("byte_fallback", False))
         bpe.ignore_merges = bool(model.get("ignore_merges", False))
         merges = []
         for i, m in enumerate(require(p, model, "merges", list, "a list of merges")):
@@ -184,8 +204,6 @@ def _build(p: str, model: dict[str, Any], kind: str, tokens: list[str]) -> BaseT
                                   max_input_chars_per_word=model.get("max_input_chars_per_word", 100),
                                   prefix=model.get("continuing_subword_prefix", "##"))
     if kind == "Unigram":
-        if model.get("byte_fallback"):
-            raise TokenizerFileError(f"{p}: Unigram byte_fallback=true is not supported")
         unk_id = model.get("unk_id")
         if not isinstance(unk_id, int) or not 0 <= unk_id < n:
             raise TokenizerFileError(f"{p}: Unigram needs an 'unk_id' in [0, {n}), got {unk_id!r}")
@@ -193,6 +211,7 @@ def _build(p: str, model: dict[str, Any], kind: str, tokens: list[str]) -> BaseT
         uni = UnigramTokenizer(n, tokens[unk_id], lowercase=False, pad_token=None,
                                max_piece_length=max(len(t) for t in tokens))
         uni._logp = scores
+        uni.byte_fallback = bool(model.get("byte_fallback", False))
         uni.token_probs = {}
         return uni
     raise TokenizerFileError(f"{p}: model type {kind!r} is not supported (expected BPE, WordPiece or Unigram)")
@@ -223,7 +242,7 @@ def load_tokenizer_json(path: str | os.PathLike[str]) -> BaseTokenizer:
         if not all(isinstance(i, int) for i in model_vocab.values()):
             raise TokenizerFileError(f"{p}: model 'vocab' ids must be ints")
     added = _added_tokens(p, data)
-    tokens = _vocab_list(p, model_vocab, added)
+    tokens = _vocab_list(p, model_vocab, {i: t for i, (t, _) in added.items()})
     tok = _build(p, model, kind, tokens)
     tok._set_vocab(tokens)
     unk = tokens[model["unk_id"]] if kind == "Unigram" else model.get("unk_token")
@@ -232,16 +251,24 @@ def load_tokenizer_json(path: str | os.PathLike[str]) -> BaseTokenizer:
     roles: dict[str, str] = {"unk_token": unk} if unk else {}
     extra: list[str] = []
     for i in sorted(added):
-        t = added[i]
+        t, flags = added[i]
+        if flags["normalized"] and (n := normalize(data.get("normalizer"), t)) != t:
+            # the library then matches the normalized spelling and gives it back as the token's string
+            raise TokenizerFileError(f"{p}: added token {t!r} has normalized=true and the normalizer changes it "
+                                     f"to {n!r}, which is not supported")
+        tok.added_token_flags[t] = flags
+        if not flags["special"]:
+            continue
         role = next((r for r, names in _ROLE_SPELLINGS.items() if t in names and r in type(tok).SPECIAL_ROLES
                      and r not in roles), None)
         if role is not None:
             roles[role] = t
         elif t != unk:
             extra.append(t)
+    tok.added_only = {t for t, _ in added.values() if t not in model_vocab}
     tok.special_tokens = roles
     tok.additional_special_tokens = extra
-    tok._special_re = None
+    tok._added_cache = None
     tok.normalizer = data.get("normalizer")
     tok.pre_tokenizer = data.get("pre_tokenizer")
     tok.decoder = data.get("decoder")

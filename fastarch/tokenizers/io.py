@@ -10,11 +10,19 @@ from typing import Any
 
 from .._files import atomic_write
 from .batch import Encoding, batch_encode
-from .pipeline import check_stage, clean_up_tokenization, decode_tokens, normalize, pre_tokenize
+from .byte_level import WHITE_SPACE
+from .pipeline import check_stage, clean_up_tokenization, decode_tokens, is_word_char, normalize, pre_tokenize
 
 __all__ = ["BaseTokenizer", "TokenizerFileError", "atomic_write_text", "load_tokenizer"]
 
 FORMAT_VERSION = 1
+
+#: the options of an added token (``tokenizer.json``'s names), and their values for a plain special token
+ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
+_SPECIAL_DEFAULT = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+
+# the added tokens matched in a text: a regex of their spellings (None: none) and spelling -> (token, flags)
+_Matcher = tuple["re.Pattern[str] | None", dict[str, tuple[str, dict[str, bool]]]]
 
 # class name -> tokenizer class, filled as subclasses of BaseTokenizer are defined
 _TOKENIZER_TYPES: dict[str, type[BaseTokenizer]] = {}
@@ -85,7 +93,14 @@ class BaseTokenizer:
         self._id_to_token: list[str] = []
         self.special_tokens: dict[str, str] = {}
         self.additional_special_tokens: list[str] = []
-        self._special_re: re.Pattern[str] | None = None
+        # Options of added tokens (ADDED_TOKEN_FLAGS; a missing one takes a plain special token's value). An
+        # entry with special=False is an added token that is not special (split out of the text, kept by
+        # decode). Replace an entry to change it: the matchers are rebuilt when an entry is another object.
+        self.added_token_flags: dict[str, dict[str, bool]] = {}
+        self._added_cache: tuple[Any, _Matcher, _Matcher] | None = None  # the matchers of _added_matchers
+        # Tokens that only the added tokens have (a tokenizer.json's added tokens missing from its model's
+        # vocabulary): the model never produces them.
+        self.added_only: set[str] = set()
         # The text pipeline as tokenizer.json stages (see pipeline.py); subclasses set their defaults.
         self.normalizer: dict[str, Any] | None = None
         self.pre_tokenizer: dict[str, Any] | None = None
@@ -111,7 +126,18 @@ class BaseTokenizer:
             raise ValueError(f"{type(self).__name__}: duplicate tokens in the vocabulary: {dup}")
         self._id_to_token = list(tokens)
         self.vocab = {t: i for i, t in enumerate(tokens)}
-        self._special_re = None
+        self._added_cache = None
+
+    def model_vocab(self) -> dict[str, int]:
+        """The vocabulary the model segments words into: :attr:`vocab` without :attr:`added_only`."""
+        if not self.added_only:
+            return self.vocab
+        key = (self.vocab, len(self.vocab), self.added_only, len(self.added_only))  # the same objects: identity
+        cached = getattr(self, "_model_vocab_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, {t: i for t, i in self.vocab.items() if t not in self.added_only})
+            self._model_vocab_cache = cached
+        return cached[1]
 
     def _specials_in_order(self) -> list[str]:
         out = [self.special_tokens[r] for r in self.SPECIAL_ROLES if self.special_tokens.get(r)]
@@ -172,19 +198,27 @@ class BaseTokenizer:
             raise ValueError(f"{type(self).__name__}: tokenizer not trained yet (call train() or load())")
 
     # ---- text <-> ids -----------------------------------------------------------------------------------
-    def _split_on_specials(self, text: str) -> list[tuple[str, bool]]:
-        """Split ``text`` around special tokens written literally in it (they are never broken up)."""
-        specials = [t for t in self._specials_in_order() if t in self.vocab]
-        if not specials:
-            return [(text, False)]
-        if self._special_re is None:
-            alts = "|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True))
-            self._special_re = re.compile(f"({alts})")
-        parts: list[tuple[str, bool]] = []
-        for i, piece in enumerate(self._special_re.split(text)):
-            if piece:
-                parts.append((piece, i % 2 == 1))
-        return parts
+    def added_tokens(self) -> list[tuple[str, dict[str, bool]]]:
+        """The tokens split out of the text before the model sees it, with their options (ADDED_TOKEN_FLAGS):
+        the special tokens, then the added tokens that are not special."""
+        out = [(t, {**_SPECIAL_DEFAULT, **self.added_token_flags.get(t, {}), "special": True})
+               for t in self._specials_in_order() if t in self.vocab]
+        out += [(t, {**_SPECIAL_DEFAULT, **f}) for t, f in self.added_token_flags.items()
+                if not f.get("special", True) and t in self.vocab]
+        return out
+
+    def _added_matchers(self) -> tuple[_Matcher, _Matcher]:
+        """Matchers of the added tokens found in the raw text and of those found in the normalized text (their
+        normalized spelling), rebuilt when the added tokens or the normalizer change."""
+        # cheap to compare on every call (the same objects compare by identity); an entry of added_token_flags
+        # or the normalizer is replaced, not edited in place
+        key = (tuple(self._specials_in_order()), tuple(self.added_token_flags.items()), self.normalizer, self.vocab)
+        if self._added_cache is None or self._added_cache[0] != key:
+            added = self.added_tokens()
+            raw = {t: (t, f) for t, f in reversed(added) if not f["normalized"]}
+            norm = {n: (t, f) for t, f in reversed(added) if f["normalized"] and (n := normalize(self.normalizer, t))}
+            self._added_cache = (key, _matcher(raw), _matcher(norm))
+        return self._added_cache[1], self._added_cache[2]
 
     def _words(self, text: str, at_start: bool = True) -> list[str]:
         """Normalization and pre-tokenization: ``text`` as the words that :meth:`_segment` splits.
@@ -201,10 +235,22 @@ class BaseTokenizer:
         return [t for w in self._words(text, at_start) for t in self._segment(w)]
 
     def tokenize_with_specials(self, text: str) -> list[str]:
+        """Token strings of ``text``, with the added tokens written in it, as the ``tokenizers`` library does:
+        the tokens matched on the raw text are split out first, then each other piece is normalized, the
+        tokens matched on normalized text are split out of it, and the rest is pre-tokenized and segmented."""
         self._require_vocab()
+        raw, norm = self._added_matchers()
         out: list[str] = []
-        for i, (piece, special) in enumerate(self._split_on_specials(text)):
-            out.extend([piece] if special else self.tokenize(piece, at_start=i == 0))
+        for i, (piece, token) in enumerate(split_added(text, raw)):
+            if token is not None:
+                out.append(token)
+                continue
+            for j, (sub, token) in enumerate(split_added(normalize(self.normalizer, piece), norm)):
+                if token is not None:
+                    out.append(token)
+                else:
+                    words = pre_tokenize(self.pre_tokenizer, sub, i == 0 and j == 0)
+                    out += [t for w in words for t in self._segment(w)]
         return out
 
     def _default_template(self, pair: bool) -> list[tuple[str, int]]:
@@ -298,6 +344,8 @@ class BaseTokenizer:
         return {"type": type(self).__name__, "version": FORMAT_VERSION, "vocab": list(self._id_to_token),
                 "special_tokens": dict(self.special_tokens),
                 "additional_special_tokens": list(self.additional_special_tokens),
+                "added_token_flags": {t: dict(f) for t, f in self.added_token_flags.items()},
+                "added_only": sorted(self.added_only),
                 "pipeline": {"normalizer": self.normalizer, "pre_tokenizer": self.pre_tokenizer, "decoder": self.decoder,
                              "templates": self.templates, "model_max_length": self.model_max_length}}
 
@@ -349,10 +397,60 @@ class BaseTokenizer:
             if templates is not None:
                 tok.templates = {k: [(str(item), int(t)) for item, t in templates[k]] for k in ("single", "pair")}
             tok.model_max_length = pipeline.get("model_max_length")
+        known = set(vocab)
+        flags = data.get("added_token_flags", {})  # absent from files written before added tokens had options
+        if not isinstance(flags, dict) or not all(
+                isinstance(t, str) and t in known and isinstance(f, dict)
+                and all(k in ADDED_TOKEN_FLAGS and isinstance(v, bool) for k, v in f.items())
+                for t, f in flags.items()):
+            raise _fail(p, f"field 'added_token_flags' must map tokens of the vocabulary to {{option: bool}} with "
+                           f"options among {ADDED_TOKEN_FLAGS}")
+        added_only = data.get("added_only", [])
+        if not isinstance(added_only, list) or not all(isinstance(t, str) and t in known for t in added_only):
+            raise _fail(p, "field 'added_only' must be a list of tokens of the vocabulary")
         tok.special_tokens = dict(specials)
         tok.additional_special_tokens = list(extra)
+        tok.added_token_flags = {t: dict(f) for t, f in flags.items()}
+        tok.added_only = set(added_only)
         tok._set_vocab(vocab)
         return tok
+
+
+def _matcher(spellings: dict[str, tuple[str, dict[str, bool]]]) -> _Matcher:
+    if not spellings:
+        return None, spellings
+    # longest first: at a position the longest spelling wins, as the library's leftmost-longest matching
+    return re.compile("|".join(re.escape(s) for s in sorted(spellings, key=len, reverse=True))), spellings
+
+
+def split_added(text: str, matcher: _Matcher) -> list[tuple[str, str | None]]:
+    """``text`` as non-empty pieces ``(piece, added token or None)``. A match of a ``single_word`` token with a
+    word character next to it is not one; ``lstrip`` / ``rstrip`` tokens take the whitespace on their left /
+    right into their piece (the library's rules)."""
+    regex, spellings = matcher
+    if regex is None:
+        return [(text, None)] if text else []
+    out: list[tuple[str, str | None]] = []
+    prev = 0
+    for m in regex.finditer(text):
+        start, stop = m.span()
+        token, flags = spellings[m.group()]
+        if flags["single_word"] and ((start > 0 and is_word_char(text[start - 1]))
+                                     or (stop < len(text) and is_word_char(text[stop]))):
+            continue
+        if flags["lstrip"]:
+            while start > prev and text[start - 1] in WHITE_SPACE:
+                start -= 1
+        if flags["rstrip"]:
+            while stop < len(text) and text[stop] in WHITE_SPACE:
+                stop += 1
+        if prev < start:
+            out.append((text[prev:start], None))
+        out.append((text[start:stop], token))
+        prev = stop
+    if prev < len(text):
+        out.append((text[prev:], None))
+    return out
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> BaseTokenizer:

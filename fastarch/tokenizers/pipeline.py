@@ -2,9 +2,11 @@
 
 Each stage is described by the JSON object the ``tokenizers`` library writes (``{"type": "Lowercase"}``,
 ``{"type": "Metaspace", "replacement": "▁", ...}``), so a tokenizer's pipeline is saved and loaded as is.
-Supported: normalizers ``BertNormalizer Lowercase NFC NFD NFKC NFKD Strip Replace Prepend Sequence``;
+Supported: normalizers ``BertNormalizer Lowercase NFC NFD NFKC NFKD Nmt Strip Replace Prepend Sequence``;
 pre-tokenizers ``BertPreTokenizer Whitespace WhitespaceSplit Metaspace ByteLevel Split Sequence``; decoders
-``WordPiece BPEDecoder Metaspace ByteLevel``. Any other stage raises :class:`UnsupportedStageError` naming it.
+``WordPiece BPEDecoder Metaspace ByteLevel ByteFallback Fuse Strip Replace Sequence`` (what SentencePiece-style
+files such as Llama 2's and Mistral's use: ``Replace`` "▁" by " ", ``ByteFallback``, ``Fuse``, ``Strip``).
+Any other stage raises :class:`UnsupportedStageError` naming it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 from .bert_basic import BasicTokenizer, is_control, is_whitespace
 from .byte_level import bytes_to_text, gpt2_split, text_to_bytes
 
-__all__ = ["UnsupportedStageError", "check_stage", "decode_tokens", "lowercases", "normalize", "pre_tokenize"]
+__all__ = ["UnsupportedStageError", "byte_token", "check_stage", "decode_tokens", "is_word_char", "lowercases",
+           "normalize", "pre_tokenize"]
 
 Stage = dict[str, Any] | None
 
@@ -33,6 +36,11 @@ def _char_class(ch: str) -> int:
     return 2
 
 
+def is_word_char(ch: str) -> bool:
+    """Whether ``ch`` is a word character as Rust's Unicode ``\\w`` defines it."""
+    return _char_class(ch) == 1
+
+
 def _whitespace_words(text: str) -> list[str]:
     """The ``Whitespace`` pre-tokenizer: runs of word characters and runs of other non-space characters
     (the pattern ``\\w+|[^\\w\\s]+`` with Unicode classes)."""
@@ -47,6 +55,12 @@ def _whitespace_words(text: str) -> list[str]:
     if cur:
         out.append(text[start:])
     return out
+
+
+# The Nmt normalizer (SentencePiece's NMT rules): control characters removed, some spaces and marks made a space
+_NMT = {**{c: None for c in [*range(0x01, 0x09), 0x0B, *range(0x0E, 0x20), 0x7F, 0x8F, 0x9F]},
+        **{c: " " for c in [0x09, 0x0A, 0x0C, 0x0D, 0x1680, *range(0x200B, 0x2010), 0x2028, 0x2029, 0x2581, 0xFEFF,
+                            0xFFFD]}}
 
 
 class UnsupportedStageError(ValueError):
@@ -95,6 +109,8 @@ def normalize(stage: Stage, text: str) -> str:
     if kind == "Replace":
         content = stage["content"]
         return _regex(stage["pattern"], "Replace normalizer").sub(lambda _: content, text)
+    if kind == "Nmt":
+        return text.translate(_NMT)
     if kind == "Prepend":
         return stage["prepend"] + text if text else text
     if kind == "BertNormalizer":
@@ -216,11 +232,57 @@ def clean_up_tokenization(text: str) -> str:
     return text
 
 
-def decode_tokens(stage: Stage, tokens: list[str]) -> str:
-    """Join token strings into text with a decoder described by its ``tokenizer.json`` object."""
-    if stage is None:
-        return " ".join(tokens)
+_BYTE_TOKEN = re.compile(r"<0x(\+[0-9a-fA-F]|[0-9a-fA-F]{2})>")
+
+
+def byte_token(byte: int) -> str:
+    """The vocabulary token that stands for one byte in byte-fallback models: ``<0x41>`` for ``A``."""
+    return f"<0x{byte:02X}>"
+
+
+def _byte_fallback(tokens: list[str]) -> list[str]:
+    """The ``ByteFallback`` decoder: each run of ``<0xHH>`` tokens becomes its UTF-8 text, or one U+FFFD per
+    byte when the run is not valid UTF-8; other tokens pass through."""
+    out: list[str] = []
+    run = bytearray()
+    for tok in [*tokens, None]:
+        m = _BYTE_TOKEN.fullmatch(tok) if tok is not None else None
+        if m is not None:
+            run.append(int(m.group(1), 16))
+            continue
+        if run:
+            try:
+                out.append(run.decode("utf-8"))
+            except UnicodeDecodeError:
+                out.extend("\ufffd" * len(run))
+            run.clear()
+        if tok is not None:
+            out.append(tok)
+    return out
+
+
+def _strip(stage: dict[str, Any], tokens: list[str]) -> list[str]:
+    """The ``Strip`` decoder: up to ``start`` leading and ``stop`` trailing ``content`` characters off each token."""
+    content, start, stop = stage["content"], int(stage["start"]), int(stage["stop"])
+    out = []
+    for tok in tokens:
+        i = 0
+        while i < min(start, len(tok)) and tok[i] == content:
+            i += 1
+        j = len(tok)
+        while j > i and len(tok) - j < stop and tok[j - 1] == content:
+            j -= 1
+        out.append(tok[i:j])
+    return out
+
+
+def _decode_chain(stage: dict[str, Any], tokens: list[str]) -> list[str]:
+    """One decoder over the token strings, as the library chains them: a list of strings for the next one."""
     kind = stage.get("type")
+    if kind == "Sequence":
+        for sub in stage["decoders"]:
+            tokens = _decode_chain(sub, tokens)
+        return tokens
     if kind == "WordPiece":
         prefix, cleanup = stage.get("prefix", "##"), stage.get("cleanup", True)
         out = []
@@ -228,24 +290,36 @@ def decode_tokens(stage: Stage, tokens: list[str]) -> str:
             if i:
                 tok = tok[len(prefix):] if tok.startswith(prefix) else " " + tok
             out.append(clean_up_tokenization(tok) if cleanup else tok)
-        return "".join(out)
+        return out
     if kind == "BPEDecoder":
         suffix = stage.get("suffix", "</w>")
         n = len(tokens)
-        return "".join(t.replace(suffix, "" if i == n - 1 else " ") for i, t in enumerate(tokens))
+        return [t.replace(suffix, "" if i == n - 1 else " ") for i, t in enumerate(tokens)]
     if kind == "Metaspace":
         rep = stage.get("replacement", "\u2581")
-        strip_first = _prepend_scheme(stage) != "never"
-        out = []
-        for i, tok in enumerate(tokens):
-            tok = tok.replace(rep, " ")
-            if i == 0 and strip_first and tok.startswith(" "):
-                tok = tok[1:]
-            out.append(tok)
-        return "".join(out)
+        # as the library: unless the scheme is "never", the first token loses every replacement character
+        drop_first = _prepend_scheme(stage) != "never"
+        return [tok.replace(rep, "" if i == 0 and drop_first else " ") for i, tok in enumerate(tokens)]
     if kind == "ByteLevel":
-        return bytes_to_text(tokens)
+        return [bytes_to_text(tokens)]
+    if kind == "ByteFallback":
+        return _byte_fallback(tokens)
+    if kind == "Fuse":
+        return ["".join(tokens)]
+    if kind == "Strip":
+        return _strip(stage, tokens)
+    if kind == "Replace":
+        pattern, content = _regex(stage["pattern"], "Replace decoder"), stage["content"]
+        return [pattern.sub(lambda _: content, t) for t in tokens]
     raise UnsupportedStageError(f"decoder {kind!r} is not supported")
+
+
+def decode_tokens(stage: Stage, tokens: list[str]) -> str:
+    """Join token strings into text with a decoder described by its ``tokenizer.json`` object (``None``: the
+    tokens joined by spaces, as the library does)."""
+    if stage is None:
+        return " ".join(tokens)
+    return "".join(_decode_chain(stage, tokens))
 
 
 def check_stage(stage: Stage, role: str) -> None:
@@ -264,7 +338,7 @@ def check_stage(stage: Stage, role: str) -> None:
             decode_tokens(stage, ["a", "b"])
     except UnsupportedStageError:
         raise
-    except (KeyError, TypeError, AttributeError, re.error) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, re.error) as e:
         raise UnsupportedStageError(f"{role} {stage.get('type')!r} is malformed ({type(e).__name__}: {e})") from None
 
 

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from .io import BaseTokenizer, TokenizerFileError, require
+from .pipeline import byte_token
 
 __all__ = ["UnigramTokenizer"]
 
@@ -59,6 +60,8 @@ class UnigramTokenizer(BaseTokenizer):
         self.em_iterations = em_iterations
         self.token_probs: dict[str, float] = {}
         self._logp: dict[str, float] = {}
+        # an unknown character run becomes its <0xHH> byte tokens instead of unk_token (tokenizer.json files)
+        self.byte_fallback = False
         # Whitespace runs collapse and every word starts with the boundary marker.
         self.normalizer = {"type": "Sequence", "normalizers": [
             {"type": "Replace", "pattern": {"Regex": r"\s+"}, "content": " "},
@@ -99,16 +102,16 @@ class UnigramTokenizer(BaseTokenizer):
         return pieces[::-1], best[n]
 
     def piece_scores(self) -> dict[str, float]:
-        """Scores of every piece of the vocabulary, as the lattice sees them: learned log-probabilities, and
-        0.0 for the special tokens (they are split out of the text before segmentation)."""
+        """Scores of every piece of the model's vocabulary (not :attr:`added_only`), as the lattice sees them:
+        learned log-probabilities, and 0.0 for the special tokens (split out of the text before segmentation)."""
         return dict(self._lattice_scores()[0])
 
     def _lattice_scores(self) -> tuple[dict[str, float], float]:
         """:meth:`piece_scores` (not to be modified) and the unknown-character score, the lowest minus 10."""
-        key = (id(self._logp), len(self._logp), id(self._id_to_token), len(self._id_to_token))
+        key = (id(self._logp), len(self._logp), id(self._id_to_token), len(self._id_to_token), len(self.added_only))
         cached = getattr(self, "_scores_cache", None)
         if cached is None or cached[0] != key:  # rebuilt only when the vocabulary or the model changes
-            scores = {**{t: 0.0 for t in self._id_to_token}, **self._logp}
+            scores = {**{t: 0.0 for t in self._id_to_token if t not in self.added_only}, **self._logp}
             cached = (key, scores, min(scores.values(), default=0.0) - 10.0)
             self._scores_cache = cached
         return cached[1], cached[2]
@@ -117,6 +120,10 @@ class UnigramTokenizer(BaseTokenizer):
         """Guide API: best segmentation of ``word``. A position that no single-character piece covers may be
         taken by ``unk_token`` at the lowest score minus 10; consecutive unknowns fuse into one unk
         (the ``tokenizers`` library's Unigram rules)."""
+        return [self.unk_token if unknown else p for p, unknown in self._best_path(word, vocab_probs)]
+
+    def _best_path(self, word: str, vocab_probs: dict[str, float] | None = None) -> list[tuple[str, bool]]:
+        """:meth:`viterbi_segment` as ``(text, unknown)`` pairs: a run of unknown characters is one pair."""
         if vocab_probs is not None:
             logp = {t: math.log(p) for t, p in vocab_probs.items() if p > 0}
             unk_score = min(logp.values(), default=0.0) - 10.0
@@ -139,14 +146,16 @@ class UnigramTokenizer(BaseTokenizer):
                     best[j], back[j] = best[i] + lp, (i, False)
             if not single and best[i] + unk_score > best[i + 1]:
                 best[i + 1], back[i + 1] = best[i] + unk_score, (i, True)
-        pieces: list[str] = []
+        pieces: list[tuple[int, int, bool]] = []  # (start, end, unknown), last first
         i = n
         while i > 0:
             j, unknown = back[i]
-            if not (unknown and pieces and pieces[-1] is None):
-                pieces.append(None if unknown else word[j:i])  # type: ignore[arg-type]
+            if unknown and pieces and pieces[-1][2]:
+                pieces[-1] = (j, pieces[-1][1], True)
+            else:
+                pieces.append((j, i, unknown))
             i = j
-        return [self.unk_token if p is None else p for p in reversed(pieces)]
+        return [(word[j:i], unknown) for j, i, unknown in reversed(pieces)]
 
     def _expected_counts(self, word_freq: dict[str, int], logp: dict[str, float]) -> tuple[Counter[str], float]:
         """E-step: expected piece counts (forward-backward) and the corpus log-likelihood."""
@@ -256,7 +265,17 @@ class UnigramTokenizer(BaseTokenizer):
 
     # ---- encoding ---------------------------------------------------------------------------------------
     def _segment(self, word: str) -> list[str]:
-        return self.viterbi_segment(word)
+        if not self.byte_fallback:
+            return self.viterbi_segment(word)
+        out: list[str] = []
+        for piece, unknown in self._best_path(word):
+            if unknown:
+                # an unknown run is spelled by its byte tokens when the vocabulary has them all
+                pieces = [byte_token(b) for b in piece.encode("utf-8")]
+                out.extend(pieces if all(p in self.vocab for p in pieces) else [self.unk_token])
+            else:
+                out.append(piece)
+        return out
 
     def calculate_loss(self, texts: Iterable[str], vocab_probs: dict[str, float] | None = None) -> float:
         """Guide API: negative log-likelihood of the Viterbi segmentations of ``texts``."""
@@ -273,7 +292,7 @@ class UnigramTokenizer(BaseTokenizer):
         return {"vocab_size": self.vocab_size, "unk_token": self.unk_token, "lowercase": self.lowercase,
                 "max_piece_length": self.max_piece_length,
                 # log-probabilities as floats: json round-trips doubles exactly
-                "log_probs": dict(self._logp)}
+                "log_probs": dict(self._logp), "byte_fallback": self.byte_fallback}
 
     @classmethod
     def _from_state(cls, path: str, data: dict[str, Any]) -> UnigramTokenizer:
@@ -290,5 +309,8 @@ class UnigramTokenizer(BaseTokenizer):
             if len(t) > tok.max_piece_length:
                 raise TokenizerFileError(f"{path}: piece {t!r} is longer than max_piece_length={tok.max_piece_length}")
         tok._logp = {t: float(v) for t, v in lps.items()}
+        tok.byte_fallback = data.get("byte_fallback", False)
+        if not isinstance(tok.byte_fallback, bool):
+            raise TokenizerFileError(f"{path}: 'byte_fallback' must be a bool, got {tok.byte_fallback!r}")
         tok.token_probs = {t: math.exp(v) for t, v in tok._logp.items()}
         return tok

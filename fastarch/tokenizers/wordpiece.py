@@ -223,7 +223,8 @@ class WordPieceTokenizer(BaseTokenizer):
         return self._segment(word)
 
     def _segment(self, word: str) -> list[str]:
-        return wordpiece_tokenize(word, self.vocab, self.unk_token, self.max_input_chars_per_word, self.prefix)
+        return wordpiece_tokenize(word, self.model_vocab(), self.unk_token, self.max_input_chars_per_word,
+                                  self.prefix)
 
     def _default_template(self, pair: bool) -> list[tuple[str, int]]:
         """``[CLS] $A [SEP]`` and ``[CLS] $A [SEP] $B [SEP]`` (type id 1 from ``$B`` on), as BERT."""

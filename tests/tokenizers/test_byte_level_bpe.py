@@ -217,7 +217,7 @@ def test_bad_byte_level_files_are_refused(refuse):
     refused = lambda edit, match: refuse(data, edit, match)
     two = {"type": "TemplateProcessing", "single": [], "pair": [], "special_tokens": {}}
     refused(lambda d: d["post_processor"]["processors"].extend([two, two]), "one processor besides ByteLevel")
-    refused(lambda d: d["model"].update(byte_fallback=True), "byte_fallback")
+    refused(lambda d: d["model"].update(dropout=1.5), "dropout")
     split = {"type": "Split", "pattern": {"Regex": "x"}, "behavior": "Shuffled", "invert": False}
     refused(lambda d: d.update(pre_tokenizer=split), "Split behavior 'Shuffled'")
     split = {"type": "Split", "pattern": {"Regex": "(x"}, "behavior": "Isolated", "invert": False}

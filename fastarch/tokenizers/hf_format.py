@@ -266,6 +266,8 @@ def load_tokenizer_json(path: str | os.PathLike[str]) -> BaseTokenizer:
         elif t != unk:
             extra.append(t)
     tok.added_only = {t for t, _ in added.values() if t not in model_vocab}
+    # an unk token that is not a special added token is ordinary text to the library (SentencePiece converters)
+    tok.not_added = {unk} if unk and not any(t == unk and f["special"] for t, f in added.values()) else set()
     tok.special_tokens = roles
     tok.additional_special_tokens = extra
     tok._added_cache = None

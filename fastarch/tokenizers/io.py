@@ -101,6 +101,10 @@ class BaseTokenizer:
         # Tokens that only the added tokens have (a tokenizer.json's added tokens missing from its model's
         # vocabulary): the model never produces them.
         self.added_only: set[str] = set()
+        # Special-role tokens that are not added tokens (a tokenizer.json whose unk token is missing from its
+        # added tokens, as SentencePiece converters write them): the model uses them, but they are ordinary
+        # text, kept by decode and not written back as added tokens.
+        self.not_added: set[str] = set()
         # The text pipeline as tokenizer.json stages (see pipeline.py); subclasses set their defaults.
         self.normalizer: dict[str, Any] | None = None
         self.pre_tokenizer: dict[str, Any] | None = None
@@ -142,7 +146,7 @@ class BaseTokenizer:
     def _specials_in_order(self) -> list[str]:
         out = [self.special_tokens[r] for r in self.SPECIAL_ROLES if self.special_tokens.get(r)]
         out += [t for t in self.additional_special_tokens if t not in out]
-        return out
+        return [t for t in out if t not in self.not_added] if self.not_added else out
 
     @property
     def all_special_tokens(self) -> list[str]:
@@ -345,7 +349,7 @@ class BaseTokenizer:
                 "special_tokens": dict(self.special_tokens),
                 "additional_special_tokens": list(self.additional_special_tokens),
                 "added_token_flags": {t: dict(f) for t, f in self.added_token_flags.items()},
-                "added_only": sorted(self.added_only),
+                "added_only": sorted(self.added_only), "not_added": sorted(self.not_added),
                 "pipeline": {"normalizer": self.normalizer, "pre_tokenizer": self.pre_tokenizer, "decoder": self.decoder,
                              "templates": self.templates, "model_max_length": self.model_max_length}}
 
@@ -408,10 +412,14 @@ class BaseTokenizer:
         added_only = data.get("added_only", [])
         if not isinstance(added_only, list) or not all(isinstance(t, str) and t in known for t in added_only):
             raise _fail(p, "field 'added_only' must be a list of tokens of the vocabulary")
+        not_added = data.get("not_added", [])
+        if not isinstance(not_added, list) or not all(isinstance(t, str) and t in known for t in not_added):
+            raise _fail(p, "field 'not_added' must be a list of tokens of the vocabulary")
         tok.special_tokens = dict(specials)
         tok.additional_special_tokens = list(extra)
         tok.added_token_flags = {t: dict(f) for t, f in flags.items()}
         tok.added_only = set(added_only)
+        tok.not_added = set(not_added)
         tok._set_vocab(vocab)
         return tok
 

@@ -2,7 +2,8 @@
 
 Each stage is described by the JSON object the ``tokenizers`` library writes (``{"type": "Lowercase"}``,
 ``{"type": "Metaspace", "replacement": "▁", ...}``), so a tokenizer's pipeline is saved and loaded as is.
-Supported: normalizers ``BertNormalizer Lowercase NFC NFD NFKC NFKD Nmt Strip Replace Prepend Sequence``;
+Supported: normalizers ``BertNormalizer Lowercase NFC NFD NFKC NFKD Nmt Precompiled Strip StripAccents Replace
+Prepend Sequence``;
 pre-tokenizers ``BertPreTokenizer Whitespace WhitespaceSplit Metaspace ByteLevel Split Sequence``; decoders
 ``WordPiece BPEDecoder Metaspace ByteLevel ByteFallback Fuse Strip Replace Sequence`` (what SentencePiece-style
 files such as Llama 2's and Mistral's use: ``Replace`` "▁" by " ", ``ByteFallback``, ``Fuse``, ``Strip``).
@@ -17,6 +18,7 @@ from typing import Any
 
 from .bert_basic import BasicTokenizer, is_control, is_whitespace
 from .byte_level import bytes_to_text, gpt2_split, text_to_bytes
+from .precompiled import normalize_precompiled
 
 __all__ = ["UnsupportedStageError", "byte_token", "check_stage", "decode_tokens", "is_word_char", "lowercases",
            "normalize", "pre_tokenize"]
@@ -111,6 +113,11 @@ def normalize(stage: Stage, text: str) -> str:
         return _regex(stage["pattern"], "Replace normalizer").sub(lambda _: content, text)
     if kind == "Nmt":
         return text.translate(_NMT)
+    if kind == "Precompiled":
+        return normalize_precompiled(stage["precompiled_charsmap"], text)
+    if kind == "StripAccents":
+        # the library removes every mark (Mn, Mc, Me), spacing ones too, unlike BertNormalizer's Mn only
+        return "".join(c for c in text if not unicodedata.category(c).startswith("M"))
     if kind == "Prepend":
         return stage["prepend"] + text if text else text
     if kind == "BertNormalizer":

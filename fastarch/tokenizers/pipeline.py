@@ -114,7 +114,7 @@ def normalize(stage: Stage, text: str) -> str:
     if kind == "Nmt":
         return text.translate(_NMT)
     if kind == "Precompiled":
-        return normalize_precompiled(stage["precompiled_charsmap"], text)
+        return normalize_precompiled(stage.get("precompiled_charsmap"), text)
     if kind == "StripAccents":
         # the library removes every mark (Mn, Mc, Me), spacing ones too, unlike BertNormalizer's Mn only
         return "".join(c for c in text if not unicodedata.category(c).startswith("M"))

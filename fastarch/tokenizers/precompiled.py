@@ -129,7 +129,7 @@ def _graphemes() -> Callable[[str], list[str]]:
 
 
 @functools.lru_cache(maxsize=16)
-def charsmap(encoded: str) -> Charsmap:
+def charsmap(encoded: str | None) -> Charsmap:
     """The :class:`Charsmap` of a ``precompiled_charsmap`` field (base64), decoded once per distinct field."""
     if not isinstance(encoded, str):
         raise ValueError(f"{_FIELD} must be a base64 string, got {type(encoded).__name__}")
@@ -140,6 +140,6 @@ def charsmap(encoded: str) -> Charsmap:
     return Charsmap(raw)
 
 
-def normalize_precompiled(encoded: str, text: str) -> str:
+def normalize_precompiled(encoded: str | None, text: str) -> str:
     """``text`` normalized by the ``Precompiled`` normalizer whose ``precompiled_charsmap`` is ``encoded``."""
     return charsmap(encoded).normalize(text)

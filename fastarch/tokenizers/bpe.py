@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 from .byte_level import BYTE_TO_CHAR
@@ -52,6 +52,9 @@ class BPETokenizer(BaseTokenizer):
             first word is spelled as it is after a space.
         dropout: BPE-dropout probability for encoding (``None``: deterministic); see :meth:`set_dropout`,
             which also seeds it.
+        continuing_subword_prefix: a prefix on every symbol that does not start a word (``"##"``: ``"low"`` is
+            ``l ##o ##w``); a merge drops the right symbol's prefix (``l`` + ``##o`` makes ``lo``), as in the
+            ``tokenizers`` library.
 
     Attributes read from ``tokenizer.json`` files: ``fuse_unk`` (a run of unknown characters is one
     ``unk_token``), ``byte_fallback`` (an unknown character is spelled by its ``<0xHH>`` byte tokens, as in
@@ -61,7 +64,8 @@ class BPETokenizer(BaseTokenizer):
     def __init__(self, vocab_size: int = 1000, *, lowercase: bool = True, unk_token: str | None = "<unk>",
                  pad_token: str | None = "<pad>", bos_token: str | None = None, eos_token: str | None = None,
                  additional_special_tokens: Sequence[str] = (), byte_level: bool = False,
-                 add_prefix_space: bool = False, dropout: float | None = None) -> None:
+                 add_prefix_space: bool = False, dropout: float | None = None,
+                 continuing_subword_prefix: str = "") -> None:
         super().__init__()
         self._configure(vocab_size, lowercase, pad_token=pad_token, unk_token=unk_token, bos_token=bos_token,
                         eos_token=eos_token)
@@ -70,6 +74,10 @@ class BPETokenizer(BaseTokenizer):
         self.pre_tokenizer = {"type": "WhitespaceSplit"}
         self.decoder = {"type": "BPEDecoder", "suffix": EOW}
         self.end_of_word_suffix = EOW
+        if not isinstance(continuing_subword_prefix, str):
+            raise TypeError(f"BPETokenizer: argument 'continuing_subword_prefix' must be a str, got "
+                            f"{continuing_subword_prefix!r}")
+        self.continuing_subword_prefix = continuing_subword_prefix
         for name, flag in (("byte_level", byte_level), ("add_prefix_space", add_prefix_space)):
             if not isinstance(flag, bool):
                 raise TypeError(f"BPETokenizer: argument '{name}' must be a bool, got {flag!r}")
@@ -95,8 +103,20 @@ class BPETokenizer(BaseTokenizer):
         return {w + EOW: c for w, c in freq.items()}
 
     def _symbols(self, word: str) -> list[str]:
-        """The initial symbols of a word: its characters, the last one carrying the end-of-word suffix."""
-        return list(word[:-1]) + [word[-1] + self.end_of_word_suffix]
+        """The initial symbols of a word: its characters, all but the first carrying the continuing-subword
+        prefix, the last one the end-of-word suffix."""
+        prefix = self.continuing_subword_prefix
+        syms = [word[0]] + [prefix + c for c in word[1:]] if prefix else list(word)
+        syms[-1] += self.end_of_word_suffix
+        return syms
+
+    def joined(self, left: str, right: str) -> str:
+        """The token that merging ``left`` and ``right`` makes: ``right`` loses the length of the
+        continuing-subword prefix (in UTF-8 bytes, as the library cuts it)."""
+        prefix = self.continuing_subword_prefix
+        if not prefix:
+            return left + right
+        return left + right.encode("utf-8")[len(prefix.encode("utf-8")):].decode("utf-8")
 
     def get_character_vocab(self, word_freq: dict[str, int]) -> set[str]:
         """Initial symbols of the guide-format words (``'low</w>'`` gives ``l``, ``o``, ``w</w>``)."""
@@ -170,7 +190,7 @@ class BPETokenizer(BaseTokenizer):
             if cur != -negc or cur <= 0:
                 continue  # stale entry: the pair's count changed after it was pushed
             a, b = pair
-            new = a + b
+            new = self.joined(a, b)
             changed: set[tuple[str, str]] = set()
             for i in where.pop(pair):
                 w = words[i]
@@ -272,7 +292,9 @@ class BPETokenizer(BaseTokenizer):
         nxt = list(range(1, n)) + [-1]
         prv = list(range(-1, n - 1))
         # entries (rank, position, merged token); an entry is still valid while its pair makes that token
-        heap = [(r, i, a + b) for i, (a, b) in enumerate(zip(syms, syms[1:])) if (r := ranks.get((a, b))) is not None]
+        join = self.joined
+        heap = [(r, i, join(a, b)) for i, (a, b) in enumerate(zip(syms, syms[1:]))
+                if (r := ranks.get((a, b))) is not None]
         heapq.heapify(heap)
         skipped: list[tuple[int, int, str]] = []
         rng = self.dropout_rng
@@ -286,7 +308,7 @@ class BPETokenizer(BaseTokenizer):
             skipped.clear()
             _, i, new = entry
             left, j = sym[i], nxt[i]
-            if left is None or j == -1 or (left, sym[j]) not in ranks or left + sym[j] != new:  # type: ignore
+            if left is None or j == -1 or (left, sym[j]) not in ranks or join(left, sym[j]) != new:  # type: ignore
                 continue  # stale entry: a merge since it was queued changed this pair
             sym[i] = new
             sym[j] = None
@@ -295,13 +317,13 @@ class BPETokenizer(BaseTokenizer):
                 prv[nxt[i]] = i
             for k in (prv[i], i):
                 if k != -1 and nxt[k] != -1 and (r := ranks.get((sym[k], sym[nxt[k]]))) is not None:  # type: ignore
-                    heapq.heappush(heap, (r, k, sym[k] + sym[nxt[k]]))  # type: ignore[operator]
+                    heapq.heappush(heap, (r, k, join(sym[k], sym[nxt[k]])))  # type: ignore[arg-type]
         return [s for s in sym if s is not None]
 
     def _merge_short(self, syms: list[str]) -> list[str]:
         """:meth:`_merge` without dropout for a short symbol list, where rescanning the pairs is cheaper than a
         queue: merge the leftmost occurrence of the lowest-ranked pair until no pair has a merge."""
-        ranks, none = self._ranks, _NO_MERGE
+        ranks, none, join = self._ranks, _NO_MERGE, self.joined
         syms = list(syms)
         pair_ranks = [ranks.get(p, none) for p in zip(syms, syms[1:])]  # pair_ranks[i]: syms[i], syms[i + 1]
         while pair_ranks:
@@ -309,13 +331,28 @@ class BPETokenizer(BaseTokenizer):
             if best == none:
                 break
             i = pair_ranks.index(best)  # the leftmost occurrence
-            syms[i:i + 2] = [syms[i] + syms[i + 1]]
+            syms[i:i + 2] = [join(syms[i], syms[i + 1])]
             del pair_ranks[i]
             if i > 0:
                 pair_ranks[i - 1] = ranks.get((syms[i - 1], syms[i]), none)
             if i < len(pair_ranks):
                 pair_ranks[i] = ranks.get((syms[i], syms[i + 1]), none)
         return syms
+
+    def set_merges(self, path: str, merges: list[tuple[str, str]], vocab: Container[str]) -> None:
+        """Set merges read from the file ``path``; each must make a token of ``vocab`` (:meth:`joined`), or
+        :class:`TokenizerFileError` names it (the ``tokenizers`` library refuses such a file too)."""
+        for i, (a, b) in enumerate(merges):
+            try:
+                new: str | None = self.joined(a, b)
+            except UnicodeDecodeError:  # the prefix's length cuts a character of b
+                new = None
+            if new is None or new not in vocab:
+                raise TokenizerFileError(f"{path}: merge {i} {[a, b]!r} makes {new!r}, which is not in the "
+                                         "vocabulary")
+        self.merges = list(merges)
+        self._ranks = {m: r for r, m in enumerate(self.merges)}
+        self._cache = {}
 
     def _bpe(self, word: str) -> list[str]:
         """One word as token strings: its initial symbols merged, pair by pair, in merge order."""
@@ -340,7 +377,8 @@ class BPETokenizer(BaseTokenizer):
     # ---- persistence ------------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         return {"vocab_size": self.vocab_size, "lowercase": self.lowercase, "merges": [list(p) for p in self.merges],
-                "end_of_word_suffix": self.end_of_word_suffix, "fuse_unk": self.fuse_unk,
+                "end_of_word_suffix": self.end_of_word_suffix, "continuing_subword_prefix": self.continuing_subword_prefix,
+                "fuse_unk": self.fuse_unk,
                 "ignore_merges": self.ignore_merges, "byte_fallback": self.byte_fallback, "dropout": self.dropout}
 
     @classmethod
@@ -349,16 +387,16 @@ class BPETokenizer(BaseTokenizer):
                                                                                         "a bool"),
                   unk_token=None, pad_token=None)
         merges = require(path, data, "merges", list, "a list of [left, right] pairs")
-        vocab = set(data.get("vocab", []))
+        prefix = data.get("continuing_subword_prefix", "")
+        if not isinstance(prefix, str):
+            raise TokenizerFileError(f"{path}: 'continuing_subword_prefix' must be a string, got {prefix!r}")
+        tok.continuing_subword_prefix = prefix
         out = []
         for i, m in enumerate(merges):
             if not (isinstance(m, list) and len(m) == 2 and all(isinstance(s, str) and s for s in m)):
                 raise TokenizerFileError(f"{path}: merge {i} must be a pair of non-empty strings, got {m!r}")
-            if m[0] + m[1] not in vocab:
-                raise TokenizerFileError(f"{path}: merge {i} {m!r} produces {m[0] + m[1]!r}, which is not in the vocab")
             out.append((m[0], m[1]))
-        tok.merges = out
-        tok._ranks = {p: r for r, p in enumerate(out)}
+        tok.set_merges(path, out, set(data.get("vocab", [])))
         tok.end_of_word_suffix = data.get("end_of_word_suffix", EOW)
         tok.fuse_unk = data.get("fuse_unk", False)
         tok.ignore_merges = data.get("ignore_merges", False)

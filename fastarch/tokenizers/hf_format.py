@@ -58,7 +58,7 @@ def _model_json(tok: BaseTokenizer) -> dict[str, Any]:
     vocab = tok.model_vocab()
     if isinstance(tok, BPETokenizer):
         return {"type": "BPE", "dropout": tok.dropout, "unk_token": tok.special_tokens.get("unk_token"),
-                "continuing_subword_prefix": None, "end_of_word_suffix": tok.end_of_word_suffix or None,
+                "continuing_subword_prefix": tok.continuing_subword_prefix or None, "end_of_word_suffix": tok.end_of_word_suffix or None,
                 "fuse_unk": tok.fuse_unk, "byte_fallback": tok.byte_fallback, "ignore_merges": tok.ignore_merges,
                 "vocab": dict(vocab), "merges": [list(m) for m in tok.merges]}
     if isinstance(tok, WordPieceTokenizer):
@@ -173,13 +173,13 @@ def _templates(p: str, post: Any, vocab: dict[str, int]) -> dict[str, list[tuple
     return {"single": parse(post["single"]), "pair": parse(post["pair"])}
 
 
-def _build(p: str, model: dict[str, Any], kind: str, tokens: list[str]) -> BaseTokenizer:
+def _build(p: str, model: dict[str, Any], kind: str, tokens: list[str], model_vocab: dict[str, int]) -> BaseTokenizer:
     n = len(tokens)
     if kind == "BPE":
-        if model.get("continuing_subword_prefix") not in (None, ""):
-            raise TokenizerFileError(f"{p}: BPE continuing_subword_prefix={model['continuing_subword_prefix']!r} "
-                                     "is not supported")
-        bpe = BPETokenizer(n, lowercase=False, unk_token=None, pad_token=None)
+        prefix = model.get("continuing_subword_prefix") or ""
+        if not isinstance(prefix, str):
+            raise TokenizerFileError(f"{p}: BPE 'continuing_subword_prefix' must be null or a string, got {prefix!r}")
+        bpe = BPETokenizer(n, lowercase=False, unk_token=None, pad_token=None, continuing_subword_prefix=prefix)
         try:
             bpe.set_dropout(model.get("dropout"))
         except ValueError as e:
@@ -195,8 +195,7 @@ def _build(p: str, model: dict[str, Any], kind: str, tokens: list[str]) -> BaseT
             if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
                 raise TokenizerFileError(f"{p}: merge {i} must be a pair of strings, got {m!r}")
             merges.append((pair[0], pair[1]))
-        bpe.merges = merges
-        bpe._ranks = {m: r for r, m in enumerate(merges)}
+        bpe.set_merges(p, merges, model_vocab)
         return bpe
     if kind == "WordPiece":
         return WordPieceTokenizer(n, require(p, model, "unk_token", str, "a string"), pad_token=None, cls_token=None,
@@ -243,7 +242,7 @@ def load_tokenizer_json(path: str | os.PathLike[str]) -> BaseTokenizer:
             raise TokenizerFileError(f"{p}: model 'vocab' ids must be ints")
     added = _added_tokens(p, data)
     tokens = _vocab_list(p, model_vocab, {i: t for i, (t, _) in added.items()})
-    tok = _build(p, model, kind, tokens)
+    tok = _build(p, model, kind, tokens, model_vocab)
     tok._set_vocab(tokens)
     unk = tokens[model["unk_id"]] if kind == "Unigram" else model.get("unk_token")
     if unk is not None and unk not in tok.vocab:

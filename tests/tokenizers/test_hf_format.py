@@ -206,9 +206,13 @@ def test_bad_files_are_refused(tmp_path, refuse):
     refused(lambda d: d.update(pre_tokenizer={"type": "Digits"}), "pre-tokenizer 'Digits'")
     refused(lambda d: d["model"].update(type="WordLevel"), "model type 'WordLevel'")
     refused(lambda d: d.update(normalizer={"type": "Replace", "pattern": {"Regex": "("}, "content": ""}), "malformed")
-    refused(lambda d: d.update(normalizer={"type": "Precompiled"}), "normalizer 'Precompiled'")
+    refused(lambda d: d.update(normalizer={"type": "Precompiled"}), "normalizer 'Precompiled' is malformed .*"
+            "'precompiled_charsmap' must be a base64 string")
     refused(lambda d: d["model"].update(dropout=1.5), "dropout")
-    refused(lambda d: d["model"].update(continuing_subword_prefix="##"), "continuing_subword_prefix")
+    refused(lambda d: d["model"].update(continuing_subword_prefix=5), "'continuing_subword_prefix' must be null or")
+    # with a prefix, a merge drops the right symbol's prefix length: these merges make tokens the file lacks
+    refused(lambda d: d["model"].update(continuing_subword_prefix="##"), r"merge 0 .* makes .*, which is not in")
+    refused(lambda d: d["model"]["merges"].append("t h"), r"merge \d+ \['t', 'h'\] makes 'th', which is not in")
     refused(lambda d: d["added_tokens"][0].update(special="no"), "field .special. must be a bool")
     refused(lambda d: d["added_tokens"][0].update(content=""), "empty")
     refused(lambda d: d["model"]["vocab"].pop("e"), "without gaps")
@@ -216,3 +220,58 @@ def test_bad_files_are_refused(tmp_path, refuse):
     (tmp_path / "pickle.json").write_bytes(b"\x80\x04\x95")
     with pytest.raises(TokenizerFileError):
         load_tokenizer_json(tmp_path / "pickle.json")
+
+
+# ---- BPE continuing_subword_prefix ----------------------------------------------------------------------------
+def _prefixed_bpe_hf(prefix: str, suffix: str | None):
+    """BPE trained by the library with a continuing-subword prefix (and an end-of-word suffix), decoded by the
+    WordPiece decoder (with a suffix, by a Replace of it first)."""
+    suffixed = {"end_of_word_suffix": suffix} if suffix else {}
+    t = tk.Tokenizer(models.BPE(unk_token="<unk>", continuing_subword_prefix=prefix, **suffixed))
+    t.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    t.decoder = decoders.WordPiece(prefix=prefix) if suffix is None else decoders.Sequence(
+        [decoders.Replace(suffix, ""), decoders.WordPiece(prefix=prefix)])
+    t.train_from_iterator(TRAIN, trainers.BpeTrainer(vocab_size=260, special_tokens=["<pad>", "<unk>", "<s>", "</s>"],
+                                                     continuing_subword_prefix=prefix, limit_alphabet=60,
+                                                     **suffixed))
+    t.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> $B:1 </s>:1",
+        special_tokens=[("<s>", t.token_to_id("<s>")), ("</s>", t.token_to_id("</s>"))])
+    return t
+
+
+@pytest.mark.parametrize("prefix,suffix", [("##", None), ("##", "</w>"), ("\u00b7\u00b7", None)])
+def test_continuing_subword_prefix_matches_the_library(tmp_path, monkeypatch, prefix, suffix):
+    import fastarch.tokenizers.bpe as bpe_module
+
+    hf = _prefixed_bpe_hf(prefix, suffix)
+    assert any(t.startswith(prefix) and len(t) > len(prefix) + 1 for t in hf.get_vocab())  # prefixed merges
+    tok = assert_matches_library(hf, tmp_path, PROBE, (PROBE[0], PROBE[3]))
+    assert tok.continuing_subword_prefix == prefix
+    words = PROBE + ["tokenizersplitpiecesaccentsnumbersquicklazy" * 3]  # a long word goes through the queue
+    for text in words:
+        assert tok.convert_ids_to_tokens(tok.encode(text)) == hf.encode(text).tokens, text
+    monkeypatch.setattr(bpe_module, "_SCAN_SYMBOLS", 0)
+    tok._cache = {}
+    for text in words:
+        assert tok.convert_ids_to_tokens(tok.encode(text)) == hf.encode(text).tokens, text
+    again = json.loads((tmp_path / "again.json").read_text(encoding="utf-8"))["model"]
+    assert again["continuing_subword_prefix"] == prefix and again["end_of_word_suffix"] == suffix
+
+
+def test_trained_prefixed_bpe_is_read_by_the_library(tmp_path):
+    tok = BPETokenizer(150, lowercase=False, continuing_subword_prefix="##")
+    tok.pre_tokenizer = {"type": "Whitespace"}
+    tok.decoder = {"type": "WordPiece", "prefix": "##", "cleanup": False}
+    tok.end_of_word_suffix = ""
+    tok.train(TRAIN)
+    assert any(t.startswith("##") and len(t) > 3 for t in tok.vocab)
+    assert all(b.startswith("##") for _, b in tok.merges)
+    save_tokenizer_json(tok, tmp_path / "tokenizer.json")
+    hf = tk.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for text in PROBE:
+        ids = tok.encode(text)
+        assert hf.encode(text).ids == ids, text
+        assert hf.decode(ids) == tok.decode(ids), text
+    with pytest.raises(TypeError, match="continuing_subword_prefix"):
+        BPETokenizer(10, continuing_subword_prefix=None)

@@ -3,10 +3,10 @@
 Each stage is described by the JSON object the ``tokenizers`` library writes (``{"type": "Lowercase"}``,
 ``{"type": "Metaspace", "replacement": "▁", ...}``), so a tokenizer's pipeline is saved and loaded as is.
 Supported: normalizers ``BertNormalizer Lowercase NFC NFD NFKC NFKD Nmt Precompiled Strip StripAccents Replace
-Prepend Sequence``;
-pre-tokenizers ``BertPreTokenizer Whitespace WhitespaceSplit Metaspace ByteLevel Split Sequence``; decoders
-``WordPiece BPEDecoder Metaspace ByteLevel ByteFallback Fuse Strip Replace Sequence`` (what SentencePiece-style
-files such as Llama 2's and Mistral's use: ``Replace`` "▁" by " ", ``ByteFallback``, ``Fuse``, ``Strip``).
+Prepend Sequence``; pre-tokenizers ``BertPreTokenizer Whitespace WhitespaceSplit Metaspace ByteLevel Split
+Punctuation Digits Sequence``; decoders ``WordPiece BPEDecoder Metaspace ByteLevel ByteFallback Fuse Strip Replace
+Sequence`` (what SentencePiece-style files such as Llama 2's and Mistral's use: ``Replace`` "▁" by " ",
+``ByteFallback``, ``Fuse``, ``Strip``).
 Any other stage raises :class:`UnsupportedStageError` naming it.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Callable
 from typing import Any
 
 from .bert_basic import BasicTokenizer, is_control, is_whitespace
@@ -167,19 +168,38 @@ _SPLIT_BEHAVIORS = ("Removed", "Isolated", "MergedWithPrevious", "MergedWithNext
 
 def _split(stage: dict[str, Any], text: str) -> list[str]:
     """The ``Split`` pre-tokenizer: the pattern's matches (with ``invert``: the text between them) are
-    delimiters, removed, kept as pieces, or merged with the piece before or after, as the library does."""
-    behavior = stage["behavior"]
+    delimiters, handled as :func:`_split_at` does."""
+    matches = [m.span() for m in _regex(stage["pattern"], "Split pre-tokenizer").finditer(text)]
+    return _split_at(text, matches, stage["behavior"], bool(stage.get("invert", False)), "Split")
+
+
+def _is_punctuation(ch: str) -> bool:
+    """The library's punctuation: ASCII punctuation (symbols such as ``$+<=>^`|~`` included) or Unicode's P*."""
+    return ch in _ASCII_PUNCTUATION or unicodedata.category(ch).startswith("P")
+
+
+_ASCII_PUNCTUATION = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
+_NUMERIC = frozenset(("Nd", "Nl", "No"))
+
+
+def _split_chars(text: str, hit: Callable[[str], bool], behavior: str, kind: str) -> list[str]:
+    """The ``Punctuation`` and ``Digits`` pre-tokenizers: each character ``hit`` accepts is a delimiter."""
+    return _split_at(text, [(i, i + 1) for i, ch in enumerate(text) if hit(ch)], behavior, False, kind)
+
+
+def _split_at(text: str, matches: list[tuple[int, int]], behavior: str, invert: bool, kind: str) -> list[str]:
+    """Split ``text`` at the spans ``matches`` (with ``invert``: at the text between them), the delimiters
+    removed, kept as pieces, or merged with the piece before or after, as the library does."""
     if behavior not in _SPLIT_BEHAVIORS:
-        raise UnsupportedStageError(f"Split behavior {behavior!r} is not supported (expected one of "
+        raise UnsupportedStageError(f"{kind} behavior {behavior!r} is not supported (expected one of "
                                     f"{', '.join(_SPLIT_BEHAVIORS)})")
     spans: list[list[int]] = []  # [start, end, is_delimiter]
-    invert = bool(stage.get("invert", False))
     prev = 0
-    for m in _regex(stage["pattern"], "Split pre-tokenizer").finditer(text):
-        if m.start() != prev:
-            spans.append([prev, m.start(), invert])
-        spans.append([m.start(), m.end(), not invert])
-        prev = m.end()
+    for start, end in matches:
+        if start != prev:
+            spans.append([prev, start, invert])
+        spans.append([start, end, not invert])
+        prev = end
     if prev != len(text):
         spans.append([prev, len(text), invert])
     if behavior == "MergedWithNext":
@@ -225,6 +245,12 @@ def pre_tokenize(stage: Stage, text: str, at_start: bool = True) -> list[str]:
         return _byte_level(stage, text)
     if kind == "Split":
         return _split(stage, text)
+    if kind == "Punctuation":
+        return _split_chars(text, _is_punctuation, stage.get("behavior", "Isolated"), kind)
+    if kind == "Digits":
+        numeric = lambda ch: unicodedata.category(ch) in _NUMERIC  # noqa: E731  (Rust's char::is_numeric)
+        return _split_chars(text, numeric, "Isolated" if stage.get("individual_digits", False) else "Contiguous",
+                            kind)
     raise UnsupportedStageError(f"pre-tokenizer {kind!r} is not supported")
 
 

@@ -87,6 +87,8 @@ def _converted(name, **options):
 _t5 = _converted("T5Converter", _extra_ids=3)
 _albert = _converted("AlbertConverter", keep_accents=False, do_lower_case=True)
 _xlnet = _converted("XLNetConverter", keep_accents=False, do_lower_case=False)
+# DeBERTa-v2: Lowercase, Strip, Precompiled, a Punctuation pre-tokenizer before Metaspace
+_deberta_v2 = _converted("DebertaV2Converter", split_by_punct=True, do_lower_case=True)
 
 
 def _spm_bpe(tmp_path):
@@ -100,7 +102,7 @@ def _spm_bpe(tmp_path):
     return conv.SpmConverter.build_tokenizer_from_spm_proto(extractor.proto, found["vocab"], found["merges"])
 
 
-BUILDERS = {"t5": _t5, "albert": _albert, "xlnet": _xlnet, "spm_bpe": _spm_bpe}
+BUILDERS = {"t5": _t5, "albert": _albert, "xlnet": _xlnet, "deberta_v2": _deberta_v2, "spm_bpe": _spm_bpe}
 
 
 def _charsmap(hf):
@@ -172,6 +174,24 @@ def test_strip_accents_matches_the_library():
     text = unicodedata.normalize("NFKD", "Café naïve résumé Ångström ŽŠČ Ελληνικά Ёжик e\u0301\u0302 हिन्दी ภาษาไทย")
     assert normalize({"type": "StripAccents"}, text) == normalizers.StripAccents().normalize_str(text)
     assert normalize({"type": "StripAccents"}, text).startswith("Cafe naive resume Angstrom ZSC")
+
+
+def test_punctuation_and_digits_pre_tokenizers_match_the_library():
+    """On random strings of letters, ASCII and Unicode punctuation, symbols and numbers of every kind."""
+    from tokenizers import pre_tokenizers
+
+    from fastarch.tokenizers.pipeline import pre_tokenize
+
+    stages = [pre_tokenizers.Punctuation(b) for b in ("isolated", "removed", "contiguous", "merged_with_previous",
+                                                      "merged_with_next")]
+    stages += [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.Digits(individual_digits=False)]
+    alphabet = list("ab 1٣２½Ⅻ.,!?$+<=>^`|~-_()«»¿、。\u2014\u00a7x")
+    rng = random.Random(0)
+    for stage in stages:
+        spec = json.loads(stage.__getstate__())
+        for _ in range(500):
+            text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+            assert pre_tokenize(spec, text) == [w for w, _ in stage.pre_tokenize_str(text)], (spec, text)
 
 
 def test_empty_charsmap_is_the_identity_and_written_back_unchanged(tmp_path):

@@ -25,12 +25,12 @@ pytest.importorskip("regex")  # the Precompiled normalizer's grapheme clusters
 from tokenizers import normalizers  # noqa: E402
 
 TRAIN = [
-    "The quick brown fox jumps over the lazy dog.",
-    "A lazy dog sleeps; the quick fox doesn't sleep!",
-    "Tokenizers split text into pieces, and pieces into ids.",
-    "Café, naïve, résumé: accents appear in borrowed words.",
-    "東京 and 北京 are cities; emoji 🙂 are characters too.",
-    "Numbers like 12345 and 3.14 show up too.",
+    "SentencePiece learns pieces from raw sentences, spaces included.",
+    "The lazy dog and the quick fox share a garden; neither minds the rain!",
+    "Accents: café, crème brûlée, señor, naïve, Ångström and résumé.",
+    "Numbers such as 2024, 3.14159 and 42 appear between the words.",
+    "東京 と 大阪 は 都市 です; emoji 🙂 and symbols © ™ too.",
+    "Tokenizers turn text into ids and ids back into text.",
 ] * 10
 CONTROL = ["[CLS]", "[SEP]", "<sep>", "<cls>", "<mask>"]
 

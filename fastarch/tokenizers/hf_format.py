@@ -6,8 +6,11 @@ Supported stages are listed in :mod:`fastarch.tokenizers.pipeline`; post-process
 ``BertProcessing``, ``RobertaProcessing``, ``ByteLevel`` (offsets only: no special tokens), a ``Sequence``
 of ``ByteLevel`` and one of the others, or none. Byte-level BPE (GPT-2, RoBERTa, Llama 3) is a BPE model with
 the ``ByteLevel`` pre-tokenizer and decoder; ``ignore_merges``, ``fuse_unk``, ``byte_fallback`` (BPE and
-Unigram: an unknown character becomes its ``<0xHH>`` byte tokens, as in Llama 2, Mistral and Gemma) and BPE's
-``dropout`` (see :meth:`~fastarch.tokenizers.BPETokenizer.set_dropout` to seed it) are honoured.
+Unigram: an unknown character becomes its ``<0xHH>`` byte tokens, as in Llama 2, Mistral and Gemma), BPE's
+``dropout`` (see :meth:`~fastarch.tokenizers.BPETokenizer.set_dropout` to seed it), ``continuing_subword_prefix``
+and ``end_of_word_suffix`` are honoured. SentencePiece-converted files (T5, ALBERT, XLNet, ...) carry their
+normalization rules in a ``Precompiled`` normalizer (:mod:`fastarch.tokenizers.precompiled`); an unk token they
+leave out of the added tokens is ordinary text to the library, and goes to ``not_added``.
 
 Added tokens, special or not, are split out of the text as the library does (see
 :meth:`~fastarch.tokenizers.BaseTokenizer.tokenize_with_specials`), with their ``single_word``, ``lstrip``,

@@ -222,4 +222,4 @@ def test_bad_byte_level_files_are_refused(refuse):
     refused(lambda d: d.update(pre_tokenizer=split), "Split behavior 'Shuffled'")
     split = {"type": "Split", "pattern": {"Regex": "(x"}, "behavior": "Isolated", "invert": False}
     refused(lambda d: d.update(pre_tokenizer=split), "malformed")
-    refused(lambda d: d.update(pre_tokenizer={"type": "Digits"}), "pre-tokenizer 'Digits'")
+    refused(lambda d: d.update(pre_tokenizer={"type": "UnicodeScripts"}), "pre-tokenizer 'UnicodeScripts'")

@@ -203,7 +203,9 @@ def test_bad_files_are_refused(tmp_path, refuse):
     hf.save(str(path))
     data = json.loads(path.read_text(encoding="utf-8"))
     refused = lambda edit, match: refuse(data, edit, match)
-    refused(lambda d: d.update(pre_tokenizer={"type": "Digits"}), "pre-tokenizer 'Digits'")
+    refused(lambda d: d.update(pre_tokenizer={"type": "UnicodeScripts"}), "pre-tokenizer 'UnicodeScripts'")
+    refused(lambda d: d.update(pre_tokenizer={"type": "Punctuation", "behavior": "Split"}),
+            "Punctuation behavior 'Split' is not supported")
     refused(lambda d: d["model"].update(type="WordLevel"), "model type 'WordLevel'")
     refused(lambda d: d.update(normalizer={"type": "Replace", "pattern": {"Regex": "("}, "content": ""}), "malformed")
     refused(lambda d: d.update(normalizer={"type": "Precompiled"}), "normalizer 'Precompiled' is malformed .*"

@@ -54,11 +54,12 @@ PROBE = [
 ]
 
 
-def _train(tmp_path, kind):
+def _train(tmp_path, kind, byte_fallback=False):
     out = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(TRAIN), model_writer=out, vocab_size=120, model_type=kind,
-                                   minloglevel=2, hard_vocab_limit=False, control_symbols=CONTROL, pad_id=3)
-    path = tmp_path / f"{kind}.model"
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(TRAIN), model_writer=out, model_type=kind, minloglevel=2,
+                                   vocab_size=400 if byte_fallback else 120, hard_vocab_limit=False,
+                                   control_symbols=CONTROL, pad_id=3, byte_fallback=byte_fallback)
+    path = tmp_path / f"{kind}{'_bytes' if byte_fallback else ''}.model"
     path.write_bytes(out.getvalue())
     return str(path)
 
@@ -91,18 +92,20 @@ _xlnet = _converted("XLNetConverter", keep_accents=False, do_lower_case=False)
 _deberta_v2 = _converted("DebertaV2Converter", split_by_punct=True, do_lower_case=True)
 
 
-def _spm_bpe(tmp_path):
+def _spm_bpe(tmp_path, byte_fallback=False):
     """A SentencePiece BPE model as transformers converts one without a model-specific converter: Precompiled and
-    Replace(" ", "▁"), no pre-tokenizer, fuse_unk."""
+    Replace(" ", "▁"), no pre-tokenizer, fuse_unk; with ``byte_fallback``, the <0xHH> pieces, and ByteFallback and
+    Fuse in the decoder."""
     from tokenizers.models import BPE
 
     conv = _converters()
-    extractor = conv.SentencePieceExtractor(_train(tmp_path, "bpe"))
+    extractor = conv.SentencePieceExtractor(_train(tmp_path, "bpe", byte_fallback))
     found = extractor.extract(BPE)
     return conv.SpmConverter.build_tokenizer_from_spm_proto(extractor.proto, found["vocab"], found["merges"])
 
 
-BUILDERS = {"t5": _t5, "albert": _albert, "xlnet": _xlnet, "deberta_v2": _deberta_v2, "spm_bpe": _spm_bpe}
+BUILDERS = {"t5": _t5, "albert": _albert, "xlnet": _xlnet, "deberta_v2": _deberta_v2, "spm_bpe": _spm_bpe,
+            "spm_bpe_bytes": lambda tmp_path: _spm_bpe(tmp_path, byte_fallback=True)}
 
 
 def _charsmap(hf):
@@ -115,6 +118,8 @@ def _charsmap(hf):
 def test_sentencepiece_files_match_the_library(tmp_path, name):
     hf = BUILDERS[name](tmp_path)
     assert _charsmap(hf)  # the file carries the trained model's compiled rules
+    if name == "spm_bpe_bytes":
+        assert any(t.startswith("<0x") for text in PROBE for t in hf.encode(text).tokens)  # bytes reached
     tok = assert_matches_library(hf, tmp_path, PROBE, (PROBE[1], PROBE[3]))
     for text in PROBE:
         ref = hf.encode(text)

@@ -23,6 +23,7 @@
 #include "fastarch_parallel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1170,11 +1171,53 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
   float* pl = part_l.data_ptr<float>();
   float* pa = part_acc.data_ptr<float>();
 
+  // Merges the splits of batch row b: run by the task that finishes the row's last split, so that the call
+  // is one parallel region (each region costs a scheduling quantum on a busy host).
+  float* op = o.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  auto merge = [&](int64_t b) {
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t h = r / Lq, i = r % Lq;
+      float* out = op + ((b * Lq + i) * H + h) * D;
+      float m = kNegInf;
+      bool is_bad = false;
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t idx = (b * S + s) * R + r;
+        m = std::max(m, pm[idx]);
+        is_bad = is_bad || part_bad[idx];
+      }
+      float* lrow = lp + (b * H + h) * Lq + i;
+      if (is_bad) {
+        std::fill(out, out + D, nan);
+        *lrow = nan;
+        continue;
+      }
+      std::fill(out, out + D, 0.f);
+      if (m == kNegInf) {
+        *lrow = kNegInf;
+        continue;
+      }
+      float l = 0.f;
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t idx = (b * S + s) * R + r;
+        if (pm[idx] == kNegInf) continue;
+        const float w = std::exp2(pm[idx] - m);
+        l += pl[idx] * w;
+        axpy(out, w, pa + idx * D, D);
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+      *lrow = l > 0.f ? (m + std::log2(l)) * kLn2 : kNegInf;
+    }
+  };
+  std::vector<std::atomic<int64_t>> splits_done(static_cast<size_t>(B));
+
   fastarch::run_tasks(B * S, [&](int64_t t0, int64_t t1) {
     std::vector<float> qs(R * D), sbuf(R * CACHE_CHUNK);
     std::vector<int64_t> lo(R), hi(R), ra(R), re(R);
     std::vector<int64_t> run_at, run_key;  // runs of the chunk: first index in the chunk, first key
-    for (int64_t t = t0; t < t1; ++t) {
+    auto split = [&](int64_t t) {
       const int64_t s = t % S, b = t / S;
       float* mrow = pm + t * R;
       float* lrow = pl + t * R;
@@ -1195,7 +1238,7 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
         lrow[r] = 0.f;
       }
       std::fill(acc, acc + R * D, 0.f);
-      if (band_hi < band_lo) continue;
+      if (band_hi < band_lo) return;
       // Splits and chunks start on multiples of CACHE_CHUNK keys (so on page boundaries for pages dividing it).
       const int64_t base = band_lo / CACHE_CHUNK * CACHE_CHUNK;
       const int64_t per = ((band_hi + 1 - base + S - 1) / S + CACHE_CHUNK - 1) / CACHE_CHUNK * CACHE_CHUNK;
@@ -1297,51 +1340,13 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
         for (int64_t key = std::max(ka, lo[r]); key <= std::min(kb - 1, hi[r]) && !bad[r]; ++key)
           if (!all_finite(key_row(vp, sv0, sv1, key) + (r / GL) * sv2, D)) bad[r] = 1;
       }
+    };
+    for (int64_t t = t0; t < t1; ++t) {
+      split(t);
+      if (splits_done[t / S].fetch_add(1, std::memory_order_acq_rel) == S - 1) merge(t / S);
     }
   });
 
-  // Merge the splits of every row.
-  float* op = o.data_ptr<float>();
-  float* lp = lse.data_ptr<float>();
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  at::parallel_for(0, B, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t;
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t h = r / Lq, i = r % Lq;
-        float* out = op + ((b * Lq + i) * H + h) * D;
-        float m = kNegInf;
-        bool is_bad = false;
-        for (int64_t s = 0; s < S; ++s) {
-          const int64_t idx = (t * S + s) * R + r;
-          m = std::max(m, pm[idx]);
-          is_bad = is_bad || part_bad[idx];
-        }
-        float* lrow = lp + (b * H + h) * Lq + i;
-        if (is_bad) {
-          std::fill(out, out + D, nan);
-          *lrow = nan;
-          continue;
-        }
-        std::fill(out, out + D, 0.f);
-        if (m == kNegInf) {
-          *lrow = kNegInf;
-          continue;
-        }
-        float l = 0.f;
-        for (int64_t s = 0; s < S; ++s) {
-          const int64_t idx = (t * S + s) * R + r;
-          if (pm[idx] == kNegInf) continue;
-          const float w = std::exp2(pm[idx] - m);
-          l += pl[idx] * w;
-          axpy(out, w, pa + idx * D, D);
-        }
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        for (int64_t d = 0; d < D; ++d) out[d] *= inv;
-        *lrow = l > 0.f ? (m + std::log2(l)) * kLn2 : kNegInf;
-      }
-    }
-  });
   return {o, lse};
 }
 

@@ -1024,46 +1024,48 @@ inline void dots(const float* q, const float* K, int64_t ldk, int64_t n, int64_t
   for (; j < n; ++j) S[j] = dot(q, K + j * ldk, D);
 }
 
-// acc[0..D) += sum_j p[j] * V[j] for j < n, the V rows ldv apart (read in place). Two sets of accumulators
-// (even and odd keys) keep enough independent FMA chains in flight.
+#ifdef FA_AVX2
+// acc[d..d+8NB) += sum_j p[j] * V[j][d..d+8NB) for j < n: two sets of NB accumulators (even and odd keys)
+// keep enough independent FMA chains in flight.
+template <int NB>
+inline void pv_block(float* acc, const float* p, const float* V, int64_t ldv, int64_t n) {
+  __m256 a[NB], c[NB];
+#pragma GCC unroll 8
+  for (int u = 0; u < NB; ++u) {
+    a[u] = _mm256_loadu_ps(acc + 8 * u);
+    c[u] = _mm256_setzero_ps();
+  }
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const float* v0 = V + j * ldv;
+    const __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
+#pragma GCC unroll 8
+    for (int u = 0; u < NB; ++u) {
+      a[u] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * u), a[u]);
+      c[u] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v0 + ldv + 8 * u), c[u]);
+    }
+  }
+  if (j < n) {
+    const __m256 p0 = _mm256_broadcast_ss(p + j);
+#pragma GCC unroll 8
+    for (int u = 0; u < NB; ++u) a[u] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(V + j * ldv + 8 * u), a[u]);
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < NB; ++u) _mm256_storeu_ps(acc + 8 * u, _mm256_add_ps(a[u], c[u]));
+}
+#endif
+
+// acc[0..D) += sum_j p[j] * V[j] for j < n, the V rows ldv apart (read in place). Whole rows of up to 64
+// floats per pass over the keys where 32 vector registers hold both accumulator sets (AVX-512), else 32:
+// a second pass over the same rows would fetch the rest of their cache lines apart from the first half.
 inline void pv(float* acc, const float* p, const float* V, int64_t ldv, int64_t n, int64_t D) {
   int64_t d = 0;
 #ifdef FA_AVX2
-  for (; d + 32 <= D; d += 32) {
-    __m256 a[4], c[4];
-#pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u) {
-      a[u] = _mm256_loadu_ps(acc + d + 8 * u);
-      c[u] = _mm256_setzero_ps();
-    }
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      const float* v0 = V + j * ldv + d;
-      const __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) {
-        a[u] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * u), a[u]);
-        c[u] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v0 + ldv + 8 * u), c[u]);
-      }
-    }
-    if (j < n) {
-      const __m256 p0 = _mm256_broadcast_ss(p + j);
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) a[u] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(V + j * ldv + d + 8 * u), a[u]);
-    }
-#pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u) _mm256_storeu_ps(acc + d + 8 * u, _mm256_add_ps(a[u], c[u]));
-  }
-  for (; d + 8 <= D; d += 8) {
-    __m256 a = _mm256_loadu_ps(acc + d), c = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(V + j * ldv + d), a);
-      c = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j + 1), _mm256_loadu_ps(V + (j + 1) * ldv + d), c);
-    }
-    if (j < n) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(V + j * ldv + d), a);
-    _mm256_storeu_ps(acc + d, _mm256_add_ps(a, c));
-  }
+#if defined(__AVX512F__)
+  for (; d + 64 <= D; d += 64) pv_block<8>(acc + d, p, V + d, ldv, n);
+#endif
+  for (; d + 32 <= D; d += 32) pv_block<4>(acc + d, p, V + d, ldv, n);
+  for (; d + 8 <= D; d += 8) pv_block<1>(acc + d, p, V + d, ldv, n);
 #endif
   for (; d < D; ++d) {
     float s = acc[d];

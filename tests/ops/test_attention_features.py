@@ -257,11 +257,11 @@ def test_bad_feature_arguments():
 
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("Lq", [1, 4])
-@pytest.mark.parametrize("D", [32, 36])
+@pytest.mark.parametrize("D", [32, 36, 100])
 def test_decode_inference_cpp(layout, Lq, D):
     """Short inference calls on cpp take the cache kernel (keys split across tasks for one batch row): same
     results as the oracle, in the input's layout, with a window, GQA, soft-capping and ALiBi; a head dim
-    that is not a multiple of 8 takes the kernel's scalar tails."""
+    that is not a multiple of 8 takes the kernel's scalar tails, one over 64 its widest P.V blocks."""
     require_backend("attention", "cpp")
     g = torch.Generator().manual_seed(6)
     q = torch.randn(1, 4, Lq, D, generator=g)

@@ -192,7 +192,9 @@ struct Vec8 {
   static F set(float x) { return _mm256_set1_ps(x); }
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
-  static M mask(int64_t n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
+  static M mask(int64_t n) {  // lanes below n
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
   static F load(const float* p, M m, float other) {  // lanes off the mask read `other`
     return _mm256_blendv_ps(set(other), _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
   }
@@ -319,7 +321,9 @@ inline float row_max(const float* x, int64_t n) {
 #ifdef FA_AVX2
   using V = VecW;
   V::F vm = V::set(kNegInf);
-  for_vectors<V>(n, [&](int64_t j, const V::M* mk) { vm = V::max(vm, mk ? V::load(x + j, *mk, kNegInf) : V::load(x + j)); });
+  for_vectors<V>(n, [&](int64_t j, const V::M* mk) {
+    vm = V::max(vm, mk ? V::load(x + j, *mk, kNegInf) : V::load(x + j));
+  });
   return V::hmax(vm);
 #else
   float mx = kNegInf;
@@ -1325,7 +1329,8 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
             continue;
           }
           const float alpha = mrow[r] == kNegInf ? 0.f : std::exp2(mrow[r] - mnew);
-          lrow[r] = lrow[r] * alpha + (cap_fused ? cap_exp2_sum(sr + a, e - a, cap) : exp2_sub_sum(sr + a, e - a, mnew));
+          lrow[r] = lrow[r] * alpha +
+                    (cap_fused ? cap_exp2_sum(sr + a, e - a, cap) : exp2_sub_sum(sr + a, e - a, mnew));
           mrow[r] = mnew;
           float* ar = acc + r * D;
           if (alpha != 1.f)

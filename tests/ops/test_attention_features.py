@@ -231,16 +231,18 @@ def test_softcap_cpp_both_sides_of_the_max_bound(softcap):
     page, Lc = 16, 1600
     for Lq in (1, 3):
         qd = torch.randn(2, Lq, 4, 24, generator=g) * 6
-        pages_k, pages_v = torch.randn(2 * Lc // page, page, 2, 24, generator=g), torch.randn(2 * Lc // page, page, 2, 24, generator=g)
+        pages_k, pages_v = (torch.randn(2 * Lc // page, page, 2, 24, generator=g) for _ in range(2))
         table = torch.randperm(2 * Lc // page, generator=g).view(2, -1).to(torch.int32)
         seqlens = torch.tensor([Lc - 5, 777], dtype=torch.int32)
         with torch.no_grad():
-            o, lse = attention(qd, pages_k, pages_v, layout="blhd", causal=True, softcap=softcap, seqlens_k=seqlens,
-                               block_table=table, backend="cpp", return_lse=True)
+            o, lse = attention(qd, pages_k, pages_v, layout="blhd", causal=True, softcap=softcap,
+                               seqlens_k=seqlens, block_table=table, backend="cpp", return_lse=True)
         for b in range(2):
             n = int(seqlens[b])
-            kb, vb = (t[table[b].long()].reshape(Lc, 2, 24)[:n].transpose(0, 1)[None] for t in (pages_k, pages_v))
-            r, lr = attention_ref(qd[b:b + 1].transpose(1, 2), kb, vb, causal=True, softcap=softcap, return_lse=True)
+            rows = table[b].long()
+            kb, vb = (t[rows].reshape(Lc, 2, 24)[:n].transpose(0, 1)[None] for t in (pages_k, pages_v))
+            r, lr = attention_ref(qd[b:b + 1].transpose(1, 2), kb, vb, causal=True, softcap=softcap,
+                                  return_lse=True)
             torch.testing.assert_close(o[b:b + 1], r.transpose(1, 2), **TOL)
             torch.testing.assert_close(lse[b:b + 1], lr, **TOL)
 

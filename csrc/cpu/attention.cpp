@@ -23,6 +23,7 @@
 #include "fastarch_parallel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -180,70 +181,155 @@ void gemm_band_k(int64_t m, int64_t n, const float* A, int64_t lda, const float*
   }
 }
 
-// ---- vectorised exp2 (|rel err| < 2.5e-7 on the range that matters; very negative inputs give ~0) ----
+// ---- vectorised row kernels: exp2, soft-capping, max -------------------------------------------------
+// Written once over a vector type: 8 lanes (AVX2) or, where the build targets AVX-512, 16. A row's last
+// n % W scores are one masked vector (a scalar tail would cost a libm call per score).
 #ifdef FA_AVX2
-inline __m256 exp2_ps(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-126.f));
-  x = _mm256_min_ps(x, _mm256_set1_ps(126.f));
-  const __m256 xi = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(x, xi), f2 = _mm256_mul_ps(f, f);  // |f| <= 1/2
+struct Vec8 {
+  using F = __m256;
+  using M = __m256i;
+  static constexpr int64_t W = 8;
+  static F set(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static M mask(int64_t n) {  // lanes below n
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static F load(const float* p, M m, float other) {  // lanes off the mask read `other`
+    return _mm256_blendv_ps(set(other), _mm256_maskload_ps(p, m), _mm256_castsi256_ps(m));
+  }
+  static void store(float* p, M m, F x) { _mm256_maskstore_ps(p, m, x); }
+  static F off(M m, F x, float other) { return _mm256_blendv_ps(set(other), x, _mm256_castsi256_ps(m)); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F round(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F pow2i(F xi) {  // 2^xi for integral xi in [-126, 127]
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(xi), _mm256_set1_epi32(127)), 23));
+  }
+  static F rcp(F x) { return _mm256_rcp_ps(x); }
+  static F keep_above(F x, F lim, F v) { return _mm256_and_ps(v, _mm256_cmp_ps(x, lim, _CMP_GT_OQ)); }
+  static float sum(F x) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+  }
+  static float hmax(F x) {
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+  }
+};
+#if defined(__AVX512F__)
+struct Vec16 {
+  using F = __m512;
+  using M = __mmask16;
+  static constexpr int64_t W = 16;
+  static F set(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static M mask(int64_t n) { return static_cast<M>((1u << n) - 1u); }
+  static F load(const float* p, M m, float other) { return _mm512_mask_loadu_ps(set(other), m, p); }
+  static void store(float* p, M m, F x) { _mm512_mask_storeu_ps(p, m, x); }
+  static F off(M m, F x, float other) { return _mm512_mask_mov_ps(set(other), m, x); }  // off the mask: other
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F pow2i(F xi) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(xi), _mm512_set1_epi32(127)), 23));
+  }
+  static F rcp(F x) { return _mm512_rcp14_ps(x); }
+  static F keep_above(F x, F lim, F v) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, lim, _CMP_GT_OQ), v); }
+  static float sum(F x) { return _mm512_reduce_add_ps(x); }
+  static float hmax(F x) { return _mm512_reduce_max_ps(x); }
+};
+using VecW = Vec16;  // the row kernels' width
+#else
+using VecW = Vec8;
+#endif
+
+// exp2 (|rel err| < 2.5e-7 on the range that matters; very negative inputs give ~0).
+template <class V>
+inline typename V::F exp2_v(typename V::F x) {
+  x = V::min(V::max(x, V::set(-126.f)), V::set(126.f));
+  const typename V::F xi = V::round(x);
+  const typename V::F f = V::sub(x, xi), f2 = V::mul(f, f);  // |f| <= 1/2
   // 2^f by a degree-5 polynomial fitted for relative error on [-1/2, 1/2] (9e-8 in exact arithmetic),
   // evaluated by Estrin's scheme: three dependent FMAs instead of five keep more iterations in flight.
-  const __m256 p01 = _mm256_fmadd_ps(f, _mm256_set1_ps(0.6931470036506653f), _mm256_set1_ps(1.f));
-  const __m256 p23 = _mm256_fmadd_ps(f, _mm256_set1_ps(0.05550733953714371f), _mm256_set1_ps(0.24022242426872253f));
-  const __m256 p45 = _mm256_fmadd_ps(f, _mm256_set1_ps(0.0013264708686619997f), _mm256_set1_ps(0.009671511128544807f));
-  const __m256 p = _mm256_fmadd_ps(f2, _mm256_fmadd_ps(f2, p45, p23), p01);
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(xi), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  const typename V::F p01 = V::fmadd(f, V::set(0.6931470036506653f), V::set(1.f));
+  const typename V::F p23 = V::fmadd(f, V::set(0.05550733953714371f), V::set(0.24022242426872253f));
+  const typename V::F p45 = V::fmadd(f, V::set(0.0013264708686619997f), V::set(0.009671511128544807f));
+  return V::mul(V::fmadd(f2, V::fmadd(f2, p45, p23), p01), V::pow2i(xi));
 }
 
 // Soft-capping works on log2-unit scores s2 = s * log2(e): tanh(s / softcap) = 1 - 2 / (exp2(s2 * in) + 1)
 // with in = 2 / softcap. This gives 1 / (exp2(s2 * in) + 1) from the vectorised exp2 and a reciprocal refined
 // by one Newton step (a division costs several times more); absolute error of tanh < 5e-7.
-inline __m256 cap_recip_ps(__m256 s2, __m256 vin) {
-  const __m256 y = _mm256_add_ps(exp2_ps(_mm256_mul_ps(s2, vin)), _mm256_set1_ps(1.f));  // in [1, 2^126]
-  const __m256 r = _mm256_rcp_ps(y);
-  return _mm256_mul_ps(r, _mm256_fnmadd_ps(y, r, _mm256_set1_ps(2.f)));
+template <class V>
+inline typename V::F cap_recip_v(typename V::F s2, typename V::F vin) {
+  const typename V::F y = V::add(exp2_v<V>(V::mul(s2, vin)), V::set(1.f));  // in [1, 2^126]
+  const typename V::F r = V::rcp(y);
+  return V::mul(r, V::fnmadd(y, r, V::set(2.f)));
+}
+
+// Applies body(index, mask) to x[0..n) a vector at a time; the last partial vector gets a lane mask.
+template <class V, class Body>
+inline void for_vectors(int64_t n, const Body& body) {
+  int64_t j = 0;
+  for (; j + V::W <= n; j += V::W) body(j, nullptr);
+  if (j < n) {
+    const typename V::M m = V::mask(n - j);
+    body(j, &m);
+  }
 }
 #endif
 
 // x[j] = exp2(x[j] - m) where x[j] > -inf, else 0; returns the sum.
 inline float exp2_sub_sum(float* x, int64_t n, float m) {
-  int64_t j = 0;
-  float sum = 0.f;
 #ifdef FA_AVX2
-  __m256 vm = _mm256_set1_ps(m), vs = _mm256_setzero_ps(), ninf = _mm256_set1_ps(kNegInf);
-  for (; j + 8 <= n; j += 8) {
-    __m256 s = _mm256_loadu_ps(x + j);
-    __m256 keep = _mm256_cmp_ps(s, ninf, _CMP_GT_OQ);
-    __m256 p = _mm256_and_ps(exp2_ps(_mm256_sub_ps(s, vm)), keep);
-    _mm256_storeu_ps(x + j, p);
-    vs = _mm256_add_ps(vs, p);
-  }
-  alignas(32) float t[8];
-  _mm256_store_ps(t, vs);
-  for (int q = 0; q < 8; ++q) sum += t[q];
-#endif
-  for (; j < n; ++j) {
+  using V = VecW;
+  const V::F vm = V::set(m), ninf = V::set(kNegInf);
+  V::F vs = V::set(0.f);
+  for_vectors<V>(n, [&](int64_t j, const V::M* mk) {
+    const V::F s = mk ? V::load(x + j, *mk, kNegInf) : V::load(x + j);
+    const V::F p = V::keep_above(s, ninf, exp2_v<V>(V::sub(s, vm)));
+    mk ? V::store(x + j, *mk, p) : V::store(x + j, p);
+    vs = V::add(vs, p);
+  });
+  return V::sum(vs);
+#else
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
     const float p = x[j] > kNegInf ? std::exp2(x[j] - m) : 0.f;
     x[j] = p;
     sum += p;
   }
   return sum;
+#endif
 }
 
 inline float row_max(const float* x, int64_t n) {
-  int64_t j = 0;
-  float mx = kNegInf;
 #ifdef FA_AVX2
-  __m256 vm = _mm256_set1_ps(kNegInf);
-  for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(x + j));
-  alignas(32) float t[8];
-  _mm256_store_ps(t, vm);
-  for (int q = 0; q < 8; ++q) mx = std::max(mx, t[q]);
-#endif
-  for (; j < n; ++j) mx = std::max(mx, x[j]);
+  using V = VecW;
+  V::F vm = V::set(kNegInf);
+  for_vectors<V>(n, [&](int64_t j, const V::M* mk) {
+    vm = V::max(vm, mk ? V::load(x + j, *mk, kNegInf) : V::load(x + j));
+  });
+  return V::hmax(vm);
+#else
+  float mx = kNegInf;
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, x[j]);
   return mx;
+#endif
 }
 
 // Once per call: (B,H,L,D) -> (B,H,D,L+16) and (B,H,L+16,Dp), zero padded, so that every tile a task
@@ -421,34 +507,68 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 // dc (optional) receives the derivative factor 1 - tanh^2. Returns the largest capped score (saves the
 // forward a pass over the row).
 float cap_log2(float* s2, float* dc, int64_t n, float softcap) {
-  int64_t j = 0;
-  float mx = kNegInf;
 #ifdef FA_AVX2
-  const float out = softcap * kLog2e;
-  const __m256 vin = _mm256_set1_ps(2.f / softcap), vout = _mm256_set1_ps(out), vout2 = _mm256_set1_ps(2.f * out),
-               one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f);
-  __m256 vm = _mm256_set1_ps(kNegInf);
-  for (; j + 8 <= n; j += 8) {
-    const __m256 y = _mm256_add_ps(exp2_ps(_mm256_mul_ps(_mm256_loadu_ps(s2 + j), vin)), one);
-    const __m256 c = _mm256_sub_ps(vout, _mm256_div_ps(vout2, y));
-    _mm256_storeu_ps(s2 + j, c);
-    vm = _mm256_max_ps(vm, c);
-    if (dc) {
-      const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(two, y));
-      _mm256_storeu_ps(dc + j, _mm256_fnmadd_ps(t, t, one));
+  using V = VecW;
+  const V::F vin = V::set(2.f / softcap), vout = V::set(softcap * kLog2e), one = V::set(1.f), two = V::set(2.f);
+  V::F vm = V::set(kNegInf);
+  for_vectors<V>(n, [&](int64_t j, const V::M* mk) {
+    const V::F t = V::fnmadd(two, cap_recip_v<V>(mk ? V::load(s2 + j, *mk, 0.f) : V::load(s2 + j), vin), one);  // tanh
+    const V::F c = V::mul(vout, t), d = V::fnmadd(t, t, one);
+    if (mk) {
+      V::store(s2 + j, *mk, c);
+      vm = V::max(vm, V::off(*mk, c, kNegInf));
+      if (dc) V::store(dc + j, *mk, d);
+    } else {
+      V::store(s2 + j, c);
+      vm = V::max(vm, c);
+      if (dc) V::store(dc + j, d);
     }
-  }
-  alignas(32) float t[8];
-  _mm256_store_ps(t, vm);
-  for (int q = 0; q < 8; ++q) mx = std::max(mx, t[q]);
-#endif
-  for (; j < n; ++j) {
+  });
+  return V::hmax(vm);
+#else
+  float mx = kNegInf;
+  for (int64_t j = 0; j < n; ++j) {
     const float t = std::tanh(s2[j] * (kLn2 / softcap));
     s2[j] = softcap * kLog2e * t;
     mx = std::max(mx, s2[j]);
     if (dc) dc[j] = 1.f - t * t;
   }
   return mx;
+#endif
+}
+
+// Capped scores lie in [-c, c], c = softcap * log2(e), so c bounds every row's maximum: the softmax can
+// subtract c instead of the row's maximum (no max pass, no rescaling between chunks) as long as exp2(-2c)
+// stays a normal float; then capping and exponentiating are one pass.
+inline bool cap_bounds_max(float softcap) { return softcap > 0.f && softcap * kLog2e <= 60.f; }
+
+// x[j] = exp2(cap(x[j]) - c) over n log2-unit scores (all visible), c = softcap * log2(e); returns the sum.
+// cap(s) - c = c * (tanh - 1) = -2c / (exp2(2 s / softcap) + 1).
+inline float cap_exp2_sum(float* x, int64_t n, float softcap) {
+#ifdef FA_AVX2
+  using V = VecW;
+  const V::F vin = V::set(2.f / softcap), vneg2out = V::set(-2.f * softcap * kLog2e);
+  V::F vs = V::set(0.f);
+  for_vectors<V>(n, [&](int64_t j, const V::M* mk) {
+    const V::F p = exp2_v<V>(V::mul(vneg2out, cap_recip_v<V>(mk ? V::load(x + j, *mk, 0.f) : V::load(x + j), vin)));
+    if (mk) {
+      V::store(x + j, *mk, p);
+      vs = V::add(vs, V::off(*mk, p, 0.f));
+    } else {
+      V::store(x + j, p);
+      vs = V::add(vs, p);
+    }
+  });
+  return V::sum(vs);
+#else
+  float sum = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = std::exp2(softcap * kLog2e * (std::tanh(x[j] * (kLn2 / softcap)) - 1.f));
+    x[j] = p;
+    sum += p;
+  }
+  return sum;
+#endif
 }
 
 // ALiBi in log2 units over scores of keys c0 + j (j < n) for a row at key position pos: s -= slope2 * |pos - key|.
@@ -527,6 +647,9 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
   const int64_t nqb = static_cast<int64_t>(qblocks.size()) - 1;
   const int64_t D = P.D, Dp = P.Dp;
   const float qscale = P.scale * kLog2e;
+  // Soft-capping alone: the cap's bound replaces the row maxima and is fused with the exp2.
+  const bool cap_fused = cap_bounds_max(P.softcap) && !P.alibi && !P.bias && !P.kpm;
+  const float cap_max = P.softcap * kLog2e;
   // Few rows per block (decode): keys and values are read in place, since packing the whole cache
   // would cost more than the attention itself. Otherwise keys are packed in panels
   // (B, Hk, Lk/16+2, D, 16), and values read in place when D is a multiple of 16 and a head's rows are
@@ -578,17 +701,20 @@ std::vector<at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k, const at::
             scores_rows(m, n, D, Qs.data(), P.kh(b, h / G) + c0 * P.sk2, P.sk2, S.data(), np);
           else
             gemm_skip_cols_panels(m, np, D, Qs.data(), D, kp + c0 * D, S.data(), np, ra.data(), re.data());
-          const bool have_max = mask_scores(P, b, h, i0, m, c0, n, S.data(), np, nullptr, rmax.data());
+          const bool have_max = !cap_fused && mask_scores(P, b, h, i0, m, c0, n, S.data(), np, nullptr, rmax.data());
           for (int64_t r = 0; r < m; ++r) {
             float* s = S.data() + r * np;
-            const float mx = have_max ? rmax[r] : row_max(s + ra[r], re[r] - ra[r]);
+            const bool any = re[r] > ra[r];
+            const float mx = cap_fused ? (any ? cap_max : kNegInf)
+                                       : have_max ? rmax[r] : row_max(s + ra[r], re[r] - ra[r]);
             const float mnew = std::max(mrow[r], mx);
             if (mnew == kNegInf) {  // nothing visible yet in this row
               std::fill(s, s + np, 0.f);
               continue;
             }
             const float alpha = mrow[r] == kNegInf ? 0.f : std::exp2(mrow[r] - mnew);
-            const float rs = exp2_sub_sum(s + ra[r], re[r] - ra[r], mnew);
+            const float rs = cap_fused ? (any ? cap_exp2_sum(s + ra[r], re[r] - ra[r], P.softcap) : 0.f)
+                                       : exp2_sub_sum(s + ra[r], re[r] - ra[r], mnew);
             std::fill(s, s + ra[r], 0.f);
             std::fill(s + re[r], s + np, 0.f);
             lrow[r] = lrow[r] * alpha + rs;
@@ -902,46 +1028,48 @@ inline void dots(const float* q, const float* K, int64_t ldk, int64_t n, int64_t
   for (; j < n; ++j) S[j] = dot(q, K + j * ldk, D);
 }
 
-// acc[0..D) += sum_j p[j] * V[j] for j < n, the V rows ldv apart (read in place). Two sets of accumulators
-// (even and odd keys) keep enough independent FMA chains in flight.
+#ifdef FA_AVX2
+// acc[d..d+8NB) += sum_j p[j] * V[j][d..d+8NB) for j < n: two sets of NB accumulators (even and odd keys)
+// keep enough independent FMA chains in flight.
+template <int NB>
+inline void pv_block(float* acc, const float* p, const float* V, int64_t ldv, int64_t n) {
+  __m256 a[NB], c[NB];
+#pragma GCC unroll 8
+  for (int u = 0; u < NB; ++u) {
+    a[u] = _mm256_loadu_ps(acc + 8 * u);
+    c[u] = _mm256_setzero_ps();
+  }
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const float* v0 = V + j * ldv;
+    const __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
+#pragma GCC unroll 8
+    for (int u = 0; u < NB; ++u) {
+      a[u] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * u), a[u]);
+      c[u] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v0 + ldv + 8 * u), c[u]);
+    }
+  }
+  if (j < n) {
+    const __m256 p0 = _mm256_broadcast_ss(p + j);
+#pragma GCC unroll 8
+    for (int u = 0; u < NB; ++u) a[u] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(V + j * ldv + 8 * u), a[u]);
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < NB; ++u) _mm256_storeu_ps(acc + 8 * u, _mm256_add_ps(a[u], c[u]));
+}
+#endif
+
+// acc[0..D) += sum_j p[j] * V[j] for j < n, the V rows ldv apart (read in place). Whole rows of up to 64
+// floats per pass over the keys where 32 vector registers hold both accumulator sets (AVX-512), else 32:
+// a second pass over the same rows would fetch the rest of their cache lines apart from the first half.
 inline void pv(float* acc, const float* p, const float* V, int64_t ldv, int64_t n, int64_t D) {
   int64_t d = 0;
 #ifdef FA_AVX2
-  for (; d + 32 <= D; d += 32) {
-    __m256 a[4], c[4];
-#pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u) {
-      a[u] = _mm256_loadu_ps(acc + d + 8 * u);
-      c[u] = _mm256_setzero_ps();
-    }
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      const float* v0 = V + j * ldv + d;
-      const __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) {
-        a[u] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * u), a[u]);
-        c[u] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v0 + ldv + 8 * u), c[u]);
-      }
-    }
-    if (j < n) {
-      const __m256 p0 = _mm256_broadcast_ss(p + j);
-#pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u) a[u] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(V + j * ldv + d + 8 * u), a[u]);
-    }
-#pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u) _mm256_storeu_ps(acc + d + 8 * u, _mm256_add_ps(a[u], c[u]));
-  }
-  for (; d + 8 <= D; d += 8) {
-    __m256 a = _mm256_loadu_ps(acc + d), c = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(V + j * ldv + d), a);
-      c = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j + 1), _mm256_loadu_ps(V + (j + 1) * ldv + d), c);
-    }
-    if (j < n) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(V + j * ldv + d), a);
-    _mm256_storeu_ps(acc + d, _mm256_add_ps(a, c));
-  }
+#if defined(__AVX512F__)
+  for (; d + 64 <= D; d += 64) pv_block<8>(acc + d, p, V + d, ldv, n);
+#endif
+  for (; d + 32 <= D; d += 32) pv_block<4>(acc + d, p, V + d, ldv, n);
+  for (; d + 8 <= D; d += 8) pv_block<1>(acc + d, p, V + d, ldv, n);
 #endif
   for (; d < D; ++d) {
     float s = acc[d];
@@ -950,10 +1078,20 @@ inline void pv(float* acc, const float* p, const float* V, int64_t ldv, int64_t 
   }
 }
 
+// Asks for the cache line at p. An asm statement rather than __builtin_prefetch: GCC deems a function that
+// only prefetches free of side effects and deletes the calls to it (and so every prefetch of this kernel).
+inline void prefetch_line(const float* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
 // Asks for the n rows (ldx apart, D floats each) that the next run reads.
 inline void prefetch_rows(const float* x, int64_t ldx, int64_t n, int64_t D) {
   for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(x + j * ldx + d, 0, 3);
+    for (int64_t d = 0; d < D; d += 16) prefetch_line(x + j * ldx + d);
 }
 
 constexpr int64_t CACHE_CHUNK = 128;  // keys per online-softmax step (a multiple of RUN)
@@ -1006,6 +1144,8 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
   const int64_t sk0 = k.stride(0), sk1 = k.stride(1), sk2 = k.stride(2);
   const int64_t sv0 = v.stride(0), sv1 = v.stride(1), sv2 = v.stride(2);
   const float sc2 = static_cast<float>(scale) * kLog2e, cap = static_cast<float>(softcap);
+  const bool cap_fused = cap_bounds_max(cap) && !al;  // the cap's bound stands in for the row maxima
+  const float cap_max = cap * kLog2e;
   // A key's rows of all heads next to each other ((page, Hk, D) caches): a run of RUN keys of every head is
   // one contiguous block. Otherwise each head's keys are contiguous: runs go to the end of a page.
   const bool heads_adjacent = std::abs(sk2) <= std::abs(sk1) && std::abs(sv2) <= std::abs(sv1);
@@ -1037,11 +1177,53 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
   float* pl = part_l.data_ptr<float>();
   float* pa = part_acc.data_ptr<float>();
 
+  // Merges the splits of batch row b: run by the task that finishes the row's last split, so that the call
+  // is one parallel region (each region costs a scheduling quantum on a busy host).
+  float* op = o.data_ptr<float>();
+  float* lp = lse.data_ptr<float>();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  auto merge = [&](int64_t b) {
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t h = r / Lq, i = r % Lq;
+      float* out = op + ((b * Lq + i) * H + h) * D;
+      float m = kNegInf;
+      bool is_bad = false;
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t idx = (b * S + s) * R + r;
+        m = std::max(m, pm[idx]);
+        is_bad = is_bad || part_bad[idx];
+      }
+      float* lrow = lp + (b * H + h) * Lq + i;
+      if (is_bad) {
+        std::fill(out, out + D, nan);
+        *lrow = nan;
+        continue;
+      }
+      std::fill(out, out + D, 0.f);
+      if (m == kNegInf) {
+        *lrow = kNegInf;
+        continue;
+      }
+      float l = 0.f;
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t idx = (b * S + s) * R + r;
+        if (pm[idx] == kNegInf) continue;
+        const float w = std::exp2(pm[idx] - m);
+        l += pl[idx] * w;
+        axpy(out, w, pa + idx * D, D);
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+      *lrow = l > 0.f ? (m + std::log2(l)) * kLn2 : kNegInf;
+    }
+  };
+  std::vector<std::atomic<int64_t>> splits_done(static_cast<size_t>(B));
+
   fastarch::run_tasks(B * S, [&](int64_t t0, int64_t t1) {
     std::vector<float> qs(R * D), sbuf(R * CACHE_CHUNK);
     std::vector<int64_t> lo(R), hi(R), ra(R), re(R);
     std::vector<int64_t> run_at, run_key;  // runs of the chunk: first index in the chunk, first key
-    for (int64_t t = t0; t < t1; ++t) {
+    auto split = [&](int64_t t) {
       const int64_t s = t % S, b = t / S;
       float* mrow = pm + t * R;
       float* lrow = pl + t * R;
@@ -1062,7 +1244,7 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
         lrow[r] = 0.f;
       }
       std::fill(acc, acc + R * D, 0.f);
-      if (band_hi < band_lo) continue;
+      if (band_hi < band_lo) return;
       // Splits and chunks start on multiples of CACHE_CHUNK keys (so on page boundaries for pages dividing it).
       const int64_t base = band_lo / CACHE_CHUNK * CACHE_CHUNK;
       const int64_t per = ((band_hi + 1 - base + S - 1) / S + CACHE_CHUNK - 1) / CACHE_CHUNK * CACHE_CHUNK;
@@ -1135,15 +1317,20 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
           if (!bad[r] && !all_finite(sr + a, e - a))
             for (int64_t j = a; j < e && !bad[r]; ++j)
               if (!std::isfinite(sr[j]) && !all_finite(key_row(kp, sk0, sk1, c0 + j) + (r / GL) * sk2, D)) bad[r] = 1;
-          if (cap > 0.f) cap_log2(sr + a, nullptr, e - a, cap);
-          if (al) alibi_row(sr + a, e - a, al[b * H + r / Lq] * kLog2e, sl[b] - Lq + r % Lq - c0 - a);
-          const float mx = row_max(sr + a, e - a), mnew = std::max(mrow[r], mx);
+          float mx = cap_fused ? cap_max : kNegInf;
+          if (!cap_fused) {
+            if (cap > 0.f) mx = cap_log2(sr + a, nullptr, e - a, cap);
+            if (al) alibi_row(sr + a, e - a, al[b * H + r / Lq] * kLog2e, sl[b] - Lq + r % Lq - c0 - a);
+            if (al || cap == 0.f) mx = row_max(sr + a, e - a);
+          }
+          const float mnew = std::max(mrow[r], mx);
           if (mnew == kNegInf) {  // nothing visible yet in this row
             re[r] = ra[r];
             continue;
           }
           const float alpha = mrow[r] == kNegInf ? 0.f : std::exp2(mrow[r] - mnew);
-          lrow[r] = lrow[r] * alpha + exp2_sub_sum(sr + a, e - a, mnew);
+          lrow[r] = lrow[r] * alpha +
+                    (cap_fused ? cap_exp2_sum(sr + a, e - a, cap) : exp2_sub_sum(sr + a, e - a, mnew));
           mrow[r] = mnew;
           float* ar = acc + r * D;
           if (alpha != 1.f)
@@ -1160,51 +1347,13 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
         for (int64_t key = std::max(ka, lo[r]); key <= std::min(kb - 1, hi[r]) && !bad[r]; ++key)
           if (!all_finite(key_row(vp, sv0, sv1, key) + (r / GL) * sv2, D)) bad[r] = 1;
       }
+    };
+    for (int64_t t = t0; t < t1; ++t) {
+      split(t);
+      if (splits_done[t / S].fetch_add(1, std::memory_order_acq_rel) == S - 1) merge(t / S);
     }
   });
 
-  // Merge the splits of every row.
-  float* op = o.data_ptr<float>();
-  float* lp = lse.data_ptr<float>();
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  at::parallel_for(0, B, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t;
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t h = r / Lq, i = r % Lq;
-        float* out = op + ((b * Lq + i) * H + h) * D;
-        float m = kNegInf;
-        bool is_bad = false;
-        for (int64_t s = 0; s < S; ++s) {
-          const int64_t idx = (t * S + s) * R + r;
-          m = std::max(m, pm[idx]);
-          is_bad = is_bad || part_bad[idx];
-        }
-        float* lrow = lp + (b * H + h) * Lq + i;
-        if (is_bad) {
-          std::fill(out, out + D, nan);
-          *lrow = nan;
-          continue;
-        }
-        std::fill(out, out + D, 0.f);
-        if (m == kNegInf) {
-          *lrow = kNegInf;
-          continue;
-        }
-        float l = 0.f;
-        for (int64_t s = 0; s < S; ++s) {
-          const int64_t idx = (t * S + s) * R + r;
-          if (pm[idx] == kNegInf) continue;
-          const float w = std::exp2(pm[idx] - m);
-          l += pl[idx] * w;
-          axpy(out, w, pa + idx * D, D);
-        }
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        for (int64_t d = 0; d < D; ++d) out[d] *= inv;
-        *lrow = l > 0.f ? (m + std::log2(l)) * kLn2 : kNegInf;
-      }
-    }
-  });
   return {o, lse};
 }
 

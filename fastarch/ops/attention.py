@@ -808,9 +808,11 @@ def _cached(q, k, v, wl, wr, dropout_p, scale, return_lse, dropout_seed, backend
                      f"{tuple(k.shape)} and {tuple(v.shape)}")
         if block_table.shape[0] != B:
             fail(OP, f"argument 'block_table' must have B={B} rows, got shape {tuple(block_table.shape)}")
-        if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= k.shape[0]):
-            fail(OP, f"argument 'block_table' entries must be page indices in [0, {k.shape[0]}), got "
-                     f"{int(block_table.min())} .. {int(block_table.max())}")
+        if block_table.numel():
+            lo, hi = (int(x) for x in torch.aminmax(block_table))  # one pass, one sync
+            if lo < 0 or hi >= k.shape[0]:
+                fail(OP, f"argument 'block_table' entries must be page indices in [0, {k.shape[0]}), got "
+                         f"{lo} .. {hi}")
         # Validated against the shape of the gathered cache, which is only built if the cache kernel is not used.
         Hk, D = k.shape[2], k.shape[3]
         k4 = v4 = torch.empty((), dtype=k.dtype, device=k.device).expand(B, Hk, block_table.shape[1] * k.shape[1], D)
@@ -825,7 +827,7 @@ def _cached(q, k, v, wl, wr, dropout_p, scale, return_lse, dropout_seed, backend
     if key_leftpad is not None:
         check_tensor(OP, "key_leftpad", key_leftpad, ndim=1, dtypes=(torch.int32,), shape=(B,))
         lp = key_leftpad.to("cpu", torch.int64)
-    if bool(((sk < 0) | (sk > Lc)).any()) or bool(((lp < 0) | (lp > sk)).any()):
+    if bool(((lp < 0) | (lp > sk) | (sk > Lc)).any()):
         fail(OP, f"argument 'seqlens_k' must lie in [key_leftpad, cache length {Lc}] per batch, got "
                  f"seqlens_k={sk.tolist()}, key_leftpad={lp.tolist()}")
     alibi = _validate_alibi(alibi_slopes, B, H, q, "B")

@@ -210,6 +210,43 @@ def test_softcap_alibi_fp32(backend, kw):
         torch.testing.assert_close(a, b, **TOL)
 
 
+@pytest.mark.parametrize("softcap", [0.7, 5.0, 60.0], ids=str)
+def test_softcap_cpp_both_sides_of_the_max_bound(softcap):
+    """Up to softcap * log2(e) = 60 the cpp kernels subtract the cap's bound instead of each row's maximum
+    (capping fused with the exp2); above it they take row maxima. Both match the oracle on scores large
+    enough to be capped, for the tiled forward (causal rows whose visible lengths are no multiple of the
+    vector width), its backward, and the cache kernel (decode and 3-row steps, split keys, pages)."""
+    require_backend("attention", "cpp")
+    g = torch.Generator().manual_seed(11)
+    q = (torch.randn(1, 4, 70, 24, generator=g) * 6).requires_grad_()
+    k = torch.randn(1, 2, 70, 24, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, 70, 24, generator=g, requires_grad=True)
+    o, lse = attention(q, k, v, causal=True, softcap=softcap, backend="cpp", return_lse=True)
+    r, lr = attention_ref(q, k, v, causal=True, softcap=softcap, return_lse=True)
+    torch.testing.assert_close(o, r, **TOL)
+    torch.testing.assert_close(lse, lr, **TOL)
+    gr = torch.randn_like(o)
+    for a, b in zip(torch.autograd.grad(o, (q, k, v), gr), torch.autograd.grad(r, (q, k, v), gr)):
+        torch.testing.assert_close(a, b, **TOL)
+    page, Lc = 16, 1600
+    for Lq in (1, 3):
+        qd = torch.randn(2, Lq, 4, 24, generator=g) * 6
+        pages_k, pages_v = (torch.randn(2 * Lc // page, page, 2, 24, generator=g) for _ in range(2))
+        table = torch.randperm(2 * Lc // page, generator=g).view(2, -1).to(torch.int32)
+        seqlens = torch.tensor([Lc - 5, 777], dtype=torch.int32)
+        with torch.no_grad():
+            o, lse = attention(qd, pages_k, pages_v, layout="blhd", causal=True, softcap=softcap,
+                               seqlens_k=seqlens, block_table=table, backend="cpp", return_lse=True)
+        for b in range(2):
+            n = int(seqlens[b])
+            rows = table[b].long()
+            kb, vb = (t[rows].reshape(Lc, 2, 24)[:n].transpose(0, 1)[None] for t in (pages_k, pages_v))
+            r, lr = attention_ref(qd[b:b + 1].transpose(1, 2), kb, vb, causal=True, softcap=softcap,
+                                  return_lse=True)
+            torch.testing.assert_close(o[b:b + 1], r.transpose(1, 2), **TOL)
+            torch.testing.assert_close(lse[b:b + 1], lr, **TOL)
+
+
 def test_bad_feature_arguments():
     q = torch.randn(1, 2, 5, 8)
     with pytest.raises(ValueError, match="softcap"):
@@ -222,11 +259,11 @@ def test_bad_feature_arguments():
 
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("Lq", [1, 4])
-@pytest.mark.parametrize("D", [32, 36])
+@pytest.mark.parametrize("D", [32, 36, 100])
 def test_decode_inference_cpp(layout, Lq, D):
     """Short inference calls on cpp take the cache kernel (keys split across tasks for one batch row): same
     results as the oracle, in the input's layout, with a window, GQA, soft-capping and ALiBi; a head dim
-    that is not a multiple of 8 takes the kernel's scalar tails."""
+    that is not a multiple of 8 takes the kernel's scalar tails, one over 64 its widest P.V blocks."""
     require_backend("attention", "cpp")
     g = torch.Generator().manual_seed(6)
     q = torch.randn(1, 4, Lq, D, generator=g)

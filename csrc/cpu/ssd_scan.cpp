@@ -27,6 +27,7 @@
 //   backward: A. per chunk: dY^T diag(carry) C, the output's pull on the entering state;
 //             B. per (batch, head): the state gradients pass backwards from chunk to chunk;
 //             C. per chunk: every input gradient, recomputing the chunk from its entering state.
+// The forward works on sub-chunks of at most 128 steps (see fwd_split) and keeps the states entering whole chunks.
 // Temporaries are chunk-sized per thread; nothing of size L x P x N is formed. Matrix products go to ATen's
 // BLAS (single-threaded inside the parallel region).
 #include <torch/extension.h>
@@ -273,6 +274,18 @@ struct Decays {
     }
     decay = carry[T - 1];
   }
+  // The steps, their running sum and carry as the forward's first pass kept them (rows of `keep`, one per
+  // quantity, `ld` apart): the output pass needs no step recomputed.
+  void load(const float* keep, int64_t ld, int64_t T) {
+    dt.assign(keep, keep + T);
+    cum.assign(keep + ld, keep + ld + T);
+    carry.assign(keep + 2 * ld, keep + 2 * ld + T);
+  }
+  void store(float* keep, int64_t ld) const {
+    std::copy(dt.begin(), dt.end(), keep);
+    std::copy(cum.begin(), cum.end(), keep + ld);
+    std::copy(carry.begin(), carry.end(), keep + 2 * ld);
+  }
 };
 
 // cb (T, T) = C B^T of the task's chunk and group, its lower triangle.
@@ -379,8 +392,11 @@ void for_rows(const Scan& s, const Body& body) {
 // The pass between chunks for every (batch, head) row of the (batch, nc, H, P, N) slots, each already holding
 // its chunk's own part: forward, slot c+1 += decay_c slot c (slot 0 first set to `start`, or 0; `past`
 // (batch, H, P, N) stands for slot nc); reverse, slot c-1 += decay_c slot c (slot nc-1 first set to `start`,
-// or 0; `past` stands for slot -1).
-void pass_states(const Scan& s, float* slots, const float* start, float* past, const float* decays, bool reverse) {
+// or 0; `past` stands for slot -1). `every` (forward only): slot c, once complete, is also copied to slot c / every
+// of `kept` (batch, ceil(nc / every), H, P, N) when every divides c.
+void pass_states(const Scan& s, float* slots, const float* start, float* past, const float* decays, bool reverse,
+                 float* kept = nullptr, int64_t every = 1) {
+  const int64_t nkept = (s.nc + every - 1) / every;
   const int64_t PN = s.P * s.N, step = reverse ? -1 : 1;
   for_rows(s, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -395,6 +411,7 @@ void pass_states(const Scan& s, float* slots, const float* start, float* past, c
       }
       for (int64_t i = 0, c = c0; i < s.nc; ++i, c += step) {
         const float* cur = slot(c);
+        if (kept && c % every == 0) std::copy(cur, cur + PN, kept + ((b * nkept + c / every) * s.H + h) * PN);
         float* nxt = c + step >= 0 && c + step < s.nc ? slot(c + step) : past + r * PN;
         const float dc = decays[(b * s.nc + c) * s.H + h];
 #pragma omp simd
@@ -405,6 +422,20 @@ void pass_states(const Scan& s, float* slots, const float* start, float* past, c
 }
 
 // -- forward ---------------------------------------------------------------------------------------------------
+// The forward's longest and shortest sub-chunks: within a chunk the (T, T) mixes cost T per step and head, while
+// the state terms cost N per step and head whatever T is, so chunks of 256 steps (mamba-ssm's default) run
+// faster as two of 128. A chunk is split into the fewest equal sub-chunks of at most kFwdSteps steps, unless
+// they would be shorter than kFwdMinSteps.
+constexpr int64_t kFwdSteps = 128, kFwdMinSteps = 32;
+
+// How many equal sub-chunks the forward cuts each chunk of chunk_size steps into.
+int64_t fwd_split(int64_t chunk_size) {
+  for (int64_t k = (chunk_size + kFwdSteps - 1) / kFwdSteps; k > 1 && chunk_size / k >= kFwdMinSteps; ++k) {
+    if (chunk_size % k == 0) return k;
+  }
+  return 1;
+}
+
 // x, dt, B, C may have any strides; dt is raw: the step is clamp(softplus(dt + dt_bias), lo, hi) (bias when
 // given, softplus when dt_softplus, clamp when dt_clamp); D (optional, (H,) or (H, P)) adds the skip D * x to y.
 std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Tensor A, torch::Tensor B,
@@ -413,7 +444,10 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
                                    double dt_lo, double dt_hi, c10::optional<torch::Tensor> initial_states,
                                    c10::optional<torch::Tensor> seq_idx, int64_t chunk_size) {
   at::NoGradGuard ng;
-  Scan s = make_scan(x, dt, A, B, C, initial_states, seq_idx, chunk_size, true);
+  // The work runs on sub-chunks of `chunk_size / every` steps; chunk_states keeps every `every`-th entering
+  // state, which is the state entering each chunk of chunk_size steps.
+  const int64_t every = fwd_split(chunk_size);
+  Scan s = make_scan(x, dt, A, B, C, initial_states, seq_idx, chunk_size / every, true);
   if (dt_bias) {
     check(*dt_bias, "dt_bias", {s.H});
     s.dt_bias = dt_bias->data_ptr<float>();
@@ -430,12 +464,17 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
   auto opts = x.options().memory_format(at::MemoryFormat::Contiguous);
   auto y = torch::empty({s.batch, s.L, s.H, s.P}, opts);
   auto states = torch::empty({s.batch, s.nc, s.H, s.P, s.N}, opts);
+  auto chunk_states = every == 1 ? states : torch::empty({s.batch, (s.nc + every - 1) / every, s.H, s.P, s.N}, opts);
   auto final_states = torch::empty({s.batch, s.H, s.P, s.N}, opts);
   auto decays = torch::empty({s.batch, s.nc, s.H}, opts);
+  // per (batch, head): the steps, their running sums within sub-chunks and the carries, rows of L
+  auto steps = torch::empty({s.batch, s.H, 3, s.L}, opts);
   float* py = y.data_ptr<float>();
   float* pst = states.data_ptr<float>();
   float* pfin = final_states.data_ptr<float>();
   float* pdec = decays.data_ptr<float>();
+  float* psteps = steps.data_ptr<float>();
+  auto steps_at = [&](const Task& k, int64_t h) { return psteps + (k.b * s.H + h) * 3 * s.L + k.s0; };
   std::vector<Scratch> scratch(nthreads());
 
   // 1. each chunk's own end-state contribution x^T diag(wend) B (into the next chunk's slot)
@@ -454,11 +493,12 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
       float* own = k.c + 1 < s.nc ? pst + ((k.b * s.nc + k.c + 1) * s.H + h) * PN : pfin + (k.b * s.H + h) * PN;
       gemm(s.P, s.N, k.T, s.x_at(k.b, k.s0, h).t(), mat(bw, s.N), 0.f, own, s.N);
       pdec[(k.b * s.nc + k.c) * s.H + h] = d.decay;
+      d.store(steps_at(k, h), s.L);
     }
   });
 
   // 2. the states pass from chunk to chunk
-  pass_states(s, pst, s.init, pfin, pdec, false);
+  pass_states(s, pst, s.init, pfin, pdec, false, every == 1 ? nullptr : chunk_states.data_ptr<float>(), every);
 
   // 3. the outputs: the entering states' part for the block's heads in one product (C S^T, then each head's
   // rows scaled by carry), the intra-chunk part M x, the skip D x
@@ -484,7 +524,7 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
     Decays d;
     gemm_lower_abt(T, s.N, Cp, s.N, Bp, s.N, cb, T);
     for (int64_t h = k.h0; h < k.h1; ++h) {
-      d.fill(s, k, q, h);
+      d.load(steps_at(k, h), s.L, T);
       float* yh = yb + h * s.P;
       if (reads_state) {
         for (int64_t t = 0; t < T; ++t) {
@@ -515,7 +555,7 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
       if (s.D && s.D_ps) add_skip(xh, s.D + h * s.P, T, s.P, yh, ldy);
     }
   });
-  return {y, final_states, states};
+  return {y, final_states, chunk_states};
 }
 
 // -- backward --------------------------------------------------------------------------------------------------

@@ -188,6 +188,26 @@ def test_rms_norm_gated_matches_formula(group, before, gated):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("group", [None, 4])
+@pytest.mark.parametrize("before", [True, False])
+@pytest.mark.parametrize("gated", [True, False])
+def test_rms_norm_gated_without_autograd(group, before, gated):
+    """Under no_grad the products reuse the op's own buffers: the formula's result, the inputs untouched."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 5, 12, generator=g)
+    z = torch.randn(3, 5, 12, generator=g) if gated else None
+    w, b = 1 + 0.1 * torch.randn(12, generator=g), 0.1 * torch.randn(12, generator=g)
+    before_call = [t.clone() for t in (x, z, w, b) if t is not None]
+    with torch.no_grad():
+        out = rms_norm_gated(x, w, b, z, 1e-5, group, before)
+    want = _gated_formula(x, w, None if before else z, 1e-5, group or 12, False) + b
+    if gated and before:
+        want = want * F.silu(z)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    for t, t0 in zip([t for t in (x, z, w, b) if t is not None], before_call):
+        assert torch.equal(t, t0)
+
+
 def test_rms_norm_gated_bias_and_dtype():
     x = torch.randn(4, 8, dtype=torch.float16)
     w, b = torch.ones(8, dtype=torch.float16), torch.full((8,), 0.5, dtype=torch.float16)

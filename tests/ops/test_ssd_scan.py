@@ -82,7 +82,7 @@ def _sorted_ids(batch, L, n, seed):
     return torch.sort(torch.randint(0, n, (batch, L), generator=g), dim=1).values.to(torch.int32)
 
 
-@pytest.mark.parametrize("L,chunk", [(100, 16), (257, 64)])
+@pytest.mark.parametrize("L,chunk", [(100, 16), (257, 64), (300, 256)])
 def test_seq_idx_restarts(backend, L, chunk):
     inputs = make(2, L, H, 16, 2, 16)
     seq_idx = _sorted_ids(2, L, 4, seed=3)
@@ -207,6 +207,24 @@ def test_opcheck(impl):
     torch.library.opcheck(_ssd_scan_fwd, (x, dt, A, B, C, D, None, True, 0.01, 0.5, None, None, 8, impl))
     torch.library.opcheck(_ssd_scan_fwd, (x, dt.abs(), A, B, C, None, None, False, 0.0, math.inf, None, None, 8,
                                           impl))
+
+
+@pytest.mark.parametrize("chunk", [200, 256, 257, 384])
+def test_cpp_forward_sub_chunks_keep_the_chunk_states(chunk):
+    """The cpp forward runs long chunks as sub-chunks (256 as two of 128, 384 as three, 200 as two of 100; 257
+    whole) and keeps the states entering the requested chunks: all three outputs as the torch backend's,
+    across sequence restarts and with initial states."""
+    from fastarch.ops.ssd_scan import _ssd_scan_fwd
+
+    L = 700
+    inputs = make(2, L, H, 16, 2, 16)
+    seq_idx = _sorted_ids(2, L, 5, seed=4)
+    args = [inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias")]
+    outs = [_ssd_scan_fwd(*args, True, 0.0, math.inf, inputs["initial_states"], seq_idx, chunk, impl)
+            for impl in ("torch", "cpp")]
+    assert outs[1][2].shape == (2, -(-L // chunk), H, 16, 16)
+    for name, got, want in zip(("y", "final_states", "chunk_states"), outs[1], outs[0]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("d_per_head,dt_limit", [(False, (0.0, math.inf)), (True, (0.01, 0.5))],

@@ -21,7 +21,12 @@ Cases and providers:
 - ``mamba2 fwd L``: HF's ``Mamba2ForCausalLM`` (d_model 768, 4 layers, 24 heads of 64, d_state 128, one group,
   chunk 256), one forward: fastarch's kernels (SSD scan, conv) against its own PyTorch chunked path. Slow on
   CPU: only in ``--full`` runs (L=1024) and in the case set ``hf-mamba2`` (L=2048, ``fastarch bench --case
-  hf-mamba2``), whose bar is 3x.
+  hf-mamba2``), whose bar is 3x. Two more providers time what the forward cannot do without, so that the
+  report explains itself: ``projections``, the mixers' ``in_proj`` and ``out_proj`` GEMMs alone (the same
+  ``nn.Linear`` calls in both paths; ``hf-pytorch`` over it bounds the ratio any kernel work can reach, and
+  ``fastarch`` over it is fastarch's time per GEMM time), and ``projections+ssd_scan``, those GEMMs plus
+  fastarch's SSD scan of every layer (so ``fastarch`` over it is the cost of the convolution, the norms and
+  the model's glue). Both are of kind ``reference``, so neither counts as a peer or as fastarch's headline.
 
 Thread counts are the run's (``--threads``).
 
@@ -31,6 +36,7 @@ Needs transformers (``pip install 'fastarch[hf]'``); without it every provider i
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -233,11 +239,59 @@ def _bert_case(cfg: BenchConfig, batch: int, L: int, toy: bool) -> Case:
                            Provider("sdpa", "torch", provider(False)))
 
 
+def _mamba2_floor(cfg: BenchConfig, L: int, scan: bool) -> Callable[[], Callable[[], Any]]:
+    """What the Mamba-2 forward cannot do without, timed alone: every mixer's ``in_proj`` and ``out_proj`` (the
+    model's ``nn.Linear`` modules on random ``(1, L, .)`` inputs; the rest of the model's GEMMs, the head on
+    one token, is negligible) and, with ``scan``, each layer's SSD scan (``fastarch.ops.ssd_scan``, on the
+    layer's parameters and on the strided views of its convolution output that the mixer passes)."""
+
+    def setup() -> Callable[[], Any]:
+        from fastarch.ops import causal_conv1d, ssd_scan
+
+        model, _ = _mamba2_model(cfg)
+        mixers = [layer.mixer for layer in model.backbone.layers]
+        g = torch.Generator().manual_seed(cfg.seed)
+        u = torch.randn(1, L, model.config.hidden_size, generator=g).to(cfg.device, cfg.dtype)
+        v = torch.randn(1, L, mixers[0].intermediate_size, generator=g).to(cfg.device, cfg.dtype)
+        scans = []
+        with torch.no_grad():
+            for m in mixers:
+                _, xbc, dt = m.in_proj(u).split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+                xbc = causal_conv1d(xbc.transpose(1, 2), m.conv1d.weight.squeeze(1), m.conv1d.bias,
+                                    "silu").transpose(1, 2)
+                x, B, C = xbc.split([m.intermediate_size, m.n_groups * m.ssm_state_size,
+                                     m.n_groups * m.ssm_state_size], dim=-1)
+                scans.append(dict(x=x.view(1, L, m.num_heads, m.head_dim), dt=dt, A=-torch.exp(m.A_log.float()),
+                                  B=B.view(1, L, m.n_groups, -1), C=C.view(1, L, m.n_groups, -1),
+                                  chunk_size=m.chunk_size, D=m.D, dt_bias=m.dt_bias, dt_softplus=True,
+                                  dt_limit=m.time_step_limit))
+
+        def run() -> Any:
+            with torch.no_grad():
+                for m, kw in zip(mixers, scans):
+                    m.in_proj(u)
+                    if scan:
+                        ssd_scan(**kw)
+                    out = m.out_proj(v)
+            return out
+        return run
+    return setup
+
+
 def _mamba2_forward_case(cfg: BenchConfig, L: int) -> Case:
     ids = _tokens(cfg, L)
-    return _mamba_case(cfg, "mamba2 fwd", f"mamba2 fwd L={L}", {"L": L},
+    case = _mamba_case(cfg, "mamba2 fwd", f"mamba2 fwd L={L}", {"L": L},
                        lambda model: lambda: model(input_ids=ids, logits_to_keep=1).logits, model="mamba2",
-                       build=_mamba2_model, ratios=(Ratio("fastarch", "hf-pytorch", target=3.0),))
+                       build=_mamba2_model)
+    # The floors: "projections" times the GEMMs both paths share, so "projections vs hf-pytorch" is the most
+    # any kernel work could bring, and "projections vs fastarch" is fastarch's time over its GEMM time.
+    # Kind "reference": a floor is neither a peer to beat nor fastarch's headline.
+    floors = [Provider("projections", "reference", _mamba2_floor(cfg, L, scan=False)),
+              Provider("projections+ssd_scan", "reference", _mamba2_floor(cfg, L, scan=True))]
+    return replace(case, providers=case.providers + floors,
+                   ratios=(Ratio("fastarch", "hf-pytorch", target=3.0), Ratio("projections", "hf-pytorch"),
+                           Ratio("projections+ssd_scan", "hf-pytorch"), Ratio("projections", "fastarch"),
+                           Ratio("projections+ssd_scan", "fastarch")))
 
 
 def mamba2_cases(cfg: BenchConfig) -> list[Case]:

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..backend import AUTO, ExtensionBuildError, requested_backend
+from ..extensions import load_extension
 from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
 from ..ops.linear import linear
 from ..ops.selective_scan import selective_scan
@@ -61,11 +64,60 @@ def _ssm_step(x: torch.Tensor, z: torch.Tensor, conv: nn.Conv1d, x_proj: nn.Line
               conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
     """One token: x, z (B, d_inner) -> y (B, d_inner); conv_state and ssm_state advance in place."""
     xc = causal_conv1d_update(x, conv_state, conv.weight.squeeze(1), conv.bias, activation="silu")
-    dt, Bm, Cm = torch.split(x_proj(xc), [dt_rank, d_state, d_state], dim=-1)
+    dt, Bm, Cm = torch.split(linear(xc, x_proj.weight, x_proj.bias), [dt_rank, d_state, d_state], dim=-1)
     dt = linear(dt, dt_weight)
     A = -torch.exp(A_log.float())
     return selective_state_update(ssm_state, xc, dt, A, Bm, Cm, D.float(), z,
                                   dt_bias=None if dt_bias is None else dt_bias.float(), dt_softplus=True)
+
+
+# The ops a mixer decode step runs; the fused kernel takes the step when none of them is forced off ``cpp``.
+_STEP_OPS = ("linear", "causal_conv1d_update", "selective_state_update")
+
+
+def _fused_step_kernel() -> Any | None:
+    """The fused C++ decode step's extension, or None where it cannot be built (the step then runs op by op)."""
+    try:
+        return load_extension("mamba_step", "cpu")
+    except ExtensionBuildError:
+        return None
+
+
+def _fusable(tensors: tuple[torch.Tensor | None, ...]) -> bool:
+    """Can the fused C++ step take these tensors: CPU fp32 contiguous, no autograd, not traced, no backend
+    other than ``cpp`` asked for the step's ops."""
+    if torch.compiler.is_compiling() or any(requested_backend(op) not in (AUTO, "cpp") for op in _STEP_OPS):
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
+                              or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def mixer_step(x: torch.Tensor, in_proj: nn.Linear, conv: nn.Conv1d, x_proj: nn.Linear, dt_proj: nn.Linear,
+               A_log: torch.Tensor, D: torch.Tensor, out_proj: nn.Linear, conv_state: torch.Tensor,
+               ssm_state: torch.Tensor) -> torch.Tensor:
+    """One decode step of a Mamba-1 mixer: x (B, d_model) -> (B, d_out); ``conv_state`` (B, d_inner, S) and
+    ``ssm_state`` (B, d_inner, N) advance in place.
+
+    in_proj -> causal conv update + SiLU -> x_proj -> dt_proj (bias, softplus) -> selective state update
+    (``A = -exp(A_log)``, D skip, ``silu(z)`` gate) -> out_proj. On CPU in fp32 without autograd it runs as
+    one fused C++ call (the weights are read once, no per-op overhead); otherwise op by op on fastarch's ops.
+    """
+    d_inner, d_state = A_log.shape
+    conv_w = conv.weight.view(d_inner, -1) if conv.weight.is_contiguous() else conv.weight
+    tensors = (x, in_proj.weight, in_proj.bias, conv_state, conv_w, conv.bias, x_proj.weight, x_proj.bias,
+               dt_proj.weight, dt_proj.bias, A_log, D, ssm_state, out_proj.weight, out_proj.bias)
+    if _fusable(tensors):
+        kernel = _fused_step_kernel()
+        if kernel is not None:
+            return kernel.mamba_step(*tensors)
+    xi, z = linear(x, in_proj.weight, in_proj.bias).chunk(2, dim=-1)
+    y = _ssm_step(xi, z, conv, x_proj, dt_proj.weight, dt_proj.bias, A_log, D, d_state, dt_proj.weight.shape[1],
+                  conv_state, ssm_state)
+    return linear(y, out_proj.weight, out_proj.bias)
 
 
 class _SelectiveSSMLayer(nn.Module):
@@ -83,8 +135,9 @@ class _SelectiveSSMLayer(nn.Module):
     def _pre(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def _post(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(y)
+    def _post(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out: the mixer's output (after out_proj); x: the layer's input."""
+        return out
 
     def _ssm_args(self) -> tuple:
         return (self.conv1d, self.x_proj, self.dt_proj.weight, self.dt_proj.bias, self.A_log, self.D, self.d_state,
@@ -95,7 +148,7 @@ class _SelectiveSSMLayer(nn.Module):
         decoding with :meth:`step` afterwards."""
         xi, z = self.in_proj(self._pre(x)).chunk(2, dim=-1)
         y = _ssm_core(xi, z, *self._ssm_args(), None if cache is None else (cache.conv_state, cache.ssm_state))
-        return self._post(y, x)
+        return self._post(self.out_proj(y), x)
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int | None = None, dtype=None, device=None
                                  ) -> MambaLayerCache:
@@ -106,9 +159,8 @@ class _SelectiveSSMLayer(nn.Module):
         """One token: x (batch, d_model) or (batch, 1, d_model) -> same shape; ``cache`` advances in place."""
         squeeze = x.dim() == 3
         x2 = x.squeeze(1) if squeeze else x
-        xi, z = self.in_proj(self._pre(x2)).chunk(2, dim=-1)
-        y = _ssm_step(xi, z, *self._ssm_args(), cache.conv_state, cache.ssm_state)
-        out = self._post(y, x2)
+        out = self._post(mixer_step(self._pre(x2), self.in_proj, self.conv1d, self.x_proj, self.dt_proj, self.A_log,
+                                    self.D, self.out_proj, cache.conv_state, cache.ssm_state), x2)
         return out.unsqueeze(1) if squeeze else out
 
 
@@ -143,8 +195,8 @@ class MambaBlock(_SelectiveSSMLayer):
     def _pre(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)
 
-    def _post(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.out_proj(y)) + x
+    def _post(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(out) + x
 
 
 @dataclass

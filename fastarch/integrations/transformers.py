@@ -413,7 +413,7 @@ def _patch_norms(saved: dict[tuple[type, str], Callable]) -> None:
 def _mamba_mixer_forward(original: Callable) -> Callable:
     """``MambaMixer.forward`` whose single-token decode step on CPU in fp32 (a cache holding both states, no
     padding mask) runs as one :func:`fastarch.nn.mamba.mixer_step` on the module's own weights; every other call
-    (prefill, training, accelerators, other dtypes, offloaded weights, export) runs transformers' forward."""
+    (prefill, autograd, accelerators, other dtypes, offloaded weights, export) runs transformers' forward."""
 
     @functools.wraps(original)
     def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
@@ -421,6 +421,7 @@ def _mamba_mixer_forward(original: Callable) -> Callable:
                 and hidden_states.shape[1] == 1 and hidden_states.device.type == "cpu"
                 and hidden_states.dtype == torch.float32 and self.in_proj.weight.dtype == torch.float32
                 and self.in_proj.weight.device.type == "cpu" and not hasattr(self, "_hf_hook")
+                and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.in_proj.weight.requires_grad))
                 and not is_torchdynamo_exporting()):
             conv_state = cache_params.get_conv_state(self.layer_idx, state_idx=0)
             ssm_state = cache_params.get_recurrent_state(self.layer_idx, state_idx=0)

@@ -96,6 +96,19 @@ def _fusable(tensors: tuple[torch.Tensor | None, ...]) -> bool:
     return True
 
 
+def _check_step(x: torch.Tensor, in_proj: nn.Linear, A_log: torch.Tensor, conv_state: torch.Tensor,
+                ssm_state: torch.Tensor) -> None:
+    d_inner, d_state = A_log.shape
+    if x.dim() != 2 or x.shape[1] != in_proj.in_features:
+        raise ValueError(f"mixer_step: argument 'x' must be (batch, {in_proj.in_features}), got {tuple(x.shape)}")
+    if conv_state.dim() != 3 or conv_state.shape[:2] != (x.shape[0], d_inner):
+        raise ValueError(f"mixer_step: argument 'conv_state' must be ({x.shape[0]}, {d_inner}, width), got "
+                         f"{tuple(conv_state.shape)}")
+    if tuple(ssm_state.shape) != (x.shape[0], d_inner, d_state):
+        raise ValueError(f"mixer_step: argument 'ssm_state' must be ({x.shape[0]}, {d_inner}, {d_state}), got "
+                         f"{tuple(ssm_state.shape)}")
+
+
 def mixer_step(x: torch.Tensor, in_proj: nn.Linear, conv: nn.Conv1d, x_proj: nn.Linear, dt_proj: nn.Linear,
                A_log: torch.Tensor, D: torch.Tensor, out_proj: nn.Linear, conv_state: torch.Tensor,
                ssm_state: torch.Tensor) -> torch.Tensor:
@@ -106,6 +119,7 @@ def mixer_step(x: torch.Tensor, in_proj: nn.Linear, conv: nn.Conv1d, x_proj: nn.
     (``A = -exp(A_log)``, D skip, ``silu(z)`` gate) -> out_proj. On CPU in fp32 without autograd it runs as
     one fused C++ call (the weights are read once, no per-op overhead); otherwise op by op on fastarch's ops.
     """
+    _check_step(x, in_proj, A_log, conv_state, ssm_state)
     d_inner, d_state = A_log.shape
     conv_w = conv.weight.view(d_inner, -1) if conv.weight.is_contiguous() else conv.weight
     tensors = (x, in_proj.weight, in_proj.bias, conv_state, conv_w, conv.bias, x_proj.weight, x_proj.bias,

@@ -100,3 +100,91 @@ def test_mamba_lm_trains():
     loss = F.cross_entropy(lm(ids)[:, :-1].reshape(-1, 20), ids[:, 1:].reshape(-1))
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in lm.parameters())
+
+
+def _step_pair(module, batch: int, seed: int = 0):
+    """Two identical random (conv_state, ssm_state) caches for ``module``."""
+    g = torch.Generator().manual_seed(seed)
+    a = module.allocate_inference_cache(batch)
+    a.conv_state.copy_(torch.randn(a.conv_state.shape, generator=g))
+    a.ssm_state.copy_(torch.randn(a.ssm_state.shape, generator=g))
+    b = module.allocate_inference_cache(batch)
+    b.conv_state.copy_(a.conv_state)
+    b.ssm_state.copy_(a.ssm_state)
+    return a, b
+
+
+@pytest.mark.parametrize("make", [lambda: Mamba(24, d_state=8, d_conv=4, bias=True),
+                                  lambda: Mamba(16, d_state=4, d_conv=3, conv_bias=False, dt_rank=3),
+                                  lambda: MambaBlock(8, d_state=4, d_conv=2)],
+                         ids=["mamba-bias", "mamba-no-conv-bias", "guide-block"])
+def test_fused_mixer_step_matches_op_by_op(make, monkeypatch):
+    """The fused C++ decode step gives the op-by-op step's output and states (batch 3, several steps)."""
+    from fastarch.nn import mamba as mm
+
+    torch.manual_seed(0)
+    m = make().eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    fused, ops = _step_pair(m, 3)
+    calls = []
+    kernel = mm._fused_step_kernel()
+    assert kernel is not None  # the extension builds on this machine
+
+    class Counting:
+        def mamba_step(self, *args):
+            calls.append(1)
+            return kernel.mamba_step(*args)
+
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3, m.d_model)
+            monkeypatch.setattr(mm, "_fused_step_kernel", lambda: Counting())
+            got = m.step(x, fused)
+            monkeypatch.setattr(mm, "_fused_step_kernel", lambda: None)
+            want = m.step(x, ops)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fused.conv_state, ops.conv_state, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(fused.ssm_state, ops.ssm_state, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 4
+
+
+def test_mixer_step_falls_back_to_ops_where_the_kernel_does_not_apply(monkeypatch):
+    """Autograd, a forced backend and a non-contiguous state run op by op."""
+    from fastarch.backend import use_backend
+    from fastarch.nn import mamba as mm
+
+    def refuse():
+        raise AssertionError("the fused kernel ran")
+
+    monkeypatch.setattr(mm, "_fused_step_kernel", refuse)
+    m = Mamba(16, d_state=4).eval()
+    cache = m.allocate_inference_cache(2)
+    x = torch.randn(2, 16)
+    out = m.step(x, cache)  # grad enabled, parameters require grad
+    assert out.requires_grad
+    with torch.no_grad(), use_backend(selective_state_update="torch"):
+        m.step(x, cache)
+    with torch.no_grad():
+        conv = cache.conv_state.clone()
+        cache.conv_state = conv.transpose(1, 2).contiguous().transpose(1, 2)
+        m.step(x, cache)
+        torch.testing.assert_close(cache.conv_state[..., :-1], conv[..., 1:])
+
+
+def test_mixer_step_rejects_bad_input_before_touching_the_states():
+    m = Mamba(16, d_state=4).eval()
+    cache, _ = _step_pair(m, 2)
+    conv, ssm = cache.conv_state.clone(), cache.ssm_state.clone()
+    args = (m.in_proj, m.conv1d, m.x_proj, m.dt_proj, m.A_log, m.D, m.out_proj)
+    from fastarch.nn.mamba import mixer_step
+
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="argument 'x' must be \\(batch, 16\\)"):
+            mixer_step(torch.randn(2, 15), *args, cache.conv_state, cache.ssm_state)
+        with pytest.raises(ValueError, match="argument 'ssm_state' must be \\(2, 32, 4\\)"):
+            mixer_step(torch.randn(2, 16), *args, cache.conv_state, cache.ssm_state[:, :, :3].contiguous())
+        with pytest.raises(ValueError, match="argument 'conv_state' must be \\(3, 32, width\\)"):
+            mixer_step(torch.randn(3, 16), *args, cache.conv_state, cache.ssm_state)
+    assert torch.equal(cache.conv_state, conv) and torch.equal(cache.ssm_state, ssm)

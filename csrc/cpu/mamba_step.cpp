@@ -1,5 +1,6 @@
-// One decode step of a Mamba-1 mixer on CPU, fused: in_proj -> causal conv update + SiLU -> x_proj ->
-// dt_proj (+ bias, softplus) -> selective state update (D skip, silu(z) gate) -> out_proj, in one call.
+// One decode step of a Mamba-1 mixer on CPU, fused: (optional RMS norm) -> in_proj -> causal conv update + SiLU
+// -> x_proj -> dt_proj (+ bias, softplus) -> selective state update (D skip, silu(z) gate) -> out_proj
+// (-> optional residual), in one call.
 // A decode step reads every weight once and does little arithmetic, so its time is the time to stream the
 // weights from memory plus whatever each separate call adds; one call per layer leaves only the weights.
 // The conv and SSM states advance in place.
@@ -8,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "fastarch_math.h"
@@ -90,13 +92,15 @@ void check_f32(const torch::Tensor& t, const char* name, std::initializer_list<i
 
 // x (B, d_model) -> out (B, d_model). in_w (2E, d_model); conv_state (B, E, S >= W - 1); conv_w (E, W);
 // xproj_w (R + 2N, E); dtproj_w (E, R); A_log (E, N) (A = -exp(A_log)); ssm_state (B, E, N);
-// out_w (d_out, E). Optional: in_b (2E), conv_b (E), xproj_b (R + 2N), dt_bias (E), D (E), out_b (d_out).
+// out_w (d_out, E). Optional: in_b (2E), conv_b (E), xproj_b (R + 2N), dt_bias (E), D (E), out_b (d_out);
+// norm_w (d_model): the mixer reads rms_norm(x) * norm_w (epsilon norm_eps); residual: x is added to out.
 torch::Tensor mamba_step(const torch::Tensor& x, const torch::Tensor& in_w, const c10::optional<torch::Tensor>& in_b,
                          torch::Tensor conv_state, const torch::Tensor& conv_w,
                          const c10::optional<torch::Tensor>& conv_b, const torch::Tensor& xproj_w,
                          const c10::optional<torch::Tensor>& xproj_b, const torch::Tensor& dtproj_w, const c10::optional<torch::Tensor>& dt_bias,
                          const torch::Tensor& A_log, const c10::optional<torch::Tensor>& D, torch::Tensor ssm_state,
-                         const torch::Tensor& out_w, const c10::optional<torch::Tensor>& out_b) {
+                         const torch::Tensor& out_w, const c10::optional<torch::Tensor>& out_b,
+                         const c10::optional<torch::Tensor>& norm_w, double norm_eps, bool residual) {
   TORCH_CHECK(x.dim() == 2 && in_w.dim() == 2 && conv_w.dim() == 2 && dtproj_w.dim() == 2 && A_log.dim() == 2,
               "mamba_step: x (B, d_model), in_w (2E, d_model), conv_w (E, W), dtproj_w (E, R), A_log (E, N)");
   const int64_t Bsz = x.size(0), Dm = x.size(1), E = conv_w.size(0), W = conv_w.size(1);
@@ -121,6 +125,8 @@ torch::Tensor mamba_step(const torch::Tensor& x, const torch::Tensor& in_w, cons
   const float* pdt_b = opt_ptr(dt_bias, E, "dt_bias");
   const float* pD = opt_ptr(D, E, "D");
   const float* pout_b = opt_ptr(out_b, Dout, "out_b");
+  const float* pnorm_w = opt_ptr(norm_w, Dm, "norm_w");
+  TORCH_CHECK(!residual || Dout == Dm, "mamba_step: residual needs d_out == d_model, got ", Dout, " and ", Dm);
 
   auto opts = x.options();
   auto xz = torch::empty({Bsz, 2 * E}, opts);        // in_proj: [x | z]
@@ -133,7 +139,22 @@ torch::Tensor mamba_step(const torch::Tensor& x, const torch::Tensor& in_w, cons
   float* pxd = xdbl.data_ptr<float>();
   float* py = y.data_ptr<float>();
 
-  matvec(in_w.data_ptr<float>(), pin_b, 2 * E, Dm, x.data_ptr<float>(), Bsz, pxz);
+  // Optional RMS norm of the input: x * rsqrt(mean(x^2) + eps) * norm_w.
+  const float* px = x.data_ptr<float>();
+  torch::Tensor xn;
+  if (pnorm_w) {
+    xn = torch::empty({Bsz, Dm}, opts);
+    float* pxn = xn.data_ptr<float>();
+    for (int64_t b = 0; b < Bsz; ++b) {
+      const float* xr = px + b * Dm;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t k = 0; k < Dm; ++k) ss += xr[k] * xr[k];
+      const float rstd = 1.f / std::sqrt(ss / static_cast<float>(Dm) + static_cast<float>(norm_eps));
+      for (int64_t k = 0; k < Dm; ++k) pxn[b * Dm + k] = xr[k] * rstd * pnorm_w[k];
+    }
+  }
+  matvec(in_w.data_ptr<float>(), pin_b, 2 * E, Dm, pnorm_w ? xn.data_ptr<float>() : px, Bsz, pxz);
 
   // Conv: the window is the last W - 1 states and the new input; the state shifts by one.
   const float* pcw = conv_w.data_ptr<float>();
@@ -188,7 +209,11 @@ torch::Tensor mamba_step(const torch::Tensor& x, const torch::Tensor& in_w, cons
     }
   });
 
-  matvec(out_w.data_ptr<float>(), pout_b, Dout, E, py, Bsz, out.data_ptr<float>());
+  float* pout = out.data_ptr<float>();
+  matvec(out_w.data_ptr<float>(), pout_b, Dout, E, py, Bsz, pout);
+  if (residual) {
+    for (int64_t i = 0; i < Bsz * Dm; ++i) pout[i] += px[i];
+  }
   return out;
 }
 

@@ -111,27 +111,33 @@ def _check_step(x: torch.Tensor, in_proj: nn.Linear, A_log: torch.Tensor, conv_s
 
 def mixer_step(x: torch.Tensor, in_proj: nn.Linear, conv: nn.Conv1d, x_proj: nn.Linear, dt_proj: nn.Linear,
                A_log: torch.Tensor, D: torch.Tensor, out_proj: nn.Linear, conv_state: torch.Tensor,
-               ssm_state: torch.Tensor) -> torch.Tensor:
+               ssm_state: torch.Tensor, norm: RMSNorm | None = None, residual: bool = False) -> torch.Tensor:
     """One decode step of a Mamba-1 mixer: x (B, d_model) -> (B, d_out); ``conv_state`` (B, d_inner, S) and
     ``ssm_state`` (B, d_inner, N) advance in place.
 
-    in_proj -> causal conv update + SiLU -> x_proj -> dt_proj (bias, softplus) -> selective state update
-    (``A = -exp(A_log)``, D skip, ``silu(z)`` gate) -> out_proj. On CPU in fp32 without autograd it runs as
-    one fused C++ call (the weights are read once, no per-op overhead); otherwise op by op on fastarch's ops.
+    (``norm``) -> in_proj -> causal conv update + SiLU -> x_proj -> dt_proj (bias, softplus) -> selective state
+    update (``A = -exp(A_log)``, D skip, ``silu(z)`` gate) -> out_proj (-> ``+ x`` when ``residual``). On CPU in
+    fp32 without autograd it runs as one fused C++ call (the weights are read once, no per-op overhead);
+    otherwise op by op on fastarch's ops.
     """
     _check_step(x, in_proj, A_log, conv_state, ssm_state)
+    if residual and out_proj.out_features != x.shape[1]:
+        raise ValueError(f"mixer_step: argument 'residual' needs out_proj to give {x.shape[1]} features, it gives "
+                         f"{out_proj.out_features}")
     d_inner, d_state = A_log.shape
     conv_w = conv.weight.view(d_inner, -1) if conv.weight.is_contiguous() else conv.weight
     tensors = (x, in_proj.weight, in_proj.bias, conv_state, conv_w, conv.bias, x_proj.weight, x_proj.bias,
-               dt_proj.weight, dt_proj.bias, A_log, D, ssm_state, out_proj.weight, out_proj.bias)
+               dt_proj.weight, dt_proj.bias, A_log, D, ssm_state, out_proj.weight, out_proj.bias,
+               None if norm is None else norm.weight)
     if _fusable(tensors):
         kernel = _fused_step_kernel()
         if kernel is not None:
-            return kernel.mamba_step(*tensors)
-    xi, z = linear(x, in_proj.weight, in_proj.bias).chunk(2, dim=-1)
+            return kernel.mamba_step(*tensors, 0.0 if norm is None else float(norm.eps), residual)
+    xi, z = linear(x if norm is None else norm(x), in_proj.weight, in_proj.bias).chunk(2, dim=-1)
     y = _ssm_step(xi, z, conv, x_proj, dt_proj.weight, dt_proj.bias, A_log, D, d_state, dt_proj.weight.shape[1],
                   conv_state, ssm_state)
-    return linear(y, out_proj.weight, out_proj.bias)
+    out = linear(y, out_proj.weight, out_proj.bias)
+    return out + x if residual else out
 
 
 class _SelectiveSSMLayer(nn.Module):
@@ -286,6 +292,12 @@ class _ResidualMamba(nn.Module):
         self.norm = RMSNorm(d_model, eps=norm_eps)
         self.mixer = Mamba(d_model, **kw)
 
+    def step(self, h: torch.Tensor, cache: MambaLayerCache) -> torch.Tensor:
+        """h (B, d_model) -> h + mixer(norm(h)) for one token; ``cache`` advances in place."""
+        m = self.mixer
+        return mixer_step(h, m.in_proj, m.conv1d, m.x_proj, m.dt_proj, m.A_log, m.D, m.out_proj, cache.conv_state,
+                          cache.ssm_state, norm=self.norm, residual=True)
+
 
 @dataclass
 class MambaCache:
@@ -342,7 +354,7 @@ class MambaLM(nn.Module):
         ids = input_ids.reshape(input_ids.shape[0])
         h = self.embedding(ids)
         for i, layer in enumerate(self.layers):
-            h = h + layer.mixer.step(layer.norm(h), cache.layers[i])
+            h = layer.step(h, cache.layers[i])
         cache.seqlen_offset += 1
         return self.lm_head(self.norm_f(h))
 

@@ -188,3 +188,26 @@ def test_mixer_step_rejects_bad_input_before_touching_the_states():
         with pytest.raises(ValueError, match="argument 'conv_state' must be \\(3, 32, width\\)"):
             mixer_step(torch.randn(3, 16), *args, cache.conv_state, cache.ssm_state)
     assert torch.equal(cache.conv_state, conv) and torch.equal(cache.ssm_state, ssm)
+
+
+def test_fused_lm_step_with_norm_and_residual_matches_op_by_op(monkeypatch):
+    """MambaLM's step (norm, mixer and residual in one fused call per layer) against the op-by-op step."""
+    from fastarch.nn import mamba as mm
+
+    torch.manual_seed(0)
+    lm = MambaLM(vocab_size=40, d_model=24, n_layers=2, d_state=8, norm_eps=1e-3).eval()
+    with torch.no_grad():
+        for layer in lm.layers:
+            layer.norm.weight.normal_()
+    fused, ops = lm.allocate_inference_cache(2), lm.allocate_inference_cache(2)
+    kernel = mm._fused_step_kernel()
+    assert kernel is not None
+    for _ in range(3):
+        ids = torch.randint(0, 40, (2,))
+        got = lm.step(ids, fused)
+        monkeypatch.setattr(mm, "_fused_step_kernel", lambda: None)
+        want = lm.step(ids, ops)
+        monkeypatch.setattr(mm, "_fused_step_kernel", lambda: kernel)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(fused.layers, ops.layers):
+        torch.testing.assert_close(a.ssm_state, b.ssm_state, rtol=1e-5, atol=1e-5)

@@ -66,10 +66,12 @@ void matvec_rows(const float* W, const float* bias, int64_t K, const float* X, i
   }
 }
 
-// Y (M, N) = X (M, K) W^T (N, K) + bias, rows of W split over threads in tasks of at least GRAIN elements.
-void matvec(const float* W, const float* bias, int64_t N, int64_t K, const float* X, int64_t M, float* Y) {
+// Y (M, N) = X (M, K) W^T (N, K) + bias, rows of W split over threads in tasks of at least GRAIN elements
+// (one task when not parallel).
+void matvec(const float* W, const float* bias, int64_t N, int64_t K, const float* X, int64_t M, float* Y,
+            bool parallel) {
   const int64_t tiles = (N + 3) / 4;
-  const int64_t grain = std::max<int64_t>(1, GRAIN / (4 * std::max<int64_t>(K, 1)));
+  const int64_t grain = parallel ? std::max<int64_t>(1, GRAIN / (4 * std::max<int64_t>(K, 1))) : std::max<int64_t>(tiles, 1);
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     matvec_rows(W, bias, K, X, M, Y, N, t0 * 4, std::min(N, t1 * 4));
   });
@@ -93,14 +95,16 @@ void check_f32(const torch::Tensor& t, const char* name, std::initializer_list<i
 // x (B, d_model) -> out (B, d_model). in_w (2E, d_model); conv_state (B, E, S >= W - 1); conv_w (E, W);
 // xproj_w (R + 2N, E); dtproj_w (E, R); A_log (E, N) (A = -exp(A_log)); ssm_state (B, E, N);
 // out_w (d_out, E). Optional: in_b (2E), conv_b (E), xproj_b (R + 2N), dt_bias (E), D (E), out_b (d_out);
-// norm_w (d_model): the mixer reads rms_norm(x) * norm_w (epsilon norm_eps); residual: x is added to out.
+// norm_w (d_model): the mixer reads rms_norm(x) * norm_w (epsilon norm_eps); residual: x is added to out;
+// parallel: split the larger loops over threads (else the whole step runs on the calling thread).
 torch::Tensor mamba_step(const torch::Tensor& x, const torch::Tensor& in_w, const c10::optional<torch::Tensor>& in_b,
                          torch::Tensor conv_state, const torch::Tensor& conv_w,
                          const c10::optional<torch::Tensor>& conv_b, const torch::Tensor& xproj_w,
                          const c10::optional<torch::Tensor>& xproj_b, const torch::Tensor& dtproj_w, const c10::optional<torch::Tensor>& dt_bias,
                          const torch::Tensor& A_log, const c10::optional<torch::Tensor>& D, torch::Tensor ssm_state,
                          const torch::Tensor& out_w, const c10::optional<torch::Tensor>& out_b,
-                         const c10::optional<torch::Tensor>& norm_w, double norm_eps, bool residual) {
+                         const c10::optional<torch::Tensor>& norm_w, double norm_eps, bool residual,
+                         bool parallel) {
   TORCH_CHECK(x.dim() == 2 && in_w.dim() == 2 && conv_w.dim() == 2 && dtproj_w.dim() == 2 && A_log.dim() == 2,
               "mamba_step: x (B, d_model), in_w (2E, d_model), conv_w (E, W), dtproj_w (E, R), A_log (E, N)");
   const int64_t Bsz = x.size(0), Dm = x.size(1), E = conv_w.size(0), W = conv_w.size(1);
@@ -154,7 +158,7 @@ torch::Tensor mamba_step(const torch::Tensor& x, const torch::Tensor& in_w, cons
       for (int64_t k = 0; k < Dm; ++k) pxn[b * Dm + k] = xr[k] * rstd * pnorm_w[k];
     }
   }
-  matvec(in_w.data_ptr<float>(), pin_b, 2 * E, Dm, pnorm_w ? xn.data_ptr<float>() : px, Bsz, pxz);
+  matvec(in_w.data_ptr<float>(), pin_b, 2 * E, Dm, pnorm_w ? xn.data_ptr<float>() : px, Bsz, pxz, parallel);
 
   // Conv: the window is the last W - 1 states and the new input; the state shifts by one.
   const float* pcw = conv_w.data_ptr<float>();
@@ -173,13 +177,14 @@ torch::Tensor mamba_step(const torch::Tensor& x, const torch::Tensor& in_w, cons
     }
   }
 
-  matvec(xproj_w.data_ptr<float>(), pxproj_b, R + 2 * N, E, pxc, Bsz, pxd);
+  matvec(xproj_w.data_ptr<float>(), pxproj_b, R + 2 * N, E, pxc, Bsz, pxd, parallel);
 
   // dt_proj, softplus and the state update, one channel at a time.
   const float* pdw = dtproj_w.data_ptr<float>();
   const float* pAl = A_log.data_ptr<float>();
   float* pss = ssm_state.data_ptr<float>();
-  const int64_t chan_grain = std::max<int64_t>(1, GRAIN / std::max<int64_t>(4 * (R + N), 1));
+  const int64_t chan_grain = parallel ? std::max<int64_t>(1, GRAIN / std::max<int64_t>(4 * (R + N), 1))
+                                        : std::max<int64_t>(E, 1);
   at::parallel_for(0, E, chan_grain, [&](int64_t e0, int64_t e1) {
     for (int64_t b = 0; b < Bsz; ++b) {
       const float* dtr = pxd + b * (R + 2 * N);
@@ -210,7 +215,7 @@ torch::Tensor mamba_step(const torch::Tensor& x, const torch::Tensor& in_w, cons
   });
 
   float* pout = out.data_ptr<float>();
-  matvec(out_w.data_ptr<float>(), pout_b, Dout, E, py, Bsz, pout);
+  matvec(out_w.data_ptr<float>(), pout_b, Dout, E, py, Bsz, pout, parallel);
   if (residual) {
     for (int64_t i = 0; i < Bsz * Dm; ++i) pout[i] += px[i];
   }

@@ -9,6 +9,7 @@ projection's bias and softplus fused into it, and the depthwise conv + SiLU on
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,26 +30,34 @@ from .norms import RMSNorm
 __all__ = ["Mamba", "MambaBlock", "MambaCache", "MambaLM"]
 
 
+def _channel_major(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """A linear layer on channel-major activations: x (B, K, L) -> weight @ x + bias, (B, N, L). The products
+    of the prompt stay channel-major, the layout the conv and the scan read, so no activation is transposed
+    into a copy between them."""
+    y = torch.matmul(weight, x)
+    return y if bias is None else y + bias[:, None]
+
+
 def _ssm_core(x: torch.Tensor, z: torch.Tensor, conv: nn.Conv1d, x_proj: nn.Linear, dt_weight: torch.Tensor,
               dt_bias: torch.Tensor | None, A_log: torch.Tensor, D: torch.Tensor, d_state: int, dt_rank: int,
               cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """conv -> SiLU -> projections -> selective scan -> D skip -> silu(z) gate. x, z: (B, L, d_inner).
+    """conv -> SiLU -> projections -> selective scan -> D skip -> silu(z) gate. x, z: (B, d_inner, L) ->
+    y (B, d_inner, L).
 
     ``cache`` = (conv_state (B, d_inner, S), ssm_state (B, d_inner, N)) is filled for decoding afterwards.
     """
-    L = x.shape[1]
-    xt = x.transpose(1, 2)  # (B, d_inner, L)
+    L = x.shape[-1]
     if cache is not None:
         conv_state, _ = cache
         S = conv_state.shape[-1]
-        tail = xt[..., -S:] if L >= S else F.pad(xt, (S - L, 0))
+        tail = x[..., -S:] if L >= S else F.pad(x, (S - L, 0))
         conv_state.copy_(tail.to(conv_state.dtype))
-    xc = causal_conv1d(xt, conv.weight.squeeze(1), conv.bias, activation="silu")  # (B, d_inner, L)
-    x_dbl = x_proj(xc.transpose(1, 2))  # (B, L, dt_rank + 2N)
-    dt, Bm, Cm = torch.split(x_dbl, [dt_rank, d_state, d_state], dim=-1)
-    dt = F.linear(dt, dt_weight).transpose(1, 2)  # bias and softplus are fused into the scan
+    xc = causal_conv1d(x, conv.weight.squeeze(1), conv.bias, activation="silu")  # (B, d_inner, L)
+    x_dbl = _channel_major(x_proj.weight, x_proj.bias, xc)  # (B, dt_rank + 2N, L)
+    dt, Bm, Cm = torch.split(x_dbl, [dt_rank, d_state, d_state], dim=1)
+    dt = torch.matmul(dt_weight, dt)  # (B, d_inner, L); bias and softplus are fused into the scan
     A = -torch.exp(A_log.float())
-    res = selective_scan(xc, dt, A, Bm.transpose(1, 2), Cm.transpose(1, 2), D.float(), z.transpose(1, 2),
+    res = selective_scan(xc, dt, A, Bm, Cm, D.float(), z,
                          delta_bias=None if dt_bias is None else dt_bias.float(), delta_softplus=True,
                          return_last_state=cache is not None)
     if cache is not None:
@@ -56,7 +65,7 @@ def _ssm_core(x: torch.Tensor, z: torch.Tensor, conv: nn.Conv1d, x_proj: nn.Line
         cache[1].copy_(last.to(cache[1].dtype))
     else:
         y = res
-    return y.transpose(1, 2)  # (B, L, d_inner)
+    return y
 
 
 def _ssm_step(x: torch.Tensor, z: torch.Tensor, conv: nn.Conv1d, x_proj: nn.Linear, dt_weight: torch.Tensor,
@@ -81,6 +90,39 @@ def _fused_step_kernel() -> Any | None:
         return load_extension("mamba_step", "cpu")
     except ExtensionBuildError:
         return None
+
+
+class _ForkPolicy:
+    """Whether the fused step splits its loops over threads. On an idle machine two threads read the weights
+    faster than one; but every split waits until each thread has been scheduled, so on a machine busier than
+    its cores a step that forks can wait a scheduler time slice per fork, far longer than the step. The forked
+    calls are timed: one slower than ``SLOW`` times the fastest forked call of the same shapes sends the next
+    ``HOLD`` calls to the calling thread alone, after which forking is tried again."""
+
+    SLOW = 4.0
+    HOLD = 256
+
+    def __init__(self) -> None:
+        self.best: dict[tuple, float] = {}
+        self.calls = 0
+        self.hold_until = 0
+
+    def run(self, kernel: Any, key: tuple, args: tuple) -> torch.Tensor:
+        self.calls += 1
+        if self.calls < self.hold_until or torch.get_num_threads() == 1:
+            return kernel.mamba_step(*args, False)
+        start = time.perf_counter()
+        out = kernel.mamba_step(*args, True)
+        took = time.perf_counter() - start
+        best = self.best.get(key)
+        if best is not None and took > self.SLOW * best:
+            self.hold_until = self.calls + self.HOLD
+        if best is None or took < best:
+            self.best[key] = took
+        return out
+
+
+_FORK = _ForkPolicy()
 
 
 def _fusable(tensors: tuple[torch.Tensor | None, ...]) -> bool:
@@ -132,7 +174,8 @@ def mixer_step(x: torch.Tensor, in_proj: nn.Linear, conv: nn.Conv1d, x_proj: nn.
     if _fusable(tensors):
         kernel = _fused_step_kernel()
         if kernel is not None:
-            return kernel.mamba_step(*tensors, 0.0 if norm is None else float(norm.eps), residual)
+            key = (x.shape[0], in_proj.weight.shape, out_proj.weight.shape, norm is None)
+            return _FORK.run(kernel, key, (*tensors, 0.0 if norm is None else float(norm.eps), residual))
     xi, z = linear(x if norm is None else norm(x), in_proj.weight, in_proj.bias).chunk(2, dim=-1)
     y = _ssm_step(xi, z, conv, x_proj, dt_proj.weight, dt_proj.bias, A_log, D, d_state, dt_proj.weight.shape[1],
                   conv_state, ssm_state)
@@ -166,9 +209,10 @@ class _SelectiveSSMLayer(nn.Module):
     def forward(self, x: torch.Tensor, cache: MambaLayerCache | None = None) -> torch.Tensor:
         """x: (batch, seq_len, d_model) -> (batch, seq_len, d_model). ``cache`` (optional) is filled for
         decoding with :meth:`step` afterwards."""
-        xi, z = self.in_proj(self._pre(x)).chunk(2, dim=-1)
+        xz = _channel_major(self.in_proj.weight, self.in_proj.bias, self._pre(x).transpose(1, 2))  # (B, 2 d_inner, L)
+        xi, z = xz.chunk(2, dim=1)
         y = _ssm_core(xi, z, *self._ssm_args(), None if cache is None else (cache.conv_state, cache.ssm_state))
-        return self._post(self.out_proj(y), x)
+        return self._post(self.out_proj(y.transpose(1, 2)), x)
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int | None = None, dtype=None, device=None
                                  ) -> MambaLayerCache:

@@ -211,3 +211,26 @@ def test_fused_lm_step_with_norm_and_residual_matches_op_by_op(monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(fused.layers, ops.layers):
         torch.testing.assert_close(a.ssm_state, b.ssm_state, rtol=1e-5, atol=1e-5)
+
+
+def test_fork_policy_runs_on_one_thread_after_a_slow_forked_call(monkeypatch):
+    """A forked call much slower than the fastest one (threads not scheduled on a busy machine) sends the next
+    calls to the calling thread; forking is tried again after them."""
+    from fastarch.nn.mamba import _ForkPolicy
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    durations = iter([1.0, 1.0, 10.0] + [1.0] * 100)
+    clock = [0.0]
+    forked = []
+
+    class Kernel:
+        def mamba_step(self, parallel):
+            forked.append(parallel)
+            clock[0] += next(durations) if parallel else 1.0
+
+    monkeypatch.setattr("fastarch.nn.mamba.time.perf_counter", lambda: clock[0])
+    policy = _ForkPolicy()
+    policy.HOLD = 3
+    for _ in range(7):
+        policy.run(Kernel(), ("k",), ())
+    assert forked == [True, True, True, False, False, True, True]

@@ -36,6 +36,12 @@ signatures on fastarch's ops); :func:`unregister` puts the originals back. Where
 package, tensors on an accelerator still go to it; CPU tensors (which the real kernels refuse) and every call
 where transformers had only its PyTorch path go to fastarch.
 
+**Mamba's decode step and norm.** :func:`register` also replaces the ``forward`` of the classes in
+:data:`MAMBA_CLASSES`: ``MambaMixer``'s single-token decode step on CPU in fp32 runs as one
+:func:`fastarch.nn.mamba.mixer_step` (a fused C++ step on the module's own weights, the cache's states advanced
+in place), and ``MambaRMSNorm`` on CPU runs :func:`fastarch.ops.rms_norm`; every other call runs transformers'
+forward. :func:`unregister` puts the classes' own forwards back.
+
 **Mamba-2's norms.** transformers' Mamba-2 normalises in composed PyTorch, with no kernel function to swap:
 :func:`register` replaces the ``forward`` of the classes in :data:`NORM_MODULES` (``MambaRMSNormGated``, the
 gated, grouped norm after the scan, and ``Mamba2RMSNorm``, each block's input norm and the final norm) with

@@ -56,7 +56,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -403,8 +403,11 @@ def _norm_forward(original: Callable, fast: Callable[..., torch.Tensor]) -> Call
     return forward
 
 
-def _patch_norms(saved: dict[tuple[type, str], Callable]) -> None:
-    for modname, clsname in NORM_MODULES:
+def _patch_forwards(saved: dict[tuple[type, str], Callable],
+                    targets: Iterable[tuple[str, str, Callable[[Callable], Callable]]]) -> None:
+    """For each (modeling module, class, make): the class's ``forward`` becomes ``make(its forward)``, the
+    original kept in ``saved``."""
+    for modname, clsname, make in targets:
         if importlib.util.find_spec(modname) is None:
             continue
         cls = getattr(importlib.import_module(modname), clsname, None)
@@ -412,7 +415,12 @@ def _patch_norms(saved: dict[tuple[type, str], Callable]) -> None:
         if original is None or hasattr(original, "__fastarch_original__"):
             continue
         saved[(cls, "forward")] = original
-        cls.forward = _norm_forward(original, _NORMS[clsname])
+        cls.forward = make(original)
+
+
+def _patch_norms(saved: dict[tuple[type, str], Callable]) -> None:
+    _patch_forwards(saved, ((modname, clsname, functools.partial(_norm_forward, fast=_NORMS[clsname]))
+                            for modname, clsname in NORM_MODULES))
 
 
 # -- Mamba's decode step and norm ------------------------------------------------------------------------------
@@ -463,15 +471,7 @@ MAMBA_CLASSES: dict[tuple[str, str], Callable[[Callable], Callable]] = {
 
 
 def _patch_classes(saved: dict[tuple[type, str], Callable]) -> None:
-    for (modname, clsname), make in MAMBA_CLASSES.items():
-        if importlib.util.find_spec(modname) is None:
-            continue
-        cls = getattr(importlib.import_module(modname), clsname, None)
-        original = None if cls is None else vars(cls).get("forward")
-        if original is None or hasattr(original, "__fastarch_original__"):
-            continue
-        saved[(cls, "forward")] = original
-        cls.forward = make(original)
+    _patch_forwards(saved, ((modname, clsname, make) for (modname, clsname), make in MAMBA_CLASSES.items()))
 
 
 # -- register / unregister ----------------------------------------------------------------------------------

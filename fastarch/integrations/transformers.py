@@ -39,8 +39,8 @@ where transformers had only its PyTorch path go to fastarch.
 **Mamba's decode step and norm.** :func:`register` also replaces the ``forward`` of the classes in
 :data:`MAMBA_CLASSES`: ``MambaMixer``'s single-token decode step on CPU in fp32 runs as one
 :func:`fastarch.nn.mamba.mixer_step` (a fused C++ step on the module's own weights, the cache's states advanced
-in place), and ``MambaRMSNorm`` on CPU runs :func:`fastarch.ops.rms_norm`; every other call runs transformers'
-forward. :func:`unregister` puts the classes' own forwards back.
+in place), and ``MambaRMSNorm`` on fp32 CPU tensors runs :func:`fastarch.ops.rms_norm`; every other call runs
+transformers' forward. :func:`unregister` puts the classes' own forwards back.
 
 **Mamba-2's norms.** transformers' Mamba-2 normalises in composed PyTorch, with no kernel function to swap:
 :func:`register` replaces the ``forward`` of the classes in :data:`NORM_MODULES` (``MambaRMSNormGated``, the
@@ -450,13 +450,15 @@ def _mamba_mixer_forward(original: Callable) -> Callable:
     return forward
 
 
-def _on_cpu(original: Callable, fast: Callable) -> Callable:
-    """A forward that runs ``fast`` on CPU tensors and ``original`` on any other device."""
+def _on_cpu_fp32(original: Callable, fast: Callable) -> Callable:
+    """A forward that runs ``fast`` when the input and the module's weight are fp32 CPU tensors, else
+    ``original`` (other devices; other or mixed dtypes, e.g. an fp32 residual stream into a bf16 norm)."""
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
-        run = fast if hidden_states.device.type == "cpu" else original
-        return run(self, hidden_states, *args, **kwargs)
+        fp32_cpu = (hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32
+                    and self.weight.dtype == torch.float32)
+        return (fast if fp32_cpu else original)(self, hidden_states, *args, **kwargs)
 
     forward.__fastarch_original__ = original
     return forward
@@ -465,7 +467,7 @@ def _on_cpu(original: Callable, fast: Callable) -> Callable:
 # (modeling module, class) -> the forward register() gives it, made from the class's own forward.
 MAMBA_CLASSES: dict[tuple[str, str], Callable[[Callable], Callable]] = {
     ("transformers.models.mamba.modeling_mamba", "MambaMixer"): _mamba_mixer_forward,
-    ("transformers.models.mamba.modeling_mamba", "MambaRMSNorm"): lambda original: _on_cpu(
+    ("transformers.models.mamba.modeling_mamba", "MambaRMSNorm"): lambda original: _on_cpu_fp32(
         original, _norm_forward(original, _norm)),
 }
 

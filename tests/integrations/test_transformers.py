@@ -512,9 +512,12 @@ def test_mamba_decode_step_goes_to_transformers_where_fastarch_does_not_apply(mi
     monkeypatch.setattr(fh, "_rms_norm", lambda *args: norms.append(args) or args[0])
     norm = mm.MambaRMSNorm(32).to("meta")
     assert norm(torch.randn(2, 3, 32, device="meta")).device.type == "meta" and norms == []
+    norm = mm.MambaRMSNorm(32).to(torch.bfloat16)
+    x = torch.randn(2, 3, 32)  # an fp32 residual stream into a bf16 norm (residual_in_fp32)
+    assert torch.equal(norm(x), mm.MambaRMSNorm.forward.__fastarch_original__(norm, x)) and norms == []
     norm = mm.MambaRMSNorm(32)
     norm(torch.randn(2, 3, 32))
-    assert len(norms) == 1  # on CPU the norm runs on fastarch's op
+    assert len(norms) == 1  # fp32 on CPU: fastarch's op
     with torch.no_grad():
         model.to(torch.bfloat16)
         cache = _prefilled(model, ids)

@@ -36,6 +36,12 @@ signatures on fastarch's ops); :func:`unregister` puts the originals back. Where
 package, tensors on an accelerator still go to it; CPU tensors (which the real kernels refuse) and every call
 where transformers had only its PyTorch path go to fastarch.
 
+**Mamba's decode step and norm.** :func:`register` also replaces the ``forward`` of the classes in
+:data:`MAMBA_CLASSES`: ``MambaMixer``'s single-token decode step on CPU in fp32 runs as one
+:func:`fastarch.nn.mamba.mixer_step` (a fused C++ step on the module's own weights, the cache's states advanced
+in place), and ``MambaRMSNorm`` on fp32 CPU tensors runs :func:`fastarch.ops.rms_norm`; every other call runs
+transformers' forward. :func:`unregister` puts the classes' own forwards back.
+
 **Mamba-2's norms.** transformers' Mamba-2 normalises in composed PyTorch, with no kernel function to swap:
 :func:`register` replaces the ``forward`` of the classes in :data:`NORM_MODULES` (``MambaRMSNormGated``, the
 gated, grouped norm after the scan, and ``Mamba2RMSNorm``, each block's input norm and the final norm) with
@@ -50,7 +56,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -80,12 +86,14 @@ from ..compat.mamba_ssm.ops.triton.ssd_combined import (  # noqa: E402
     mamba_chunk_scan_combined,
     mamba_split_conv1d_scan_combined,
 )
+from ..nn.mamba import mixer_step as _mixer_step  # noqa: E402
 from ..ops import attention as _attention  # noqa: E402
 from ..ops.rms_norm import rms_norm as _rms_norm  # noqa: E402
 from ..ops.rms_norm_gated import rms_norm_gated as _rms_norm_gated  # noqa: E402
 
 __all__ = [
     "CompactMask",
+    "MAMBA_CLASSES",
     "MAMBA_MODULES",
     "NORM_MODULES",
     "attention_forward",
@@ -395,8 +403,11 @@ def _norm_forward(original: Callable, fast: Callable[..., torch.Tensor]) -> Call
     return forward
 
 
-def _patch_norms(saved: dict[tuple[type, str], Callable]) -> None:
-    for modname, clsname in NORM_MODULES:
+def _patch_forwards(saved: dict[tuple[type, str], Callable],
+                    targets: Iterable[tuple[str, str, Callable[[Callable], Callable]]]) -> None:
+    """For each (modeling module, class, make): the class's ``forward`` becomes ``make(its forward)``, the
+    original kept in ``saved``."""
+    for modname, clsname, make in targets:
         if importlib.util.find_spec(modname) is None:
             continue
         cls = getattr(importlib.import_module(modname), clsname, None)
@@ -404,7 +415,65 @@ def _patch_norms(saved: dict[tuple[type, str], Callable]) -> None:
         if original is None or hasattr(original, "__fastarch_original__"):
             continue
         saved[(cls, "forward")] = original
-        cls.forward = _norm_forward(original, _NORMS[clsname])
+        cls.forward = make(original)
+
+
+def _patch_norms(saved: dict[tuple[type, str], Callable]) -> None:
+    _patch_forwards(saved, ((modname, clsname, functools.partial(_norm_forward, fast=_NORMS[clsname]))
+                            for modname, clsname in NORM_MODULES))
+
+
+# -- Mamba's decode step and norm ------------------------------------------------------------------------------
+def _mamba_mixer_forward(original: Callable) -> Callable:
+    """``MambaMixer.forward`` whose single-token decode step on CPU in fp32 (a cache holding both states, no
+    padding mask) runs as one :func:`fastarch.nn.mamba.mixer_step` on the module's own weights; every other call
+    (prefill, autograd, accelerators, other dtypes, offloaded weights, export) runs transformers' forward."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        if (cache_params is not None and attention_mask is None and hidden_states.dim() == 3
+                and hidden_states.shape[1] == 1 and hidden_states.device.type == "cpu"
+                and hidden_states.dtype == torch.float32 and self.in_proj.weight.dtype == torch.float32
+                and self.in_proj.weight.device.type == "cpu" and not hasattr(self, "_hf_hook")
+                and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.in_proj.weight.requires_grad))
+                and not is_torchdynamo_exporting()):
+            conv_state = cache_params.get_conv_state(self.layer_idx, state_idx=0)
+            ssm_state = cache_params.get_recurrent_state(self.layer_idx, state_idx=0)
+            if (conv_state is not None and ssm_state is not None and conv_state.device.type == "cpu"
+                    and not cache_params.is_recording_past(self.layer_idx)):
+                out = _mixer_step(hidden_states[:, 0], self.in_proj, self.conv1d, self.x_proj, self.dt_proj,
+                                  self.A_log, self.D, self.out_proj, conv_state, ssm_state)
+                return out.unsqueeze(1)
+        return original(self, hidden_states, cache_params, attention_mask, **kwargs)
+
+    forward.__fastarch_original__ = original
+    return forward
+
+
+def _on_cpu_fp32(original: Callable, fast: Callable) -> Callable:
+    """A forward that runs ``fast`` when the input and the module's weight are fp32 CPU tensors, else
+    ``original`` (other devices; other or mixed dtypes, e.g. an fp32 residual stream into a bf16 norm)."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, *args, **kwargs):
+        fp32_cpu = (hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32
+                    and self.weight.dtype == torch.float32)
+        return (fast if fp32_cpu else original)(self, hidden_states, *args, **kwargs)
+
+    forward.__fastarch_original__ = original
+    return forward
+
+
+# (modeling module, class) -> the forward register() gives it, made from the class's own forward.
+MAMBA_CLASSES: dict[tuple[str, str], Callable[[Callable], Callable]] = {
+    ("transformers.models.mamba.modeling_mamba", "MambaMixer"): _mamba_mixer_forward,
+    ("transformers.models.mamba.modeling_mamba", "MambaRMSNorm"): lambda original: _on_cpu_fp32(
+        original, _norm_forward(original, _norm)),
+}
+
+
+def _patch_classes(saved: dict[tuple[type, str], Callable]) -> None:
+    _patch_forwards(saved, ((modname, clsname, make) for (modname, clsname), make in MAMBA_CLASSES.items()))
 
 
 # -- register / unregister ----------------------------------------------------------------------------------
@@ -431,6 +500,7 @@ def register(name: str = "fastarch", *, mamba: bool = True) -> None:
     if mamba and not any(s["mamba"] or s["norms"] for s in _STATE.values()):
         _patch_mamba(state["mamba"])
         _patch_norms(state["norms"])
+        _patch_classes(state["norms"])
     AttentionInterface.register(name, attention_forward)
     masks.register(name, attention_mask)
     _STATE[name] = state

@@ -9,12 +9,16 @@ projection's bias and softplus fused into it, and the depthwise conv + SiLU on
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..backend import AUTO, ExtensionBuildError, requested_backend
+from ..extensions import load_extension
 from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
 from ..ops.linear import linear
 from ..ops.selective_scan import selective_scan
@@ -26,26 +30,34 @@ from .norms import RMSNorm
 __all__ = ["Mamba", "MambaBlock", "MambaCache", "MambaLM"]
 
 
+def _channel_major(weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """A linear layer on channel-major activations: x (B, K, L) -> weight @ x + bias, (B, N, L). The products
+    of the prompt stay channel-major, the layout the conv and the scan read, so no activation is transposed
+    into a copy between them."""
+    y = torch.matmul(weight, x)
+    return y if bias is None else y + bias[:, None]
+
+
 def _ssm_core(x: torch.Tensor, z: torch.Tensor, conv: nn.Conv1d, x_proj: nn.Linear, dt_weight: torch.Tensor,
               dt_bias: torch.Tensor | None, A_log: torch.Tensor, D: torch.Tensor, d_state: int, dt_rank: int,
               cache: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """conv -> SiLU -> projections -> selective scan -> D skip -> silu(z) gate. x, z: (B, L, d_inner).
+    """conv -> SiLU -> projections -> selective scan -> D skip -> silu(z) gate. x, z: (B, d_inner, L) ->
+    y (B, d_inner, L).
 
     ``cache`` = (conv_state (B, d_inner, S), ssm_state (B, d_inner, N)) is filled for decoding afterwards.
     """
-    L = x.shape[1]
-    xt = x.transpose(1, 2)  # (B, d_inner, L)
+    L = x.shape[-1]
     if cache is not None:
         conv_state, _ = cache
         S = conv_state.shape[-1]
-        tail = xt[..., -S:] if L >= S else F.pad(xt, (S - L, 0))
+        tail = x[..., -S:] if L >= S else F.pad(x, (S - L, 0))
         conv_state.copy_(tail.to(conv_state.dtype))
-    xc = causal_conv1d(xt, conv.weight.squeeze(1), conv.bias, activation="silu")  # (B, d_inner, L)
-    x_dbl = x_proj(xc.transpose(1, 2))  # (B, L, dt_rank + 2N)
-    dt, Bm, Cm = torch.split(x_dbl, [dt_rank, d_state, d_state], dim=-1)
-    dt = F.linear(dt, dt_weight).transpose(1, 2)  # bias and softplus are fused into the scan
+    xc = causal_conv1d(x, conv.weight.squeeze(1), conv.bias, activation="silu")  # (B, d_inner, L)
+    x_dbl = _channel_major(x_proj.weight, x_proj.bias, xc)  # (B, dt_rank + 2N, L)
+    dt, Bm, Cm = torch.split(x_dbl, [dt_rank, d_state, d_state], dim=1)
+    dt = torch.matmul(dt_weight, dt)  # (B, d_inner, L); bias and softplus are fused into the scan
     A = -torch.exp(A_log.float())
-    res = selective_scan(xc, dt, A, Bm.transpose(1, 2), Cm.transpose(1, 2), D.float(), z.transpose(1, 2),
+    res = selective_scan(xc, dt, A, Bm, Cm, D.float(), z,
                          delta_bias=None if dt_bias is None else dt_bias.float(), delta_softplus=True,
                          return_last_state=cache is not None)
     if cache is not None:
@@ -53,7 +65,7 @@ def _ssm_core(x: torch.Tensor, z: torch.Tensor, conv: nn.Conv1d, x_proj: nn.Line
         cache[1].copy_(last.to(cache[1].dtype))
     else:
         y = res
-    return y.transpose(1, 2)  # (B, L, d_inner)
+    return y
 
 
 def _ssm_step(x: torch.Tensor, z: torch.Tensor, conv: nn.Conv1d, x_proj: nn.Linear, dt_weight: torch.Tensor,
@@ -61,11 +73,114 @@ def _ssm_step(x: torch.Tensor, z: torch.Tensor, conv: nn.Conv1d, x_proj: nn.Line
               conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
     """One token: x, z (B, d_inner) -> y (B, d_inner); conv_state and ssm_state advance in place."""
     xc = causal_conv1d_update(x, conv_state, conv.weight.squeeze(1), conv.bias, activation="silu")
-    dt, Bm, Cm = torch.split(x_proj(xc), [dt_rank, d_state, d_state], dim=-1)
+    dt, Bm, Cm = torch.split(linear(xc, x_proj.weight, x_proj.bias), [dt_rank, d_state, d_state], dim=-1)
     dt = linear(dt, dt_weight)
     A = -torch.exp(A_log.float())
     return selective_state_update(ssm_state, xc, dt, A, Bm, Cm, D.float(), z,
                                   dt_bias=None if dt_bias is None else dt_bias.float(), dt_softplus=True)
+
+
+# The ops a mixer decode step runs; the fused kernel takes the step when none of them is forced off ``cpp``.
+_STEP_OPS = ("linear", "causal_conv1d_update", "selective_state_update")
+
+
+def _fused_step_kernel() -> Any | None:
+    """The fused C++ decode step's extension, or None where it cannot be built (the step then runs op by op)."""
+    try:
+        return load_extension("mamba_step", "cpu")
+    except ExtensionBuildError:
+        return None
+
+
+class _ForkPolicy:
+    """Whether the fused step splits its loops over threads. On an idle machine two threads read the weights
+    faster than one; but every split waits until each thread has been scheduled, so on a machine busier than
+    its cores a step that forks can wait a scheduler time slice per fork, far longer than the step. The forked
+    calls are timed: one slower than ``SLOW`` times the fastest forked call of the same shapes sends the next
+    ``HOLD`` calls to the calling thread alone, after which forking is tried again."""
+
+    SLOW = 4.0
+    HOLD = 256
+
+    def __init__(self) -> None:
+        self.best: dict[tuple, float] = {}
+        self.calls = 0
+        self.hold_until = 0
+
+    def run(self, kernel: Any, key: tuple, args: tuple) -> torch.Tensor:
+        self.calls += 1
+        if self.calls < self.hold_until or torch.get_num_threads() == 1:
+            return kernel.mamba_step(*args, False)
+        start = time.perf_counter()
+        out = kernel.mamba_step(*args, True)
+        took = time.perf_counter() - start
+        best = self.best.get(key)
+        if best is not None and took > self.SLOW * best:
+            self.hold_until = self.calls + self.HOLD
+        if best is None or took < best:
+            self.best[key] = took
+        return out
+
+
+_FORK = _ForkPolicy()
+
+
+def _fusable(tensors: tuple[torch.Tensor | None, ...]) -> bool:
+    """Can the fused C++ step take these tensors: CPU fp32 contiguous, no autograd, not traced, no backend
+    other than ``cpp`` asked for the step's ops."""
+    if torch.compiler.is_compiling() or any(requested_backend(op) not in (AUTO, "cpp") for op in _STEP_OPS):
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
+                              or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def _check_step(x: torch.Tensor, in_proj: nn.Linear, A_log: torch.Tensor, conv_state: torch.Tensor,
+                ssm_state: torch.Tensor) -> None:
+    d_inner, d_state = A_log.shape
+    if x.dim() != 2 or x.shape[1] != in_proj.in_features:
+        raise ValueError(f"mixer_step: argument 'x' must be (batch, {in_proj.in_features}), got {tuple(x.shape)}")
+    if conv_state.dim() != 3 or conv_state.shape[:2] != (x.shape[0], d_inner):
+        raise ValueError(f"mixer_step: argument 'conv_state' must be ({x.shape[0]}, {d_inner}, width), got "
+                         f"{tuple(conv_state.shape)}")
+    if tuple(ssm_state.shape) != (x.shape[0], d_inner, d_state):
+        raise ValueError(f"mixer_step: argument 'ssm_state' must be ({x.shape[0]}, {d_inner}, {d_state}), got "
+                         f"{tuple(ssm_state.shape)}")
+
+
+def mixer_step(x: torch.Tensor, in_proj: nn.Linear, conv: nn.Conv1d, x_proj: nn.Linear, dt_proj: nn.Linear,
+               A_log: torch.Tensor, D: torch.Tensor, out_proj: nn.Linear, conv_state: torch.Tensor,
+               ssm_state: torch.Tensor, norm: RMSNorm | None = None, residual: bool = False) -> torch.Tensor:
+    """One decode step of a Mamba-1 mixer: x (B, d_model) -> (B, d_out); ``conv_state`` (B, d_inner, S) and
+    ``ssm_state`` (B, d_inner, N) advance in place.
+
+    (``norm``) -> in_proj -> causal conv update + SiLU -> x_proj -> dt_proj (bias, softplus) -> selective state
+    update (``A = -exp(A_log)``, D skip, ``silu(z)`` gate) -> out_proj (-> ``+ x`` when ``residual``). On CPU in
+    fp32 without autograd it runs as one fused C++ call (the weights are read once, no per-op overhead);
+    otherwise op by op on fastarch's ops.
+    """
+    _check_step(x, in_proj, A_log, conv_state, ssm_state)
+    if residual and out_proj.out_features != x.shape[1]:
+        raise ValueError(f"mixer_step: argument 'residual' needs out_proj to give {x.shape[1]} features, it gives "
+                         f"{out_proj.out_features}")
+    d_inner, d_state = A_log.shape
+    conv_w = conv.weight.view(d_inner, -1) if conv.weight.is_contiguous() else conv.weight
+    tensors = (x, in_proj.weight, in_proj.bias, conv_state, conv_w, conv.bias, x_proj.weight, x_proj.bias,
+               dt_proj.weight, dt_proj.bias, A_log, D, ssm_state, out_proj.weight, out_proj.bias,
+               None if norm is None else norm.weight)
+    if _fusable(tensors):
+        kernel = _fused_step_kernel()
+        if kernel is not None:
+            key = (x.shape[0], in_proj.weight.shape, out_proj.weight.shape, norm is None)
+            return _FORK.run(kernel, key, (*tensors, 0.0 if norm is None else float(norm.eps), residual))
+    xi, z = linear(x if norm is None else norm(x), in_proj.weight, in_proj.bias).chunk(2, dim=-1)
+    y = _ssm_step(xi, z, conv, x_proj, dt_proj.weight, dt_proj.bias, A_log, D, d_state, dt_proj.weight.shape[1],
+                  conv_state, ssm_state)
+    out = linear(y, out_proj.weight, out_proj.bias)
+    return out + x if residual else out
 
 
 class _SelectiveSSMLayer(nn.Module):
@@ -83,8 +198,9 @@ class _SelectiveSSMLayer(nn.Module):
     def _pre(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def _post(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(y)
+    def _post(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out: the mixer's output (after out_proj); x: the layer's input."""
+        return out
 
     def _ssm_args(self) -> tuple:
         return (self.conv1d, self.x_proj, self.dt_proj.weight, self.dt_proj.bias, self.A_log, self.D, self.d_state,
@@ -93,9 +209,10 @@ class _SelectiveSSMLayer(nn.Module):
     def forward(self, x: torch.Tensor, cache: MambaLayerCache | None = None) -> torch.Tensor:
         """x: (batch, seq_len, d_model) -> (batch, seq_len, d_model). ``cache`` (optional) is filled for
         decoding with :meth:`step` afterwards."""
-        xi, z = self.in_proj(self._pre(x)).chunk(2, dim=-1)
+        xz = _channel_major(self.in_proj.weight, self.in_proj.bias, self._pre(x).transpose(1, 2))  # (B, 2 d_inner, L)
+        xi, z = xz.chunk(2, dim=1)
         y = _ssm_core(xi, z, *self._ssm_args(), None if cache is None else (cache.conv_state, cache.ssm_state))
-        return self._post(y, x)
+        return self._post(self.out_proj(y.transpose(1, 2)), x)
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int | None = None, dtype=None, device=None
                                  ) -> MambaLayerCache:
@@ -106,9 +223,8 @@ class _SelectiveSSMLayer(nn.Module):
         """One token: x (batch, d_model) or (batch, 1, d_model) -> same shape; ``cache`` advances in place."""
         squeeze = x.dim() == 3
         x2 = x.squeeze(1) if squeeze else x
-        xi, z = self.in_proj(self._pre(x2)).chunk(2, dim=-1)
-        y = _ssm_step(xi, z, *self._ssm_args(), cache.conv_state, cache.ssm_state)
-        out = self._post(y, x2)
+        out = self._post(mixer_step(self._pre(x2), self.in_proj, self.conv1d, self.x_proj, self.dt_proj, self.A_log,
+                                    self.D, self.out_proj, cache.conv_state, cache.ssm_state), x2)
         return out.unsqueeze(1) if squeeze else out
 
 
@@ -143,8 +259,8 @@ class MambaBlock(_SelectiveSSMLayer):
     def _pre(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x)
 
-    def _post(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.out_proj(y)) + x
+    def _post(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(out) + x
 
 
 @dataclass
@@ -220,6 +336,12 @@ class _ResidualMamba(nn.Module):
         self.norm = RMSNorm(d_model, eps=norm_eps)
         self.mixer = Mamba(d_model, **kw)
 
+    def step(self, h: torch.Tensor, cache: MambaLayerCache) -> torch.Tensor:
+        """h (B, d_model) -> h + mixer(norm(h)) for one token; ``cache`` advances in place."""
+        m = self.mixer
+        return mixer_step(h, m.in_proj, m.conv1d, m.x_proj, m.dt_proj, m.A_log, m.D, m.out_proj, cache.conv_state,
+                          cache.ssm_state, norm=self.norm, residual=True)
+
 
 @dataclass
 class MambaCache:
@@ -276,7 +398,7 @@ class MambaLM(nn.Module):
         ids = input_ids.reshape(input_ids.shape[0])
         h = self.embedding(ids)
         for i, layer in enumerate(self.layers):
-            h = h + layer.mixer.step(layer.norm(h), cache.layers[i])
+            h = layer.step(h, cache.layers[i])
         cache.seqlen_offset += 1
         return self.lm_head(self.norm_f(h))
 

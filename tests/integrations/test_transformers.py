@@ -17,6 +17,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 import fastarch.ops as ops  # noqa: E402
 from fastarch.integrations import transformers as fh  # noqa: E402
+from fastarch.nn.mamba import mixer_step  # noqa: E402
 
 ATOL = 1e-5  # fp32 logits against sdpa and eager
 VOCAB = 101
@@ -357,8 +358,11 @@ def test_unregister_restores():
     assert all(not hasattr(f, "__fastarch_original__") for f in originals.values())
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     sdpa_mask = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    classes = (mm.MambaMixer, mm.MambaRMSNorm)
+    forwards = [c.forward for c in classes]
 
     fh.register()
+    assert all(c.forward.__fastarch_original__ is f for c, f in zip(classes, forwards))
     fh.register(name="sdpa", mamba=False)  # shadowing an existing name is undone too
     assert fh.registered() == ["fastarch", "sdpa"]
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is fh.attention_forward
@@ -370,6 +374,8 @@ def test_unregister_restores():
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
     assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is sdpa_mask
     assert all(getattr(mm, a) is f for a, f in originals.items())
+    assert all(not hasattr(c.forward, "__fastarch_original__") for c in classes)
+    assert [c.forward for c in classes] == forwards
     with pytest.raises(ValueError, match="not supported"):
         _llama().set_attn_implementation("fastarch")
 
@@ -430,16 +436,104 @@ def test_mamba_forward_backward_match_pytorch_path(training, kernel_calls):
         torch.testing.assert_close(got[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_mamba_generate_identical(kernel_calls):
+@pytest.fixture
+def mixer_steps(monkeypatch):
+    """Counts the decode steps the patched ``MambaMixer`` runs on fastarch's fused mixer step."""
+    calls = []
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return mixer_step(*args)
+
+    monkeypatch.setattr(fh, "_mixer_step", counting)
+    return calls
+
+
+def test_mamba_generate_identical(kernel_calls, mixer_steps):
     model = _mamba().eval()
     ids = torch.randint(0, VOCAB, (2, 9))
     got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
-                         pad_token_id=0)
-    assert {"causal_conv1d_update", "selective_state_update", "selective_scan_fn"} <= set(kernel_calls)
+                         pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    assert {"causal_conv1d_fn", "selective_scan_fn"} <= set(kernel_calls)  # the prefill
+    assert len(mixer_steps) == 9 * 2 and set(mixer_steps) == {(2, 32)}  # 9 decode steps x 2 layers
     fh.unregister()
     want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
-                          pad_token_id=0)
-    assert torch.equal(got, want)
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-5, rtol=1e-5)
+
+
+def _prefilled(model, ids):
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+    return out.cache_params
+
+
+def test_mamba_decode_step_matches_pytorch_step(mixer_steps):
+    """One decode step of the patched mixer (fused, on the module's weights) equals transformers' own step:
+    the same logits and the same conv and SSM states afterwards."""
+    model = _mamba().eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, transformers.models.mamba.modeling_mamba.MambaMixer):
+                m.conv1d.bias.normal_()
+                m.D.normal_()
+    ids = torch.randint(0, VOCAB, (3, 7))
+    nxt = torch.randint(0, VOCAB, (3, 1))
+    fh.unregister()
+    want_cache = _prefilled(model, ids)
+    fh.register()
+    got_cache = _prefilled(model, ids)
+    with torch.no_grad():
+        got = model(input_ids=nxt, cache_params=got_cache, use_cache=True).logits
+        assert len(mixer_steps) == 2
+        fh.unregister()
+        want = model(input_ids=nxt, cache_params=want_cache, use_cache=True).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    for i in range(2):
+        for get in ("get_conv_state", "get_recurrent_state"):
+            torch.testing.assert_close(getattr(got_cache, get)(i), getattr(want_cache, get)(i), atol=1e-5,
+                                       rtol=1e-5)
+
+
+def test_mamba_decode_step_goes_to_transformers_where_fastarch_does_not_apply(mixer_steps, monkeypatch):
+    """A padding mask, autograd, another dtype or a non-CPU tensor: transformers' own step runs."""
+    from transformers.models.mamba import modeling_mamba as mm
+
+    model = _mamba().eval()
+    ids = torch.randint(0, VOCAB, (2, 5))
+    nxt = torch.randint(0, VOCAB, (2, 1))
+    cache = _prefilled(model, ids)
+    with torch.no_grad():
+        model(input_ids=nxt, cache_params=cache, use_cache=True, attention_mask=torch.ones(2, 6, dtype=torch.long))
+    model(input_ids=nxt, cache_params=cache, use_cache=True)  # autograd on
+    assert mixer_steps == []
+    norms = []
+    monkeypatch.setattr(fh, "_rms_norm", lambda *args: norms.append(args) or args[0])
+    norm = mm.MambaRMSNorm(32).to("meta")
+    assert norm(torch.randn(2, 3, 32, device="meta")).device.type == "meta" and norms == []
+    norm = mm.MambaRMSNorm(32).to(torch.bfloat16)
+    x = torch.randn(2, 3, 32)  # an fp32 residual stream into a bf16 norm (residual_in_fp32)
+    assert torch.equal(norm(x), mm.MambaRMSNorm.forward.__fastarch_original__(norm, x)) and norms == []
+    norm = mm.MambaRMSNorm(32)
+    norm(torch.randn(2, 3, 32))
+    assert len(norms) == 1  # fp32 on CPU: fastarch's op
+    with torch.no_grad():
+        model.to(torch.bfloat16)
+        cache = _prefilled(model, ids)
+        model(input_ids=nxt, cache_params=cache, use_cache=True)
+    assert mixer_steps == []
+
+
+def test_mamba_norm_matches_pytorch_path():
+    from transformers.models.mamba import modeling_mamba as mm
+
+    norm = mm.MambaRMSNorm(32, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(2, 5, 32)
+    got = norm(x)
+    torch.testing.assert_close(got, mm.MambaRMSNorm.forward.__fastarch_original__(norm, x), atol=1e-6, rtol=1e-5)
 
 
 def test_mamba_accelerator_tensors_keep_the_real_kernels():

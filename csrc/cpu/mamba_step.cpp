@@ -1,0 +1,230 @@
+// One decode step of a Mamba-1 mixer on CPU, fused: (optional RMS norm) -> in_proj -> causal conv update + SiLU
+// -> x_proj -> dt_proj (+ bias, softplus) -> selective state update (D skip, silu(z) gate) -> out_proj
+// (-> optional residual), in one call.
+// A decode step reads every weight once and does little arithmetic, so its time is the time to stream the
+// weights from memory plus whatever each separate call adds; one call per layer leaves only the weights.
+// The conv and SSM states advance in place.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "fastarch_math.h"
+#include "fastarch_tensor.h"
+
+namespace {
+
+using fastarch::check_cpu_contig;
+using fastarch::fast_exp;
+using fastarch::sigmoid_f;
+using fastarch::softplus_f;
+
+// Weight elements per thread task at least: waking the second thread costs more than reading a small
+// matrix alone.
+constexpr int64_t GRAIN = int64_t(1) << 18;
+
+// Y[m, r] = dot(W[r], X[m]) + bias[r] for weight rows r in [r0, r1) and every batch row m < M.
+// Four weight rows go together (four independent streams and accumulators); each tile of rows is kept in
+// cache while the batch rows use it.
+void matvec_rows(const float* W, const float* bias, int64_t K, const float* X, int64_t M, float* Y, int64_t ldy,
+                 int64_t r0, int64_t r1) {
+  int64_t r = r0;
+  for (; r + 4 <= r1; r += 4) {
+    const float* w0 = W + r * K;
+    const float* w1 = w0 + K;
+    const float* w2 = w1 + K;
+    const float* w3 = w2 + K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* x = X + m * K;
+      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+      for (int64_t k = 0; k < K; ++k) {
+        a0 += w0[k] * x[k];
+        a1 += w1[k] * x[k];
+        a2 += w2[k] * x[k];
+        a3 += w3[k] * x[k];
+      }
+      float* y = Y + m * ldy + r;
+      y[0] = a0 + (bias ? bias[r] : 0.f);
+      y[1] = a1 + (bias ? bias[r + 1] : 0.f);
+      y[2] = a2 + (bias ? bias[r + 2] : 0.f);
+      y[3] = a3 + (bias ? bias[r + 3] : 0.f);
+    }
+  }
+  for (; r < r1; ++r) {
+    const float* w = W + r * K;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* x = X + m * K;
+      float a = 0.f;
+#pragma omp simd reduction(+ : a)
+      for (int64_t k = 0; k < K; ++k) a += w[k] * x[k];
+      Y[m * ldy + r] = a + (bias ? bias[r] : 0.f);
+    }
+  }
+}
+
+// Y (M, N) = X (M, K) W^T (N, K) + bias, rows of W split over threads in tasks of at least GRAIN elements
+// (one task when not parallel).
+void matvec(const float* W, const float* bias, int64_t N, int64_t K, const float* X, int64_t M, float* Y,
+            bool parallel) {
+  const int64_t tiles = (N + 3) / 4;
+  const int64_t grain = parallel ? std::max<int64_t>(1, GRAIN / (4 * std::max<int64_t>(K, 1))) : std::max<int64_t>(tiles, 1);
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    matvec_rows(W, bias, K, X, M, Y, N, t0 * 4, std::min(N, t1 * 4));
+  });
+}
+
+const float* opt_ptr(const c10::optional<torch::Tensor>& t, int64_t numel, const char* name) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  check_cpu_contig(*t, name);
+  TORCH_CHECK(t->scalar_type() == torch::kFloat && t->numel() == numel, "mamba_step: ", name, " must be fp32 with ",
+              numel, " elements");
+  return t->data_ptr<float>();
+}
+
+void check_f32(const torch::Tensor& t, const char* name, std::initializer_list<int64_t> shape) {
+  check_cpu_contig(t, name);
+  TORCH_CHECK(t.scalar_type() == torch::kFloat, "mamba_step: ", name, " must be fp32");
+  TORCH_CHECK(t.sizes() == c10::IntArrayRef(shape), "mamba_step: ", name, " must have shape ", c10::IntArrayRef(shape),
+              ", got ", t.sizes());
+}
+
+// x (B, d_model) -> out (B, d_model). in_w (2E, d_model); conv_state (B, E, S >= W - 1); conv_w (E, W);
+// xproj_w (R + 2N, E); dtproj_w (E, R); A_log (E, N) (A = -exp(A_log)); ssm_state (B, E, N);
+// out_w (d_out, E). Optional: in_b (2E), conv_b (E), xproj_b (R + 2N), dt_bias (E), D (E), out_b (d_out);
+// norm_w (d_model): the mixer reads rms_norm(x) * norm_w (epsilon norm_eps); residual: x is added to out;
+// parallel: split the larger loops over threads (else the whole step runs on the calling thread).
+torch::Tensor mamba_step(const torch::Tensor& x, const torch::Tensor& in_w, const c10::optional<torch::Tensor>& in_b,
+                         torch::Tensor conv_state, const torch::Tensor& conv_w,
+                         const c10::optional<torch::Tensor>& conv_b, const torch::Tensor& xproj_w,
+                         const c10::optional<torch::Tensor>& xproj_b, const torch::Tensor& dtproj_w, const c10::optional<torch::Tensor>& dt_bias,
+                         const torch::Tensor& A_log, const c10::optional<torch::Tensor>& D, torch::Tensor ssm_state,
+                         const torch::Tensor& out_w, const c10::optional<torch::Tensor>& out_b,
+                         const c10::optional<torch::Tensor>& norm_w, double norm_eps, bool residual,
+                         bool parallel) {
+  TORCH_CHECK(x.dim() == 2 && in_w.dim() == 2 && conv_w.dim() == 2 && dtproj_w.dim() == 2 && A_log.dim() == 2,
+              "mamba_step: x (B, d_model), in_w (2E, d_model), conv_w (E, W), dtproj_w (E, R), A_log (E, N)");
+  const int64_t Bsz = x.size(0), Dm = x.size(1), E = conv_w.size(0), W = conv_w.size(1);
+  const int64_t R = dtproj_w.size(1), N = A_log.size(1);
+  TORCH_CHECK(conv_state.dim() == 3, "mamba_step: conv_state must be (B, E, S)");
+  const int64_t S = conv_state.size(2);
+  TORCH_CHECK(S >= W - 1 && W >= 1, "mamba_step: conv_state must hold at least W - 1 steps");
+  check_f32(x, "x", {Bsz, Dm});
+  check_f32(in_w, "in_w", {2 * E, Dm});
+  check_f32(conv_state, "conv_state", {Bsz, E, S});
+  check_f32(conv_w, "conv_w", {E, W});
+  check_f32(xproj_w, "xproj_w", {R + 2 * N, E});
+  check_f32(dtproj_w, "dtproj_w", {E, R});
+  check_f32(A_log, "A_log", {E, N});
+  check_f32(ssm_state, "ssm_state", {Bsz, E, N});
+  TORCH_CHECK(out_w.dim() == 2, "mamba_step: out_w must be (d_out, E)");
+  const int64_t Dout = out_w.size(0);
+  check_f32(out_w, "out_w", {Dout, E});
+  const float* pin_b = opt_ptr(in_b, 2 * E, "in_b");
+  const float* pconv_b = opt_ptr(conv_b, E, "conv_b");
+  const float* pxproj_b = opt_ptr(xproj_b, R + 2 * N, "xproj_b");
+  const float* pdt_b = opt_ptr(dt_bias, E, "dt_bias");
+  const float* pD = opt_ptr(D, E, "D");
+  const float* pout_b = opt_ptr(out_b, Dout, "out_b");
+  const float* pnorm_w = opt_ptr(norm_w, Dm, "norm_w");
+  TORCH_CHECK(!residual || Dout == Dm, "mamba_step: residual needs d_out == d_model, got ", Dout, " and ", Dm);
+
+  auto opts = x.options();
+  auto xz = torch::empty({Bsz, 2 * E}, opts);        // in_proj: [x | z]
+  auto xc = torch::empty({Bsz, E}, opts);            // conv + SiLU
+  auto xdbl = torch::empty({Bsz, R + 2 * N}, opts);  // x_proj: [dt | B | C]
+  auto y = torch::empty({Bsz, E}, opts);             // gated scan output
+  auto out = torch::empty({Bsz, Dout}, opts);
+  float* pxz = xz.data_ptr<float>();
+  float* pxc = xc.data_ptr<float>();
+  float* pxd = xdbl.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+
+  // Optional RMS norm of the input: x * rsqrt(mean(x^2) + eps) * norm_w.
+  const float* px = x.data_ptr<float>();
+  torch::Tensor xn;
+  if (pnorm_w) {
+    xn = torch::empty({Bsz, Dm}, opts);
+    float* pxn = xn.data_ptr<float>();
+    for (int64_t b = 0; b < Bsz; ++b) {
+      const float* xr = px + b * Dm;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t k = 0; k < Dm; ++k) ss += xr[k] * xr[k];
+      const float rstd = 1.f / std::sqrt(ss / static_cast<float>(Dm) + static_cast<float>(norm_eps));
+      for (int64_t k = 0; k < Dm; ++k) pxn[b * Dm + k] = xr[k] * rstd * pnorm_w[k];
+    }
+  }
+  matvec(in_w.data_ptr<float>(), pin_b, 2 * E, Dm, pnorm_w ? xn.data_ptr<float>() : px, Bsz, pxz, parallel);
+
+  // Conv: the window is the last W - 1 states and the new input; the state shifts by one.
+  const float* pcw = conv_w.data_ptr<float>();
+  float* pcs = conv_state.data_ptr<float>();
+  for (int64_t b = 0; b < Bsz; ++b) {
+    for (int64_t e = 0; e < E; ++e) {
+      float* st = pcs + (b * E + e) * S;
+      const float* w = pcw + e * W;
+      const float xin = pxz[b * 2 * E + e];
+      float acc = pconv_b ? pconv_b[e] : 0.f;
+      for (int64_t k = 0; k < W - 1; ++k) acc += w[k] * st[S - (W - 1) + k];
+      acc += w[W - 1] * xin;
+      for (int64_t k = 0; k + 1 < S; ++k) st[k] = st[k + 1];
+      if (S > 0) st[S - 1] = xin;
+      pxc[b * E + e] = acc * sigmoid_f(acc);
+    }
+  }
+
+  matvec(xproj_w.data_ptr<float>(), pxproj_b, R + 2 * N, E, pxc, Bsz, pxd, parallel);
+
+  // dt_proj, softplus and the state update, one channel at a time.
+  const float* pdw = dtproj_w.data_ptr<float>();
+  const float* pAl = A_log.data_ptr<float>();
+  float* pss = ssm_state.data_ptr<float>();
+  const int64_t chan_grain = parallel ? std::max<int64_t>(1, GRAIN / std::max<int64_t>(4 * (R + N), 1))
+                                        : std::max<int64_t>(E, 1);
+  at::parallel_for(0, E, chan_grain, [&](int64_t e0, int64_t e1) {
+    for (int64_t b = 0; b < Bsz; ++b) {
+      const float* dtr = pxd + b * (R + 2 * N);
+      const float* Bv = dtr + R;
+      const float* Cv = Bv + N;
+      for (int64_t e = e0; e < e1; ++e) {
+        const float* w = pdw + e * R;
+        float d = 0.f;
+#pragma omp simd reduction(+ : d)
+        for (int64_t k = 0; k < R; ++k) d += w[k] * dtr[k];
+        d = softplus_f(d + (pdt_b ? pdt_b[e] : 0.f));
+        const float u = pxc[b * E + e];
+        const float du = d * u;
+        float* st = pss + (b * E + e) * N;
+        const float* al = pAl + e * N;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t n = 0; n < N; ++n) {
+          const float v = st[n] * fast_exp(-d * fast_exp(al[n])) + du * Bv[n];
+          st[n] = v;
+          acc += v * Cv[n];
+        }
+        if (pD) acc += u * pD[e];
+        const float z = pxz[b * 2 * E + E + e];
+        py[b * E + e] = acc * z * sigmoid_f(z);
+      }
+    }
+  });
+
+  float* pout = out.data_ptr<float>();
+  matvec(out_w.data_ptr<float>(), pout_b, Dout, E, py, Bsz, pout, parallel);
+  if (residual) {
+    for (int64_t i = 0; i < Bsz * Dm; ++i) pout[i] += px[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fastarch: one fused decode step of a Mamba-1 mixer on CPU";
+  m.def("mamba_step", &mamba_step, "Mamba-1 mixer decode step (conv and SSM states in place) -> out");
+}

@@ -393,7 +393,11 @@ _NORMS: dict[str, Callable[..., torch.Tensor]] = {"MambaRMSNormGated": _gated_no
 def _norm_forward(original: Callable, fast: Callable[..., torch.Tensor]) -> Callable:
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
-        if is_torchdynamo_exporting():
+        gate = args[0] if args else kwargs.get("gate")
+        # Mixed dtypes (an fp32 residual stream into a bf16 norm) stay on transformers' forward: fastarch's
+        # norm ops take one dtype.
+        if (is_torchdynamo_exporting() or hidden_states.dtype != self.weight.dtype
+                or (gate is not None and gate.dtype != hidden_states.dtype)):
             return original(self, hidden_states, *args, **kwargs)
         out = fast(self, hidden_states, *args, **kwargs)
         # transformers' forwards return weight * x.to(input dtype), in the promoted dtype

@@ -82,6 +82,23 @@ def test_greedy_generation_identical(kernel_calls):
     assert torch.equal(got, model.generate(ids, **kw))
 
 
+def test_bf16_model_with_fp32_residual_stream():
+    """A bf16 model feeds its fp32 residual stream into the bf16 final norm: that mixed-dtype call stays on
+    transformers' forward; the logits match the unregistered model's within bf16 rounding, and generation runs
+    (bf16 rounding may pick different tokens after a near-tie, so tokens are not compared)."""
+    model = _mamba2(residual_in_fp32=True).eval().to(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 11))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got = model(input_ids=ids).logits.float()
+    tokens = model.generate(ids, **kw)
+    fh.unregister()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits.float()
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    assert tokens.shape == (2, 17) and torch.equal(tokens[:, :11], ids)
+
+
 def test_register_patches_and_unregister_restores():
     patched = sorted(a for a, f in vars(mm).items() if hasattr(f, "__fastarch_original__"))
     assert patched == sorted(KERNEL_ATTRS)

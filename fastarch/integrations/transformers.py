@@ -48,6 +48,14 @@ gated, grouped norm after the scan, and ``Mamba2RMSNorm``, each block's input no
 forwards on :func:`fastarch.ops.rms_norm_gated` and :func:`fastarch.ops.rms_norm`, same formula, same
 parameters, result in the dtype transformers' forward returns; :func:`unregister` puts the classes' own
 forwards back.
+
+**Llama-family norms and rotary embedding.** With ``llama=True`` :func:`register` replaces, for each
+``(module, norm class)`` of :data:`LLAMA_MODULES` (models whose norm forward, ``apply_rotary_pos_emb`` and
+``rotate_half`` are Llama's), the norm class's ``forward`` with one on :func:`fastarch.ops.rms_norm` for fp32
+CPU input and weight, and the module attribute ``apply_rotary_pos_emb`` (a global the attention classes look
+up at call time) with one on :func:`fastarch.ops.rotary_embedding` for fp32 CPU ``q``/``k`` ``(B, H, L, D)`` and
+constant ``(1 or B, L, D)`` cos/sin whose halves repeat; every other call runs transformers' own.
+:func:`unregister` puts both back.
 """
 
 from __future__ import annotations
@@ -502,13 +510,14 @@ LLAMA_MODULES: tuple[tuple[str, str], ...] = (
 
 
 def _rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """transformers' ``(B, L, D)`` cos/sin as fastarch's ``(B, L, D/2)`` tables, or None when the two halves of
-    the last dimension differ (then they are not one angle per rotated pair)."""
+    """transformers' ``(B, L, D)`` cos/sin as fastarch's ``(B, L, D/2)`` tables, contiguous (made once for q
+    and k), or None when the two halves of the last dimension differ (then they are not one angle per rotated
+    pair)."""
     R = cos.shape[-1] // 2
     c, s = cos[..., :R], sin[..., :R]
     if not (torch.equal(c, cos[..., R:]) and torch.equal(s, sin[..., R:])):
         return None
-    return c, s
+    return c.contiguous(), s.contiguous()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,8 @@ transformers = pytest.importorskip("transformers")
 
 from fastarch.integrations import transformers as fh  # noqa: E402
 
-ATOL = 1e-5  # fp32 logits
-VOCAB = 101
+from .test_transformers import ATOL, VOCAB, _batch  # noqa: E402
+
 LAYERS = 2
 
 
@@ -64,19 +64,6 @@ def _model(name: str, seed: int = 0):
             if type(module).__name__.endswith("RMSNorm"):
                 module.weight.uniform_(0.5, 1.5)
     return model
-
-
-def _batch(padding: str, B: int = 3, L: int = 11):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, VOCAB, (B, L), generator=g)
-    mask = torch.ones(B, L, dtype=torch.long)
-    if padding == "left":
-        mask[0, :4] = 0
-        mask[1, :1] = 0
-    elif padding == "right":
-        mask[0, -4:] = 0
-        mask[2, -2:] = 0
-    return ids, mask
 
 
 def _module(name: str):

@@ -48,6 +48,14 @@ gated, grouped norm after the scan, and ``Mamba2RMSNorm``, each block's input no
 forwards on :func:`fastarch.ops.rms_norm_gated` and :func:`fastarch.ops.rms_norm`, same formula, same
 parameters, result in the dtype transformers' forward returns; :func:`unregister` puts the classes' own
 forwards back.
+
+**Llama-family norms and rotary embedding.** With ``llama=True`` :func:`register` replaces, for each
+``(module, norm class)`` of :data:`LLAMA_MODULES` (models whose norm forward, ``apply_rotary_pos_emb`` and
+``rotate_half`` are Llama's), the norm class's ``forward`` with one on :func:`fastarch.ops.rms_norm` for fp32
+CPU input and weight, and the module attribute ``apply_rotary_pos_emb`` (a global the attention classes look
+up at call time) with one on :func:`fastarch.ops.rotary_embedding` for fp32 CPU ``q``/``k`` ``(B, H, L, D)`` and
+constant ``(1 or B, L, D)`` cos/sin whose halves repeat; every other call runs transformers' own.
+:func:`unregister` puts both back.
 """
 
 from __future__ import annotations
@@ -90,9 +98,11 @@ from ..nn.mamba import mixer_step as _mixer_step  # noqa: E402
 from ..ops import attention as _attention  # noqa: E402
 from ..ops.rms_norm import rms_norm as _rms_norm  # noqa: E402
 from ..ops.rms_norm_gated import rms_norm_gated as _rms_norm_gated  # noqa: E402
+from ..ops.rotary import rotary_embedding as _rotary_embedding  # noqa: E402
 
 __all__ = [
     "CompactMask",
+    "LLAMA_MODULES",
     "MAMBA_CLASSES",
     "MAMBA_MODULES",
     "NORM_MODULES",
@@ -468,16 +478,97 @@ def _on_cpu_fp32(original: Callable, fast: Callable) -> Callable:
     return forward
 
 
+def _cpu_fp32_rms_norm_forward(original: Callable) -> Callable:
+    """An RMSNorm forward (``weight * norm(x)``, one ``weight`` and ``variance_epsilon``) on
+    :func:`fastarch.ops.rms_norm` for fp32 CPU input and weight, else ``original``."""
+    return _on_cpu_fp32(original, _norm_forward(original, _norm))
+
+
 # (modeling module, class) -> the forward register() gives it, made from the class's own forward.
 MAMBA_CLASSES: dict[tuple[str, str], Callable[[Callable], Callable]] = {
     ("transformers.models.mamba.modeling_mamba", "MambaMixer"): _mamba_mixer_forward,
-    ("transformers.models.mamba.modeling_mamba", "MambaRMSNorm"): lambda original: _on_cpu_fp32(
-        original, _norm_forward(original, _norm)),
+    ("transformers.models.mamba.modeling_mamba", "MambaRMSNorm"): _cpu_fp32_rms_norm_forward,
 }
 
 
 def _patch_classes(saved: dict[tuple[type, str], Callable]) -> None:
     _patch_forwards(saved, ((modname, clsname, make) for (modname, clsname), make in MAMBA_CLASSES.items()))
+
+
+# -- Llama-family norms and rotary embedding ----------------------------------------------------------------
+# (modeling module, RMSNorm class) of the models whose norm forward is Llama's (``weight * x * rsqrt(mean(x^2) +
+# eps)``, computed in fp32) and whose module-level ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` and
+# ``rotate_half`` are Llama's (non-interleaved halves over the whole head). Models with a ``(1 + weight)`` norm
+# (Gemma) or a partial or interleaved rotary (Phi-3, GLM, ...) are not listed.
+LLAMA_MODULES: tuple[tuple[str, str], ...] = (
+    ("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),
+    ("transformers.models.mistral.modeling_mistral", "MistralRMSNorm"),
+    ("transformers.models.mixtral.modeling_mixtral", "MixtralRMSNorm"),
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2RMSNorm"),
+    ("transformers.models.qwen3.modeling_qwen3", "Qwen3RMSNorm"),
+)
+
+
+def _rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """transformers' ``(B, L, D)`` cos/sin as fastarch's ``(B, L, D/2)`` tables, contiguous (made once for q
+    and k), or None when the two halves of the last dimension differ (then they are not one angle per rotated
+    pair)."""
+    R = cos.shape[-1] // 2
+    c, s = cos[..., :R], sin[..., :R]
+    if not (torch.equal(c, cos[..., R:]) and torch.equal(s, sin[..., R:])):
+        return None
+    return c.contiguous(), s.contiguous()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(B, H, L, D)`` rotated by per-batch tables ``(1 or B, L, D/2)`` -> ``(B, H, L, D)``.
+    transformers' projections are ``(B, L, H, D)`` transposed, so the op reads them without a copy."""
+    xt = x.transpose(1, 2)
+    if cos.shape[0] == 1:
+        out = _rotary_embedding(xt, cos[0], sin[0])
+    else:  # per-sequence positions (left padding): one call per sequence
+        out = torch.cat([_rotary_embedding(xt[b:b + 1], cos[b], sin[b]) for b in range(x.shape[0])])
+    return out.transpose(1, 2)
+
+
+def _apply_rotary_pos_emb(original: Callable) -> Callable:
+    """Llama's ``apply_rotary_pos_emb`` on :func:`fastarch.ops.rotary_embedding` for fp32 CPU ``q``/``k``
+    ``(B, H, L, D)`` and constant cos/sin ``(1 or B, L, D)`` broadcast over the heads (``unsqueeze_dim=1``) whose
+    halves repeat; every other call (other devices or dtypes, other layouts, cos/sin with a gradient, tracing
+    by dynamo) runs ``original``."""
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        tensors = (q, k, cos, sin)
+        if (unsqueeze_dim == 1 and all(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                                       and t.dtype == torch.float32 for t in tensors)
+                and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape
+                and q.shape[0] == k.shape[0] and cos.shape[0] in (1, q.shape[0])
+                and q.shape[2] == k.shape[2] == cos.shape[1] and q.shape[3] == k.shape[3] == cos.shape[2]
+                and cos.shape[2] % 2 == 0 and not (cos.requires_grad or sin.requires_grad)
+                and not torch.compiler.is_compiling()):
+            tables = _rotary_tables(cos, sin)
+            if tables is not None:
+                return _rotate(q, *tables), _rotate(k, *tables)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb.__fastarch_original__ = original
+    return apply_rotary_pos_emb
+
+
+def _patch_llama(functions: dict[tuple[str, str], Callable], norms: dict[tuple[type, str], Callable]) -> None:
+    """Point each module's ``apply_rotary_pos_emb`` (a global the attention classes look up at call time) at
+    :func:`_apply_rotary_pos_emb` and each norm class's forward at fastarch's rms_norm, keeping the originals."""
+    for modname, _ in LLAMA_MODULES:
+        if importlib.util.find_spec(modname) is None:
+            continue
+        module = importlib.import_module(modname)
+        original = getattr(module, "apply_rotary_pos_emb", None)
+        if original is None or hasattr(original, "__fastarch_original__"):
+            continue
+        functions[(modname, "apply_rotary_pos_emb")] = original
+        module.apply_rotary_pos_emb = _apply_rotary_pos_emb(original)
+    _patch_forwards(norms, ((modname, clsname, _cpu_fp32_rms_norm_forward) for modname, clsname in LLAMA_MODULES))
 
 
 # -- register / unregister ----------------------------------------------------------------------------------
@@ -486,10 +577,13 @@ _MISSING = object()
 _STATE: dict[str, dict] = {}
 
 
-def register(name: str = "fastarch", *, mamba: bool = True) -> None:
-    """Register fastarch's attention and mask functions with transformers as ``name``, and (``mamba=True``)
+def register(name: str = "fastarch", *, mamba: bool = True, llama: bool = True) -> None:
+    """Register fastarch's attention and mask functions with transformers as ``name``; with ``mamba=True``
     route the Mamba mixers of :data:`MAMBA_MODULES` to fastarch's kernels and the norms of
-    :data:`NORM_MODULES` to fastarch's norm ops. Idempotent; undone by :func:`unregister`."""
+    :data:`NORM_MODULES` to fastarch's norm ops; with ``llama=True`` run the RMSNorm forwards and
+    ``apply_rotary_pos_emb`` of :data:`LLAMA_MODULES` on fastarch's ``rms_norm`` and ``rotary_embedding`` (CPU,
+    fp32; these apply whatever attention implementation a model uses). Idempotent; undone by
+    :func:`unregister`."""
     if not isinstance(name, str) or not name or name == "eager":
         raise ValueError(f"register: argument 'name' must be a non-empty string other than 'eager', got {name!r}")
     if name in _STATE:
@@ -500,11 +594,15 @@ def register(name: str = "fastarch", *, mamba: bool = True) -> None:
         "mask": masks._global_mapping.get(name, _MISSING),
         "mamba": {},
         "norms": {},
+        "llama": {},
+        "llama_norms": {},
     }
     if mamba and not any(s["mamba"] or s["norms"] for s in _STATE.values()):
         _patch_mamba(state["mamba"])
         _patch_norms(state["norms"])
         _patch_classes(state["norms"])
+    if llama and not any(s["llama"] or s["llama_norms"] for s in _STATE.values()):
+        _patch_llama(state["llama"], state["llama_norms"])
     AttentionInterface.register(name, attention_forward)
     masks.register(name, attention_mask)
     _STATE[name] = state
@@ -512,8 +610,8 @@ def register(name: str = "fastarch", *, mamba: bool = True) -> None:
 
 def unregister(name: str | None = None) -> None:
     """Undo :func:`register` for ``name`` (every registered name when None): the interface entries go back to
-    what they were (removed, or the function a name shadowed) and the Mamba functions and norm forwards to
-    transformers' own.
+    what they were (removed, or the function a name shadowed) and the Mamba functions, the Llama-family
+    ``apply_rotary_pos_emb`` and the norm forwards to transformers' own.
     Models still set to ``name`` must be switched (``model.set_attn_implementation("sdpa")``) before use."""
     for key in list(_STATE) if name is None else [name]:
         state = _STATE.pop(key, None)
@@ -525,9 +623,9 @@ def unregister(name: str | None = None) -> None:
                 mapping.pop(key, None)
             else:
                 mapping[key] = previous
-        for (modname, attr), fn in state["mamba"].items():
+        for (modname, attr), fn in (*state["mamba"].items(), *state["llama"].items()):
             setattr(importlib.import_module(modname), attr, fn)
-        for (cls, attr), fn in state["norms"].items():
+        for (cls, attr), fn in (*state["norms"].items(), *state["llama_norms"].items()):
             setattr(cls, attr, fn)
 
 

@@ -1,0 +1,258 @@
+"""register(llama=True): the Llama-family RMSNorm forwards and ``apply_rotary_pos_emb`` on fastarch's rms_norm and
+rotary_embedding, against transformers' own forwards, on small models built from configs with random weights
+(nothing is downloaded)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fastarch.integrations import transformers as fh  # noqa: E402
+
+from .test_transformers import ATOL, VOCAB, _batch  # noqa: E402
+
+LAYERS = 2
+
+
+@pytest.fixture(autouse=True)
+def _unregistered():
+    fh.unregister()
+    yield
+    fh.unregister()
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts of the fastarch ops the patched functions reach."""
+    counts = {"rms_norm": 0, "rotary": 0}
+
+    def counting(key, fn):
+        def run(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(fh, "_rms_norm", counting("rms_norm", fh._rms_norm))
+    monkeypatch.setattr(fh, "_rotary_embedding", counting("rotary", fh._rotary_embedding))
+    return counts
+
+
+def _config(name: str):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    if name == "llama":
+        return transformers.LlamaConfig(**common)
+    if name == "mistral":
+        return transformers.MistralConfig(sliding_window=6, **common)
+    return transformers.Qwen2Config(**common)
+
+
+MODELS = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+          "qwen2": transformers.Qwen2ForCausalLM}
+
+
+def _model(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = MODELS[name](_config(name)).eval()
+    with torch.no_grad():  # non-trivial norm weights
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.uniform_(0.5, 1.5)
+    return model
+
+
+def _module(name: str):
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+def _originals():
+    out = {}
+    for modname, clsname in fh.LLAMA_MODULES:
+        module = importlib.import_module(modname)
+        out[modname] = (module.apply_rotary_pos_emb, vars(getattr(module, clsname))["forward"])
+    return out
+
+
+# -- which modules are patched --------------------------------------------------------------------------------
+def test_listed_modules_define_llamas_norm_and_rotary():
+    """Every module register() patches has Llama's norm forward, apply_rotary_pos_emb and rotate_half."""
+    llama = _module("llama")
+    expected = (inspect.getsource(llama.LlamaRMSNorm.forward), inspect.getsource(llama.apply_rotary_pos_emb),
+                inspect.getsource(llama.rotate_half))
+    assert {m for m, _ in fh.LLAMA_MODULES} >= {llama.__name__, _module("mistral").__name__,
+                                                _module("qwen2").__name__}
+    for modname, clsname in fh.LLAMA_MODULES:
+        module = importlib.import_module(modname)
+        got = (inspect.getsource(getattr(module, clsname).forward), inspect.getsource(module.apply_rotary_pos_emb),
+               inspect.getsource(module.rotate_half))
+        assert got == expected, modname
+
+
+def test_unregister_restores_originals():
+    before = _originals()
+    fh.register()
+    during = _originals()
+    for modname, (rotary, forward) in before.items():
+        assert during[modname][0] is not rotary and during[modname][0].__fastarch_original__ is rotary
+        assert during[modname][1] is not forward and during[modname][1].__fastarch_original__ is forward
+    fh.register(name="other")  # a second name patches nothing twice
+    fh.unregister(name="other")
+    assert _originals() == during
+    fh.unregister()
+    assert _originals() == before
+
+
+def test_register_llama_false_patches_nothing():
+    before = _originals()
+    fh.register(llama=False)
+    assert _originals() == before
+
+
+# -- models ---------------------------------------------------------------------------------------------------
+def _logits(model, impl: str, ids, mask):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_logits_match_unpatched(name, padding, calls):
+    model = _model(name)
+    ids, mask = _batch(padding)
+    refs = {impl: _logits(model, impl, ids, mask) for impl in ("sdpa", "eager")}
+    assert calls == {"rms_norm": 0, "rotary": 0}
+    fh.register()
+    # fastarch attention: the rows of real tokens (a left-padded row sees no real key, so its output is undefined)
+    rows = mask.bool()
+    out = _logits(model, "fastarch", ids, mask)
+    for ref in refs.values():
+        torch.testing.assert_close(out[rows], ref[rows], atol=ATOL, rtol=0)
+    # sdpa with the norms and rotary patched: every row
+    torch.testing.assert_close(_logits(model, "sdpa", ids, mask), refs["sdpa"], atol=ATOL, rtol=0)
+    # per forward: two norms per layer and the final norm; q and k in each layer (one table for the batch)
+    assert calls == {"rms_norm": 2 * (2 * LAYERS + 1), "rotary": 2 * (2 * LAYERS)}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_generate_greedy_identical(name, calls):
+    model = _model(name)
+    ids, mask = _batch("left")
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(ids, **kw)
+    fh.register()
+    model.set_attn_implementation("fastarch")
+    out = model.generate(ids, **kw)
+    assert torch.equal(out, ref)
+    assert calls["rms_norm"] > 0 and calls["rotary"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_gradients_match(name, calls):
+    ids, mask = _batch("right")
+
+    def grads(impl: str):
+        model = _model(name).train()
+        model.set_attn_implementation(impl)
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+    ref_loss, ref = grads("sdpa")
+    fh.register()
+    loss, got = grads("fastarch")
+    assert calls["rms_norm"] > 0 and calls["rotary"] > 0
+    torch.testing.assert_close(loss, ref_loss, atol=1e-6, rtol=1e-6)
+    assert got.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+# -- the functions on their own -------------------------------------------------------------------------------
+def _qkcs(B=2, H=4, Hk=2, L=7, D=16, tables=1, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, L, H, D, generator=g).transpose(1, 2)  # transformers' layout: a transposed projection
+    k = torch.randn(B, L, Hk, D, generator=g).transpose(1, 2)
+    pos = torch.arange(L)[None] + torch.arange(tables)[:, None] * 3  # per-sequence offsets when tables == B
+    ang = pos[..., None].float() * (10000.0 ** (-torch.arange(0, D, 2) / D))
+    emb = torch.cat([ang, ang], -1)
+    return [t.to(device=device, dtype=dtype) for t in (q, k, emb.cos(), emb.sin())]
+
+
+@pytest.mark.parametrize("tables", [1, 2])
+def test_rotary_matches_original(tables, calls):
+    fh.register()
+    module = _module("llama")
+    q, k, cos, sin = _qkcs(tables=tables)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    out = module.apply_rotary_pos_emb(q, k, cos, sin)
+    assert calls["rotary"] == 2 * tables
+    ref = module.apply_rotary_pos_emb.__fastarch_original__(q, k, cos, sin)
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    dq = torch.randn_like(q)
+    dk = torch.randn_like(k)
+    got = torch.autograd.grad(out, (q, k), (dq, dk))
+    want = torch.autograd.grad(ref, (q, k), (dq, dk))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def _fallback_cases():
+    q, k, cos, sin = _qkcs()
+    yield "float64", _qkcs(dtype=torch.float64), {}
+    yield "bfloat16", _qkcs(dtype=torch.bfloat16), {}
+    yield "meta", _qkcs(device="meta"), {}
+    yield "halves differ", (q, k, cos, torch.randn_like(sin)), {}
+    yield "unsqueeze_dim=2", (q.transpose(1, 2), k.transpose(1, 2), cos, sin), {"unsqueeze_dim": 2}
+    yield "cos with a gradient", (q, k, cos.requires_grad_(True), sin), {}
+
+
+@pytest.mark.parametrize("case", list(_fallback_cases()), ids=lambda c: c[0])
+def test_rotary_fallback_runs_original(case, calls):
+    _, args, kw = case
+    fh.register()
+    module = _module("mistral")
+    out = module.apply_rotary_pos_emb(*args, **kw)
+    ref = module.apply_rotary_pos_emb.__fastarch_original__(*args, **kw)
+    assert calls["rotary"] == 0
+    if out[0].device.type != "meta":
+        for a, b in zip(out, ref):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype,device", [(torch.float32, "cpu"), (torch.float64, "cpu"), (torch.bfloat16, "cpu"),
+                                          (torch.float32, "meta")])
+def test_norm_fast_path_only_for_cpu_fp32(dtype, device, calls):
+    fh.register()
+    module = _module("qwen2")
+    torch.manual_seed(3)
+    norm = module.Qwen2RMSNorm(32, eps=1e-5).to(device=device, dtype=dtype)
+    if device != "meta":
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 5, 32).to(device=device, dtype=dtype)
+    out = norm(x)
+    assert calls["rms_norm"] == (1 if (dtype, device) == (torch.float32, "cpu") else 0)
+    assert out.dtype == dtype and out.device.type == device
+    if device != "meta":
+        ref = vars(module.Qwen2RMSNorm)["forward"].__fastarch_original__(norm, x)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_norm_mixed_dtypes_run_original(calls):
+    """An fp32 residual stream into a bf16 norm keeps transformers' promotion."""
+    fh.register()
+    module = _module("llama")
+    norm = module.LlamaRMSNorm(32).to(torch.bfloat16)
+    x = torch.randn(2, 5, 32)
+    out = norm(x)
+    assert calls["rms_norm"] == 0
+    assert torch.equal(out, vars(module.LlamaRMSNorm)["forward"].__fastarch_original__(norm, x))

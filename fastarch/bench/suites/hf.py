@@ -81,7 +81,11 @@ def _attention_case(cfg: BenchConfig, name: str, window: int | None, L: int) -> 
             ids = _tokens(cfg, L)
 
             def run() -> Any:
-                fh.register()  # another provider may have unregistered
+                # sdpa is plain transformers: none of register()'s norm, rotary or Mamba patches
+                if impl == "fastarch":
+                    fh.register()
+                else:
+                    fh.unregister()
                 with torch.no_grad():
                     return model(input_ids=ids, logits_to_keep=1).logits
             return run

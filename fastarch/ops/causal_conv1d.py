@@ -28,7 +28,10 @@ Backends (both ops; ``aten`` only for the convolution without ``seq_idx`` or ini
 composed PyTorch), ``cpp``
 (the ``causal_conv1d`` C++ extension: loops parallel over batch x channel) and ``triton`` (tiled kernels in
 ``kernels/causal_conv1d.py``; the backward sums per-tile partials of dw/dbias, no atomics). The compiled
-backends take fp32 contiguous tensors (other inputs are converted); the update works on ``conv_state`` in
+backends take fp32 contiguous tensors (other inputs are converted), except that the ``cpp`` forward and
+backward read a channel-last ``x`` (unit stride over ``D``, e.g. a transposed slice of a ``(B, L, D')``
+projection) in place, and the forward then returns ``out`` channel-last (``(B, L, D)`` transposed), so
+``out.transpose(1, 2)`` is contiguous; the update works on ``conv_state`` in
 place when it is fp32 contiguous and through an fp32 copy written back otherwise (after validation).
 """
 

@@ -478,12 +478,17 @@ class _CompiledCausalConv1d:
 
     lib: Any
 
+    @staticmethod
+    def _rows(t: torch.Tensor) -> torch.Tensor:
+        """``x`` or ``dout`` as the kernels read it: fp32 contiguous."""
+        return t.float().contiguous()
+
     def forward(self, x, weight, bias, seq_idx, initial_states, silu):
-        return self.lib.causal_conv1d_fwd(_f32(x), _f32(weight), _f32(bias), seq_idx, _f32(initial_states),
+        return self.lib.causal_conv1d_fwd(self._rows(x), _f32(weight), _f32(bias), seq_idx, _f32(initial_states),
                                           silu).to(x.dtype)
 
     def backward(self, dout, x, weight, bias, seq_idx, initial_states, silu):
-        return tuple(self.lib.causal_conv1d_bwd(_f32(x), _f32(weight), _f32(bias), _f32(dout), seq_idx,
+        return tuple(self.lib.causal_conv1d_bwd(self._rows(x), _f32(weight), _f32(bias), self._rows(dout), seq_idx,
                                                 _f32(initial_states), silu))
 
     def update(self, x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices):
@@ -498,24 +503,16 @@ class _CompiledCausalConv1d:
         return out.squeeze(-1) if x.dim() == 2 else out
 
 
-def _f32_rows(t: torch.Tensor) -> torch.Tensor:
-    """fp32, contiguous or channel-last (the C++ kernels read both layouts)."""
-    t = t.float()
-    return t if _channel_last(t) else t.contiguous()
-
-
 class CppCausalConv1d(CppImplementation, _CompiledCausalConv1d):
     op, extension = OP, "causal_conv1d"
     description = ("C++ loops over (batch, channel) rows, or over steps vectorised across channels for "
                    "channel-last x (read and written in place), fp32 (the causal_conv1d extension)")
 
-    def forward(self, x, weight, bias, seq_idx, initial_states, silu):
-        return self.lib.causal_conv1d_fwd(_f32_rows(x), _f32(weight), _f32(bias), seq_idx, _f32(initial_states),
-                                          silu).to(x.dtype)
-
-    def backward(self, dout, x, weight, bias, seq_idx, initial_states, silu):
-        return tuple(self.lib.causal_conv1d_bwd(_f32_rows(x), _f32(weight), _f32(bias), _f32_rows(dout), seq_idx,
-                                                _f32(initial_states), silu))
+    @staticmethod
+    def _rows(t: torch.Tensor) -> torch.Tensor:
+        """fp32, contiguous or channel-last (the C++ kernels read both layouts)."""
+        t = t.float()
+        return t if _channel_last(t) else t.contiguous()
 
 
 class TritonCausalConv1d(TritonImplementation, _CompiledCausalConv1d):

@@ -1,7 +1,10 @@
 // Depthwise causal conv1d on CPU: forward, backward and the decode step (causal_conv1d_update).
 //
-// Layout the Python glue hands us (all fp32, contiguous):
+// Layout the Python glue hands us (all fp32, contiguous unless said otherwise):
 //   x, out, dout, dx: (batch, D, L)   w: (D, K)   bias: (D,)
+//   x and dout may also be channel-last: unit stride over D, any strides over batch and L (e.g. a transposed
+//   slice of a (batch, L, D') projection); the forward then writes out channel-last, (batch, L, D) dense
+//   transposed, so the caller's transpose back is free.
 //   initial_states, dinitial_states: (batch, D, K - 1)   seq_idx: (batch, L) int32
 //
 // Each row (b, d) is convolved over its virtual sequence v = [initial_states (K - 1, zeros when absent), x (L)]:
@@ -30,16 +33,39 @@ struct Conv {
   const int32_t* seq;
   const float* init;
   int64_t batch, dim, L, K;
+  bool channel_last;  // x(b, d, t) at x[b * xs_b + t * xs_t + d]; else contiguous
+  int64_t xs_b, xs_t;
 };
+
+// Contiguous -> false; unit stride over dim (and not contiguous) -> true; anything else is refused.
+bool is_channel_last(const torch::Tensor& t, const char* name) {
+  if (t.is_contiguous()) return false;
+  TORCH_CHECK(t.dim() == 3 && t.stride(1) == 1,
+              "causal_conv1d cpp: ", name, " must be contiguous or channel-last (unit stride over dim)");
+  return true;
+}
+
+// Row r = (b, d) of a (batch, dim, L) tensor, contiguous or channel-last: a pointer to it, gathered into buf
+// when channel-last.
+const float* read_row(const torch::Tensor& t, bool channel_last, int64_t r, float* buf) {
+  const int64_t dim = t.size(1), L = t.size(2), b = r / dim, d = r % dim;
+  const float* p = t.data_ptr<float>();
+  if (!channel_last) return p + r * L;
+  const float* src = p + b * t.stride(0) + d;
+  const int64_t st = t.stride(2);
+  for (int64_t i = 0; i < L; ++i) buf[i] = src[i * st];
+  return buf;
+}
 
 Conv make_conv(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                const c10::optional<torch::Tensor>& seq_idx, const c10::optional<torch::Tensor>& init) {
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == torch::kFloat && x.dim() == 3,
-              "causal_conv1d cpp: x must be fp32 contiguous (batch, dim, seqlen)");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3,
+              "causal_conv1d cpp: x must be fp32 (batch, dim, seqlen)");
+  const bool channel_last = is_channel_last(x, "x");
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kFloat && w.size(0) == x.size(1),
               "causal_conv1d cpp: weight must be fp32 contiguous (dim, width)");
   Conv c{x.data_ptr<float>(), w.data_ptr<float>(), nullptr, nullptr, nullptr,
-         x.size(0), x.size(1), x.size(2), w.size(1)};
+         x.size(0), x.size(1), x.size(2), w.size(1), channel_last, x.stride(0), x.stride(2)};
   if (bias) c.bias = bias->data_ptr<float>();
   if (seq_idx) {
     TORCH_CHECK(seq_idx->scalar_type() == torch::kInt && seq_idx->is_contiguous() &&
@@ -63,7 +89,12 @@ void load_row(const Conv& c, int64_t r, float* v) {
     std::copy(c.init + r * pad, c.init + (r + 1) * pad, v);
   else
     std::fill(v, v + pad, 0.f);
-  std::copy(c.x + r * c.L, c.x + (r + 1) * c.L, v + pad);
+  if (c.channel_last) {
+    const float* src = c.x + (r / c.dim) * c.xs_b + r % c.dim;
+    for (int64_t t = 0; t < c.L; ++t) v[pad + t] = src[t * c.xs_t];
+  } else {
+    std::copy(c.x + r * c.L, c.x + (r + 1) * c.L, v + pad);
+  }
 }
 
 // Does tap k of output t read a position of t's own sequence (and not the padding before the row)?
@@ -114,9 +145,50 @@ void conv_row_plain(const Conv& c, int64_t r, float* o, bool silu) {
   if (silu) silu_inplace(o, L);
 }
 
+// Channel-last: one step (b, t) at a time, vectorised over the channels, reading x in its own layout and
+// writing out as (batch, L, D). The taps are added in the same order as the row paths (bias, then k = 0..K-1,
+// padding taps skipped), so both layouts give the same sums.
+torch::Tensor conv_fwd_channel_last(const Conv& c, bool silu) {
+  const int64_t batch = c.batch, dim = c.dim, L = c.L, K = c.K, pad = K - 1;
+  auto out = torch::empty({batch, L, dim}, torch::dtype(torch::kFloat)).transpose(1, 2);
+  float* po = out.data_ptr<float>();
+  std::vector<float> wt(K * dim);  // (K, D): tap k's weights contiguous over channels
+  for (int64_t d = 0; d < dim; ++d)
+    for (int64_t k = 0; k < K; ++k) wt[k * dim + d] = c.w[d * K + k];
+  at::parallel_for(0, batch * L, std::max<int64_t>(1, 16384 / std::max<int64_t>(dim * K, 1)),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t bt = begin; bt < end; ++bt) {
+                       const int64_t b = bt / L, t = bt % L;
+                       float* o = po + bt * dim;
+                       if (c.bias)
+                         std::copy(c.bias, c.bias + dim, o);
+                       else
+                         std::fill(o, o + dim, 0.f);
+                       const float* xb = c.x + b * c.xs_b;
+                       const int32_t* seq = c.seq ? c.seq + b * L : nullptr;
+                       for (int64_t k = 0; k < K; ++k) {
+                         const int64_t src = t + k - pad;
+                         if (seq && !same_seq(seq, t, k, K)) continue;
+                         const float* wk = wt.data() + k * dim;
+                         if (src >= 0) {
+                           const float* xs = xb + src * c.xs_t;
+#pragma omp simd
+                           for (int64_t d = 0; d < dim; ++d) o[d] += wk[d] * xs[d];
+                         } else if (c.init) {
+                           const float* is = c.init + b * dim * pad + (pad + src);
+                           for (int64_t d = 0; d < dim; ++d) o[d] += wk[d] * is[d * pad];
+                         }
+                       }
+                       if (silu) silu_inplace(o, dim);
+                     }
+                   });
+  return out;
+}
+
 torch::Tensor conv_fwd(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
                        c10::optional<torch::Tensor> seq_idx, c10::optional<torch::Tensor> init, bool silu) {
   const Conv c = make_conv(x, w, bias, seq_idx, init);
+  if (c.channel_last) return conv_fwd_channel_last(c, silu);
   auto out = torch::empty_like(x);
   float* po = out.data_ptr<float>();
   // Fork only when each task gets >= ~16K outputs: waking a thread team costs more than small rows.
@@ -142,14 +214,14 @@ std::vector<torch::Tensor> conv_bwd(torch::Tensor x, torch::Tensor w, c10::optio
                                     torch::Tensor dout, c10::optional<torch::Tensor> seq_idx,
                                     c10::optional<torch::Tensor> init, bool silu) {
   const Conv c = make_conv(x, w, bias, seq_idx, init);
-  TORCH_CHECK(dout.is_contiguous() && dout.scalar_type() == torch::kFloat && dout.sizes() == x.sizes(),
-              "causal_conv1d cpp: dout must be fp32 contiguous like x");
+  TORCH_CHECK(dout.scalar_type() == torch::kFloat && dout.sizes() == x.sizes(),
+              "causal_conv1d cpp: dout must be fp32 with x's shape");
+  const bool dout_channel_last = is_channel_last(dout, "dout");
   const int64_t batch = c.batch, dim = c.dim, L = c.L, K = c.K, pad = K - 1;
-  auto dx = torch::empty_like(x);
+  auto dx = torch::empty(x.sizes(), x.options());
   auto dinit = torch::empty({batch, dim, pad}, x.options());
   auto dw = torch::zeros({dim, K}, x.options());
   auto db = torch::zeros({dim}, x.options());
-  const float* pd = dout.data_ptr<float>();
   float* pdx = dx.data_ptr<float>();
   float* pdi = dinit.data_ptr<float>();
   float* pdw = dw.data_ptr<float>();
@@ -157,13 +229,13 @@ std::vector<torch::Tensor> conv_bwd(torch::Tensor x, torch::Tensor w, c10::optio
   // Parallel over channels: dw/db of a channel sum over batch inside one task.
   at::parallel_for(0, dim, std::max<int64_t>(1, 16384 / std::max<int64_t>(batch * L, 1)), [&](int64_t begin,
                                                                                                 int64_t end) {
-    std::vector<float> v(pad + L), dv(pad + L), g(L);
+    std::vector<float> v(pad + L), dv(pad + L), g(L), drow(dout_channel_last ? L : 0);
     for (int64_t d = begin; d < end; ++d) {
       const float* wr = w.data_ptr<float>() + d * K;
       for (int64_t b = 0; b < batch; ++b) {
         const int64_t r = b * dim + d;
         load_row(c, r, v.data());
-        const float* gr = pd + r * L;
+        const float* gr = read_row(dout, dout_channel_last, r, drow.data());
         if (silu) {
           conv_row(c, r, v.data(), g.data(), false);
 #pragma omp simd

@@ -463,7 +463,19 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
   const int64_t PN = s.P * s.N, T2 = s.cmax * s.cmax, ldy = s.H * s.P;
   auto opts = x.options().memory_format(at::MemoryFormat::Contiguous);
   auto y = torch::empty({s.batch, s.L, s.H, s.P}, opts);
-  auto states = torch::empty({s.batch, s.nc, s.H, s.P, s.N}, opts);
+  // The states entering every sub-chunk are returned only when sub-chunks are whole chunks; otherwise they are
+  // scratch, kept per calling thread between calls up to kKeptStateFloats: fresh pages of that size cost page
+  // faults every call.
+  constexpr size_t kKeptStateFloats = size_t(1) << 24;
+  thread_local std::vector<float> state_scratch;
+  torch::Tensor states;
+  if (every == 1 || static_cast<size_t>(s.batch * s.nc * s.H * PN) > kKeptStateFloats) {
+    states = torch::empty({s.batch, s.nc, s.H, s.P, s.N}, opts);
+  } else {
+    const size_t n = static_cast<size_t>(s.batch * s.nc * s.H * PN);
+    if (state_scratch.size() < n) state_scratch.resize(n);
+    states = torch::from_blob(state_scratch.data(), {s.batch, s.nc, s.H, s.P, s.N}, opts);
+  }
   auto chunk_states = every == 1 ? states : torch::empty({s.batch, (s.nc + every - 1) / every, s.H, s.P, s.N}, opts);
   auto final_states = torch::empty({s.batch, s.H, s.P, s.N}, opts);
   auto decays = torch::empty({s.batch, s.nc, s.H}, opts);

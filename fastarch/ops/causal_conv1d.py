@@ -28,7 +28,10 @@ Backends (both ops; ``aten`` only for the convolution without ``seq_idx`` or ini
 composed PyTorch), ``cpp``
 (the ``causal_conv1d`` C++ extension: loops parallel over batch x channel) and ``triton`` (tiled kernels in
 ``kernels/causal_conv1d.py``; the backward sums per-tile partials of dw/dbias, no atomics). The compiled
-backends take fp32 contiguous tensors (other inputs are converted); the update works on ``conv_state`` in
+backends take fp32 contiguous tensors (other inputs are converted), except that the ``cpp`` forward and
+backward read a channel-last ``x`` (unit stride over ``D``, e.g. a transposed slice of a ``(B, L, D')``
+projection) in place, and the forward then returns ``out`` channel-last (``(B, L, D)`` transposed), so
+``out.transpose(1, 2)`` is contiguous; the update works on ``conv_state`` in
 place when it is fp32 contiguous and through an fp32 copy written back otherwise (after validation).
 """
 
@@ -138,6 +141,19 @@ def _validate(x, weight, bias, seq_idx, initial_states, return_final_states, fin
 
 
 # -- the differentiable op ------------------------------------------------------------------------------------
+def _channel_last(x: torch.Tensor) -> bool:
+    """A non-contiguous ``(B, D, L)`` view with unit stride over ``D`` (e.g. ``(B, L, D')[..., :D]``
+    transposed): the layout the C++ backend reads and writes without a transposing copy."""
+    return not x.is_contiguous() and x.stride(1) == 1
+
+
+def _empty_out(x: torch.Tensor) -> torch.Tensor:
+    """The forward's output for ``x`` ``(B, D, L)``: dense channel-last (``(B, L, D)`` transposed) when ``x``
+    is channel-last, else contiguous."""
+    batch, dim, L = x.shape
+    return x.new_empty(batch, L, dim).transpose(1, 2) if _channel_last(x) else x.new_empty(x.shape)
+
+
 def _call(x: torch.Tensor, weight: torch.Tensor, seq_idx: torch.Tensor | None,
           initial_states: torch.Tensor | None):
     return call_of(x, width=weight.shape[1], has_seq_idx=seq_idx is not None,
@@ -147,14 +163,16 @@ def _call(x: torch.Tensor, weight: torch.Tensor, seq_idx: torch.Tensor | None,
 @torch.library.custom_op("fastarch::causal_conv1d_fwd", mutates_args=())
 def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, seq_idx: torch.Tensor | None,
               initial_states: torch.Tensor | None, silu: bool, backend: str) -> torch.Tensor:
-    # contiguous: the fake output is, and the F.conv1d backends may return other strides
-    return run(OP, "forward", _call(x, weight, seq_idx, initial_states), backend, x, weight, bias, seq_idx,
-               initial_states, silu).contiguous()
+    out = run(OP, "forward", _call(x, weight, seq_idx, initial_states), backend, x, weight, bias, seq_idx,
+              initial_states, silu)
+    # the fake's layout: the F.conv1d backends may return other strides
+    want = _empty_out(x)
+    return out if out.stride() == want.stride() else want.copy_(out)
 
 
 @_conv_fwd.register_fake
 def _(x, weight, bias, seq_idx, initial_states, silu, backend):
-    return x.new_empty(x.shape)
+    return _empty_out(x)
 
 
 @torch.library.custom_op("fastarch::causal_conv1d_bwd", mutates_args=())
@@ -182,7 +200,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dout):
     x, weight, bias, seq_idx, initial_states = ctx.saved_tensors
-    dx, dw, db, dinit = _conv_bwd(dout.contiguous(), x, weight, bias, seq_idx, initial_states, ctx.silu,
+    dx, dw, db, dinit = _conv_bwd(dout if _channel_last(dout) else dout.contiguous(), x, weight, bias, seq_idx, initial_states, ctx.silu,
                                   ctx.backend)
     return (dx.to(x.dtype), dw.to(weight.dtype), None if bias is None else db.to(bias.dtype), None,
             None if initial_states is None else dinit.to(initial_states.dtype), None, None)
@@ -226,7 +244,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
     init = None if initial_states is None else initial_states.contiguous()
     name = resolve(OP, lambda: _call(x, weight, seq, init), backend)
-    out = _conv_fwd(x.contiguous(), weight, bias, seq, init, silu, name)
+    # channel-last x stays as it is: the C++ backend reads it in place and answers in the same layout
+    out = _conv_fwd(x if _channel_last(x) else x.contiguous(), weight, bias, seq, init, silu, name)
     if not return_final_states:
         return out
     # A slice of the inputs: autograd carries its gradient back to x and initial_states.
@@ -459,12 +478,17 @@ class _CompiledCausalConv1d:
 
     lib: Any
 
+    @staticmethod
+    def _rows(t: torch.Tensor) -> torch.Tensor:
+        """``x`` or ``dout`` as the kernels read it: fp32 contiguous."""
+        return t.float().contiguous()
+
     def forward(self, x, weight, bias, seq_idx, initial_states, silu):
-        return self.lib.causal_conv1d_fwd(_f32(x), _f32(weight), _f32(bias), seq_idx, _f32(initial_states),
+        return self.lib.causal_conv1d_fwd(self._rows(x), _f32(weight), _f32(bias), seq_idx, _f32(initial_states),
                                           silu).to(x.dtype)
 
     def backward(self, dout, x, weight, bias, seq_idx, initial_states, silu):
-        return tuple(self.lib.causal_conv1d_bwd(_f32(x), _f32(weight), _f32(bias), _f32(dout), seq_idx,
+        return tuple(self.lib.causal_conv1d_bwd(self._rows(x), _f32(weight), _f32(bias), self._rows(dout), seq_idx,
                                                 _f32(initial_states), silu))
 
     def update(self, x, conv_state, weight, bias, silu, cache_seqlens, conv_state_indices):
@@ -481,7 +505,14 @@ class _CompiledCausalConv1d:
 
 class CppCausalConv1d(CppImplementation, _CompiledCausalConv1d):
     op, extension = OP, "causal_conv1d"
-    description = "C++ loops over (batch, channel) rows, width-unrolled, fp32 (the causal_conv1d extension)"
+    description = ("C++ loops over (batch, channel) rows, or over steps vectorised across channels for "
+                   "channel-last x (read and written in place), fp32 (the causal_conv1d extension)")
+
+    @staticmethod
+    def _rows(t: torch.Tensor) -> torch.Tensor:
+        """fp32, contiguous or channel-last (the C++ kernels read both layouts)."""
+        t = t.float()
+        return t if _channel_last(t) else t.contiguous()
 
 
 class TritonCausalConv1d(TritonImplementation, _CompiledCausalConv1d):

@@ -4,6 +4,7 @@ channel-last x, seq_idx, initial and final states; the update with cache_seqlens
 subsampled deterministically per backend; plus checks of the reference's semantics against independent
 constructions (packed sequences = separate calls, chunked calls with carried states = one call)."""
 
+import importlib
 import itertools
 import random
 
@@ -118,6 +119,45 @@ def test_seq_idx_is_separate_sequences(backend):
             cols = (seq[row] == s).nonzero().flatten()
             alone = causal_conv1d(x[row:row + 1, :, cols], w, b, "silu", backend=backend)
             torch.testing.assert_close(out[row:row + 1, :, cols], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpp"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_channel_last_slice_matches_contiguous(backend, mode, activation):
+    """x as a transposed slice of a wider (B, L, D') projection (strides (L*D', 1, D')): the output keeps the
+    channel-last layout, and outputs, final states and every gradient equal the contiguous input's and the
+    reference's."""
+    dim, width, L, wide = 24, 4, 300, 40
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, L, wide, generator=gen)[..., 3:3 + dim].transpose(1, 2)
+    assert x.stride() == (L * wide, 1, wide)
+    _, w, b, seq, init, final = _inputs(L, width, True, False, mode, dim, seed=6)
+    out, fin, grads = _run(causal_conv1d, x, w, b, seq, init, final, activation, backend=backend)
+    cout, cfin, cgrads = _run(causal_conv1d, x.contiguous(), w, b, seq, init, final, activation, backend=backend)
+    rout, _, rgrads = _run(causal_conv1d_ref, x, w, b, seq, init, final, activation)
+    assert out.stride() == (L * dim, 1, dim)
+    torch.testing.assert_close(out, cout, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, rout, rtol=1e-5, atol=1e-5)
+    if final:
+        torch.testing.assert_close(fin, cfin, rtol=0, atol=0)
+    for name, g, c, r in zip(("dx", "dweight", "dbias", "dinitial_states"), grads, cgrads, rgrads):
+        if r is None:
+            assert g is None, name
+            continue
+        scale = max(r.abs().max().item(), 1.0)
+        torch.testing.assert_close(g, c, rtol=1e-6, atol=1e-6 * scale, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_channel_last_rejects_other_strides():
+    # The C++ kernels read contiguous or unit-stride-over-dim inputs; the glue hands them nothing else.
+    mod = importlib.import_module("fastarch.ops.causal_conv1d")
+    x = torch.randn(2, 8, 30)[:, ::2]  # stride 2 over dim
+    assert not mod._channel_last(x)
+    lib = mod.CppCausalConv1d().lib
+    with pytest.raises(RuntimeError, match="contiguous or channel-last"):
+        lib.causal_conv1d_fwd(x, torch.randn(4, 3), None, None, None, False)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

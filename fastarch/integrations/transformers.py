@@ -54,8 +54,9 @@ forwards back.
 ``rotate_half`` are Llama's), the norm class's ``forward`` with one on :func:`fastarch.ops.rms_norm` for fp32
 CPU input and weight, and the module attribute ``apply_rotary_pos_emb`` (a global the attention classes look
 up at call time) with one on :func:`fastarch.ops.rotary_embedding` for fp32 CPU ``q``/``k`` ``(B, H, L, D)`` and
-constant ``(1 or B, L, D)`` cos/sin whose halves repeat; every other call runs transformers' own.
-:func:`unregister` puts both back.
+constant ``(1 or B, L, D)`` cos/sin whose halves repeat; every other call runs transformers' own. The MLP
+classes of :data:`LLAMA_MLPS` get a forward that applies the SiLU and the product in place in the gate
+projection's output when autograd is off (CPU input). :func:`unregister` puts all of them back.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ if int(transformers.__version__.split(".")[0]) != 5:
         "pip install 'fastarch[hf]' (or pip install 'transformers>=5,<6')"
     )
 
+from transformers import activations as _activations  # noqa: E402
 from transformers import masking_utils  # noqa: E402
 from transformers.modeling_utils import AttentionInterface  # noqa: E402
 from transformers.utils.import_utils import is_torchdynamo_exporting  # noqa: E402
@@ -102,6 +104,7 @@ from ..ops.rotary import rotary_embedding as _rotary_embedding  # noqa: E402
 
 __all__ = [
     "CompactMask",
+    "LLAMA_MLPS",
     "LLAMA_MODULES",
     "MAMBA_CLASSES",
     "MAMBA_MODULES",
@@ -509,6 +512,36 @@ LLAMA_MODULES: tuple[tuple[str, str], ...] = (
 )
 
 
+# transformers' "silu" activation (ACT2FN) and torch's.
+_SILU_TYPES = tuple({torch.nn.SiLU, getattr(_activations, "SiLUActivation", torch.nn.SiLU)})
+# (modeling module, MLP class) of the same models whose MLP forward is Llama's: ``down(act(gate(x)) * up(x))``.
+LLAMA_MLPS: tuple[tuple[str, str], ...] = (
+    ("transformers.models.llama.modeling_llama", "LlamaMLP"),
+    ("transformers.models.mistral.modeling_mistral", "MistralMLP"),
+    ("transformers.models.qwen2.modeling_qwen2", "Qwen2MLP"),
+    ("transformers.models.qwen3.modeling_qwen3", "Qwen3MLP"),
+)
+
+
+def _swiglu_mlp_forward(original: Callable) -> Callable:
+    """Llama's MLP with the SiLU and the product done in place in the gate projection's output, for CPU input
+    with autograd off: two fewer ``(..., intermediate)`` temporaries per call, the same values. Other
+    activations, autograd, other devices and tracing run ``original``."""
+
+    @functools.wraps(original)
+    def forward(self, x):
+        if (torch.is_grad_enabled() or not isinstance(x, torch.Tensor) or x.device.type != "cpu"
+                or not isinstance(self.act_fn, _SILU_TYPES) or torch.compiler.is_compiling()):
+            return original(self, x)
+        h = self.gate_proj(x)
+        torch.nn.functional.silu(h, inplace=True)
+        h.mul_(self.up_proj(x))
+        return self.down_proj(h)
+
+    forward.__fastarch_original__ = original
+    return forward
+
+
 def _rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """transformers' ``(B, L, D)`` cos/sin as fastarch's ``(B, L, D/2)`` tables, contiguous (made once for q
     and k), or None when the two halves of the last dimension differ (then they are not one angle per rotated
@@ -569,6 +602,7 @@ def _patch_llama(functions: dict[tuple[str, str], Callable], norms: dict[tuple[t
         functions[(modname, "apply_rotary_pos_emb")] = original
         module.apply_rotary_pos_emb = _apply_rotary_pos_emb(original)
     _patch_forwards(norms, ((modname, clsname, _cpu_fp32_rms_norm_forward) for modname, clsname in LLAMA_MODULES))
+    _patch_forwards(norms, ((modname, clsname, _swiglu_mlp_forward) for modname, clsname in LLAMA_MLPS))
 
 
 # -- register / unregister ----------------------------------------------------------------------------------

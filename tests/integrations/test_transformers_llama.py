@@ -78,19 +78,49 @@ def _originals():
     return out
 
 
-# -- which modules are patched --------------------------------------------------------------------------------
-def test_listed_modules_define_llamas_norm_and_rotary():
-    """Every module register() patches has Llama's norm forward, apply_rotary_pos_emb and rotate_half."""
+def _mlp_forwards():
+    return {(m, c): vars(getattr(importlib.import_module(m), c))["forward"] for m, c in fh.LLAMA_MLPS}
+
+
+def test_listed_mlps_are_llamas():
     llama = _module("llama")
-    expected = (inspect.getsource(llama.LlamaRMSNorm.forward), inspect.getsource(llama.apply_rotary_pos_emb),
-                inspect.getsource(llama.rotate_half))
-    assert {m for m, _ in fh.LLAMA_MODULES} >= {llama.__name__, _module("mistral").__name__,
-                                                _module("qwen2").__name__}
-    for modname, clsname in fh.LLAMA_MODULES:
-        module = importlib.import_module(modname)
-        got = (inspect.getsource(getattr(module, clsname).forward), inspect.getsource(module.apply_rotary_pos_emb),
-               inspect.getsource(module.rotate_half))
-        assert got == expected, modname
+    expected = inspect.getsource(llama.LlamaMLP.forward)
+    assert {m for m, _ in fh.LLAMA_MLPS} <= {m for m, _ in fh.LLAMA_MODULES}
+    for modname, clsname in fh.LLAMA_MLPS:
+        assert inspect.getsource(getattr(importlib.import_module(modname), clsname).forward) == expected, clsname
+
+
+def test_mlp_patch_and_unregister_restores():
+    before = _mlp_forwards()
+    fh.register()
+    during = _mlp_forwards()
+    assert all(during[k] is not f and during[k].__fastarch_original__ is f for k, f in before.items())
+    fh.unregister()
+    assert _mlp_forwards() == before
+    fh.register(llama=False)
+    assert _mlp_forwards() == before
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_mlp_matches_original(act, grad):
+    module = _module("llama")
+    cfg = _config("llama")
+    cfg.hidden_act = act
+    torch.manual_seed(0)
+    mlp = module.LlamaMLP(cfg)
+    x = torch.randn(2, 5, cfg.hidden_size, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        want = mlp(x)
+        fh.register()
+        got = mlp(x)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert got.requires_grad == grad
+    if grad:
+        (gx,) = torch.autograd.grad(got.sum(), x)
+        fh.unregister()
+        (wx,) = torch.autograd.grad(mlp(x).sum(), x)
+        torch.testing.assert_close(gx, wx)
 
 
 def test_unregister_restores_originals():

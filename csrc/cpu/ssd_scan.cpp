@@ -131,10 +131,17 @@ struct Scan {
   const float* dt_bias;  // (H,) or null
   bool dt_softplus, dt_clamp;
   float dt_lo, dt_hi;
-  float step(float v, int64_t h) const {
-    if (dt_bias) v += dt_bias[h];
-    if (dt_softplus && v <= 20.f) v = std::log1p(std::exp(v));
-    return dt_clamp ? std::min(std::max(v, dt_lo), dt_hi) : v;
+  // v[0:n] (head h's raw values) -> the steps, in place.
+  void steps(float* v, int64_t n, int64_t h) const {
+    const float bias = dt_bias ? dt_bias[h] : 0.f;
+    const float lo = dt_clamp ? dt_lo : -INFINITY, hi = dt_clamp ? dt_hi : INFINITY;
+    if (dt_softplus) {
+#pragma omp simd
+      for (int64_t t = 0; t < n; ++t) v[t] = std::min(std::max(fastarch::softplus_f(v[t] + bias), lo), hi);
+    } else {
+#pragma omp simd
+      for (int64_t t = 0; t < n; ++t) v[t] = std::min(std::max(v[t] + bias, lo), hi);
+    }
   }
   const float* D;    // (H,) or (H, P) skip weights, or null
   int64_t D_ps;      // D's stride over P: 0 for (H,), 1 for (H, P)
@@ -260,16 +267,18 @@ struct Decays {
     cum.resize(T), dt.resize(T), carry.resize(T), eend.resize(T), wend.resize(T);
     const float a = s.A[h];
     const float* d = s.dt + k.b * s.sdt[0] + k.s0 * s.sdt[1] + h * s.sdt[2];
+    for (int64_t t = 0; t < T; ++t) dt[t] = d[t * s.sdt[1]];
+    s.steps(dt.data(), T, h);
     float acc = 0.f;
     for (int64_t t = 0; t < T; ++t) {
-      dt[t] = s.step(d[t * s.sdt[1]], h);
       acc += dt[t] * a;
       cum[t] = acc;
     }
     const float last = cum[T - 1];
+#pragma omp simd
     for (int64_t t = 0; t < T; ++t) {
-      carry[t] = q.in[t] * std::exp(cum[t]);
-      eend[t] = q.end[t] * std::exp(last - cum[t]);
+      carry[t] = q.in[t] * fast_exp(cum[t]);
+      eend[t] = q.end[t] * fast_exp(last - cum[t]);
       wend[t] = eend[t] * dt[t];
     }
     decay = carry[T - 1];

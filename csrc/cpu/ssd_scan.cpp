@@ -389,7 +389,7 @@ void for_tasks(const Scan& s, const Body& body) {
 
 // Below this many multiply-adds the state passes (streaming, one multiply-add per float) run on the calling
 // thread: waking a worker costs more, most of all on a loaded machine.
-constexpr int64_t kSerialStreamWork = 1 << 23;
+constexpr int64_t kSerialStreamWork = 1 << 21;
 
 // body(r0, r1) over the (batch, head) rows of the state passes, each touching nc * P * N floats.
 template <class Body>

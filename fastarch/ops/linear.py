@@ -5,12 +5,21 @@ the time to read the weights from memory. PyTorch's BLAS call for a matrix-vecto
 well below the memory bandwidth; the ``cpp`` kernel streams each weight row once, with independent
 accumulators per row, and splits the rows over threads for large matrices.
 
-Backends: ``cpp`` (CPU, fp32, up to :data:`CPP_MAX_ROWS` rows, contiguous weight), ``aten``
-(``F.linear``, any call) and ``torch`` (fp32 matmul, the reference's arithmetic). Every backend's backward
-is the same pair of matrix products and a sum.
+A prefill multiplies many rows, where the matrix product's speed is everything. PyTorch's fp32 ``F.linear`` on
+CPU goes to its BLAS (MKL in the x86 wheels), whose kernels on AMD processors stay on narrower vector paths;
+oneDNN, which PyTorch also ships (the library behind ``torch.compile``'s CPU linear), compiles its fp32 GEMM
+for the instruction set it finds. So on CPU in fp32 the ``aten`` backend runs oneDNN's linear
+(``torch.ops.mkldnn._linear_pointwise``): the same fp32 arithmetic in another summation order.
+
+Backends: ``cpp`` (CPU, fp32, up to :data:`CPP_MAX_ROWS` rows, contiguous weight), ``aten`` (oneDNN's
+linear for fp32 CPU calls with a contiguous weight where PyTorch has it and ``torch.backends.mkldnn`` is
+enabled, ``F.linear`` for every other call) and ``torch`` (fp32 matmul, the reference's arithmetic). Every
+backend's backward is the same pair of matrix products and a sum.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -155,11 +164,33 @@ class TorchLinear(TorchImplementation):
         return dx.to(x.dtype), dw.to(weight.dtype), db.to(weight.dtype)
 
 
+def _onednn_linear() -> Callable[..., torch.Tensor] | None:
+    """PyTorch's oneDNN linear op, or None in a build without it."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ONEDNN_LINEAR = _onednn_linear()
+
+
+def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Does the ``aten`` backend run this (rows, K) x and weight on oneDNN (else ``F.linear``)?"""
+    return (_ONEDNN_LINEAR is not None and torch.backends.mkldnn.enabled and x.device.type == "cpu"
+            and x.dtype == torch.float32 and weight.is_contiguous() and x.is_contiguous())
+
+
 class AtenLinear(AtenImplementation):
     op, dtypes = OP, DTYPES
-    description = "torch.nn.functional.linear (BLAS)"
+    description = ("PyTorch's kernels: oneDNN's linear (torch.ops.mkldnn) for fp32 CPU calls with a contiguous "
+                   "weight, torch.nn.functional.linear (BLAS) otherwise")
 
     def forward(self, x, weight, bias):
+        if uses_onednn(x, weight):
+            return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
 
     def backward(self, dy, x, weight):

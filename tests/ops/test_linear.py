@@ -1,6 +1,8 @@
 """linear: every backend against the fp32 reference, outputs and gradients; the selection of the C++
 kernel for a few rows; the inference path without the custom op; argument errors."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -8,8 +10,10 @@ from fastarch import backend as registry
 from fastarch import ops
 from fastarch.backend import BackendUnavailableError
 from fastarch.nn import Linear
-from fastarch.ops.linear import CPP_MAX_ROWS
+from fastarch.ops.linear import CPP_MAX_ROWS, uses_onednn
 from fastarch.ops.linear import _call as call
+
+linear_module = importlib.import_module("fastarch.ops.linear")  # the module (fastarch.ops.linear is the function)
 
 # (leading dims of x, in_features, out_features): a decode row, odd widths that leave a tail after the
 # vector loop and a partial tile of output rows, the row limit of the C++ kernel, a batch over it.
@@ -50,6 +54,29 @@ def test_linear_selection_cpp_for_few_rows_aten_beyond():
     assert registry.select("linear", call(torch.randn(CPP_MAX_ROWS + 1, 6), w)).backend == "aten"
     assert registry.select("linear", call(torch.randn(1, 6), torch.randn(6, 8).t())).backend == "aten"
     assert registry.select("linear", call(torch.randn(1, 6, dtype=torch.float64), w.double())).backend == "aten"
+
+
+def test_linear_aten_runs_onednn_for_fp32_cpu(monkeypatch):
+    if linear_module._ONEDNN_LINEAR is None:
+        pytest.skip("this PyTorch build has no oneDNN linear")
+    g = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(3, 37, 96, generator=g), torch.randn(40, 96, generator=g) * 0.1, torch.randn(40, generator=g)
+    calls = []
+    real = linear_module._ONEDNN_LINEAR
+    monkeypatch.setattr(linear_module, "_ONEDNN_LINEAR", lambda *a: calls.append(a[0].shape) or real(*a))
+    out = ops.linear(x, w, b, backend="aten")
+    assert calls == [(3 * 37, 96)]
+    torch.testing.assert_close(out, ops.linear_ref(x, w, b))
+    rows = x.reshape(-1, 96)
+    assert uses_onednn(rows, w)
+    assert not uses_onednn(rows.double(), w.double())
+    assert not uses_onednn(rows.bfloat16(), w.bfloat16())
+    assert not uses_onednn(rows, w.t().contiguous().t())
+    with torch.backends.mkldnn.flags(enabled=False):  # the user's switch is honoured: F.linear, bit for bit
+        assert not uses_onednn(rows, w)
+        torch.testing.assert_close(ops.linear(x, w, b, backend="aten"), torch.nn.functional.linear(x, w, b),
+                                   rtol=0, atol=0)
+    assert len(calls) == 1
 
 
 def test_linear_float64_as_nn_linear():

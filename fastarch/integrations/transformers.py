@@ -69,6 +69,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 try:
     import transformers
@@ -98,6 +99,7 @@ from ..compat.mamba_ssm.ops.triton.ssd_combined import (  # noqa: E402
 )
 from ..nn.mamba import mixer_step as _mixer_step  # noqa: E402
 from ..ops import attention as _attention  # noqa: E402
+from ..ops.linear import linear as _linear  # noqa: E402
 from ..ops.rms_norm import rms_norm as _rms_norm  # noqa: E402
 from ..ops.rms_norm_gated import rms_norm_gated as _rms_norm_gated  # noqa: E402
 from ..ops.rotary import rotary_embedding as _rotary_embedding  # noqa: E402
@@ -487,10 +489,53 @@ def _cpu_fp32_rms_norm_forward(original: Callable) -> Callable:
     return _on_cpu_fp32(original, _norm_forward(original, _norm))
 
 
+# -- the mixers' projections ----------------------------------------------------------------------------------
+_F_LINEAR = torch.nn.functional.linear
+
+
+def _linear_arguments(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``torch.nn.functional.linear``'s arguments, however they were passed."""
+    return input, weight, bias
+
+
+class _LinearOnFastarch(TorchFunctionMode):
+    """While active: ``torch.nn.functional.linear`` (what ``nn.Linear`` calls) on fp32 CPU tensors runs
+    :func:`fastarch.ops.linear`, whose selector takes the C++ kernel for a decode step's few rows and oneDNN's
+    GEMM beyond; every other call runs as it would. A mode is scoped to the thread and the ``with`` block,
+    so nothing of the model or of torch is modified."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _F_LINEAR:
+            x, weight, bias = _linear_arguments(*args, **kwargs)
+            if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.device.type == "cpu"
+                    and weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)):
+                return _linear(x, weight, bias)
+        return func(*args, **kwargs)
+
+
+def _projections_on_fastarch(original: Callable) -> Callable:
+    """A mixer ``forward`` whose ``nn.Linear`` projections (in_proj, out_proj, ...) run on
+    :func:`fastarch.ops.linear` when the input is on the CPU (see :class:`_LinearOnFastarch`); on other devices
+    and under export it is transformers' forward untouched."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, *args, **kwargs):
+        if hidden_states.device.type != "cpu" or is_torchdynamo_exporting() or torch.compiler.is_compiling():
+            return original(self, hidden_states, *args, **kwargs)
+        with _LinearOnFastarch():
+            return original(self, hidden_states, *args, **kwargs)
+
+    forward.__fastarch_original__ = original
+    return forward
+
+
 # (modeling module, class) -> the forward register() gives it, made from the class's own forward.
 MAMBA_CLASSES: dict[tuple[str, str], Callable[[Callable], Callable]] = {
     ("transformers.models.mamba.modeling_mamba", "MambaMixer"): _mamba_mixer_forward,
     ("transformers.models.mamba.modeling_mamba", "MambaRMSNorm"): _cpu_fp32_rms_norm_forward,
+    ("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer"): _projections_on_fastarch,
 }
 
 

@@ -21,7 +21,7 @@ _fwd_bwd = mamba1_tests._fwd_bwd
 VOCAB = 101
 KERNEL_ATTRS = ["causal_conv1d_fn", "causal_conv1d_update", "mamba2_chunk_scan", "mamba2_selective_state_update",
                 "mamba2_split_conv1d_scan_combined"]
-NORM_CLASSES = ["MambaRMSNormGated", "Mamba2RMSNorm"]
+NORM_CLASSES = ["MambaRMSNormGated", "Mamba2RMSNorm", "Mamba2Mixer"]  # classes whose forward register() swaps
 
 
 @pytest.fixture(autouse=True)
@@ -108,6 +108,31 @@ def test_register_patches_and_unregister_restores():
     assert all(not hasattr(vars(getattr(mm, c))["forward"], "__fastarch_original__") for c in NORM_CLASSES)
     # transformers' own fused stub (no mamba_ssm here) sends the mixer down its unfused path again
     assert mm.mamba2_split_conv1d_scan_combined(torch.zeros(1, 1, 1), None, None, None, None, None, 1) is None
+
+
+def test_projections_run_on_fastarch_linear(monkeypatch):
+    """Inside the mixers (prefill, decode steps, training), the nn.Linear projections reach fastarch.ops.linear,
+    fp32 only; the head outside the mixers and every call after the forward are untouched."""
+    seen = []
+    real = fh._linear
+    monkeypatch.setattr(fh, "_linear", lambda x, w, b=None: seen.append((tuple(w.shape), x.dtype)) or real(x, w, b))
+    model = _mamba2().eval()
+    mixer = model.backbone.layers[0].mixer
+    projections = [(tuple(mixer.in_proj.weight.shape), torch.float32), (tuple(mixer.out_proj.weight.shape), torch.float32)]
+    ids = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert seen == projections * 2  # two layers; the LM head is not in a mixer
+    seen.clear()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert seen == projections * 2 * 3  # the prefill and two decode steps
+    seen.clear()
+    torch.nn.functional.linear(torch.randn(2, 32), mixer.in_proj.weight)
+    model.to(torch.bfloat16)(input_ids=ids)
+    assert seen == []
+    seen.clear()
+    model.float().train()(input_ids=ids).logits.sum().backward()
+    assert seen[0] == projections[0] and mixer.in_proj.weight.grad is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

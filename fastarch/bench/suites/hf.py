@@ -19,14 +19,16 @@ Cases and providers:
   attention mask: fastarch's ``BERT`` loaded from it (``from_hf``) against transformers' ``BertModel`` with
   ``sdpa`` (the reference);
 - ``mamba2 fwd L``: HF's ``Mamba2ForCausalLM`` (d_model 768, 4 layers, 24 heads of 64, d_state 128, one group,
-  chunk 256), one forward: fastarch's kernels (SSD scan, conv) against its own PyTorch chunked path. Slow on
-  CPU: only in ``--full`` runs (L=1024) and in the case set ``hf-mamba2`` (L=2048, ``fastarch bench --case
-  hf-mamba2``), whose bar is 3x. Two more providers time what the forward cannot do without, so that the
-  report explains itself: ``projections``, the mixers' ``in_proj`` and ``out_proj`` GEMMs alone (the same
-  ``nn.Linear`` calls in both paths; ``hf-pytorch`` over it bounds the ratio any kernel work can reach, and
-  ``fastarch`` over it is fastarch's time per GEMM time), and ``projections+ssd_scan``, those GEMMs plus
-  fastarch's SSD scan of every layer (so ``fastarch`` over it is the cost of the convolution, the norms and
-  the model's glue). Both are of kind ``reference``, so neither counts as a peer or as fastarch's headline.
+  chunk 256), one forward: fastarch's kernels (SSD scan, conv, norms, and the mixers' projections on
+  ``fastarch.ops.linear``) against its own PyTorch chunked path. Slow on CPU: only in ``--full`` runs
+  (L=1024) and in the case set ``hf-mamba2`` (L=2048, ``fastarch bench --case hf-mamba2``), whose bar is 3x.
+  Three more providers time parts of the forward, so that the report explains itself: ``projections``, the
+  mixers' ``in_proj`` and ``out_proj`` GEMMs alone as fastarch runs them (``fastarch.ops.linear``; on CPU in
+  fp32, oneDNN's GEMM), so ``fastarch`` over it is fastarch's time per GEMM time; ``projections-blas``, the
+  same GEMMs as ``nn.Linear`` runs them in transformers' path (PyTorch's BLAS); and ``projections+ssd_scan``,
+  fastarch's GEMMs plus its SSD scan of every layer (so ``fastarch`` over it is the cost of the convolution,
+  the norms and the model's glue). All three are of kind ``reference``, so none counts as a peer or as
+  fastarch's headline.
 
 Thread counts are the run's (``--threads``).
 
@@ -243,14 +245,15 @@ def _bert_case(cfg: BenchConfig, batch: int, L: int, toy: bool) -> Case:
                            Provider("sdpa", "torch", provider(False)))
 
 
-def _mamba2_floor(cfg: BenchConfig, L: int, scan: bool) -> Callable[[], Callable[[], Any]]:
-    """What the Mamba-2 forward cannot do without, timed alone: every mixer's ``in_proj`` and ``out_proj`` (the
-    model's ``nn.Linear`` modules on random ``(1, L, .)`` inputs; the rest of the model's GEMMs, the head on
-    one token, is negligible) and, with ``scan``, each layer's SSD scan (``fastarch.ops.ssd_scan``, on the
-    layer's parameters and on the strided views of its convolution output that the mixer passes)."""
+def _mamba2_floor(cfg: BenchConfig, L: int, scan: bool, blas: bool = False) -> Callable[[], Callable[[], Any]]:
+    """Parts of the Mamba-2 forward, timed alone: every mixer's ``in_proj`` and ``out_proj`` on random
+    ``(1, L, .)`` inputs (the rest of the model's GEMMs, the head on one token, is negligible), on
+    ``fastarch.ops.linear`` as fastarch's path runs them, or with ``blas`` as the model's ``nn.Linear`` modules
+    (transformers' path); with ``scan``, each layer's SSD scan too (``fastarch.ops.ssd_scan``, on the layer's
+    parameters and on the strided views of its convolution output that the mixer passes)."""
 
     def setup() -> Callable[[], Any]:
-        from fastarch.ops import causal_conv1d, ssd_scan
+        from fastarch.ops import causal_conv1d, linear, ssd_scan
 
         model, _ = _mamba2_model(cfg)
         mixers = [layer.mixer for layer in model.backbone.layers]
@@ -273,10 +276,13 @@ def _mamba2_floor(cfg: BenchConfig, L: int, scan: bool) -> Callable[[], Callable
         def run() -> Any:
             with torch.no_grad():
                 for m, kw in zip(mixers, scans):
-                    m.in_proj(u)
+                    if blas:
+                        m.in_proj(u)
+                    else:
+                        linear(u, m.in_proj.weight, m.in_proj.bias)
                     if scan:
                         ssd_scan(**kw)
-                    out = m.out_proj(v)
+                    out = m.out_proj(v) if blas else linear(v, m.out_proj.weight, m.out_proj.bias)
             return out
         return run
     return setup
@@ -287,15 +293,17 @@ def _mamba2_forward_case(cfg: BenchConfig, L: int) -> Case:
     case = _mamba_case(cfg, "mamba2 fwd", f"mamba2 fwd L={L}", {"L": L},
                        lambda model: lambda: model(input_ids=ids, logits_to_keep=1).logits, model="mamba2",
                        build=_mamba2_model)
-    # The floors: "projections" times the GEMMs both paths share, so "projections vs hf-pytorch" is the most
-    # any kernel work could bring, and "projections vs fastarch" is fastarch's time over its GEMM time.
-    # Kind "reference": a floor is neither a peer to beat nor fastarch's headline.
+    # The parts: "projections vs fastarch" is fastarch's time over its GEMM time, "projections vs
+    # projections-blas" what the GEMM backend alone brings, "projections-blas vs hf-pytorch" what kernel work
+    # besides the GEMMs could bring at most. Kind "reference": a part is neither a peer to beat nor fastarch's
+    # headline.
     floors = [Provider("projections", "reference", _mamba2_floor(cfg, L, scan=False)),
+              Provider("projections-blas", "reference", _mamba2_floor(cfg, L, scan=False, blas=True)),
               Provider("projections+ssd_scan", "reference", _mamba2_floor(cfg, L, scan=True))]
     return replace(case, providers=case.providers + floors,
-                   ratios=(Ratio("fastarch", "hf-pytorch", target=3.0), Ratio("projections", "hf-pytorch"),
-                           Ratio("projections+ssd_scan", "hf-pytorch"), Ratio("projections", "fastarch"),
-                           Ratio("projections+ssd_scan", "fastarch")))
+                   ratios=(Ratio("fastarch", "hf-pytorch", target=3.0), Ratio("projections", "fastarch"),
+                           Ratio("projections+ssd_scan", "fastarch"), Ratio("projections", "projections-blas"),
+                           Ratio("projections-blas", "hf-pytorch")))
 
 
 def mamba2_cases(cfg: BenchConfig) -> list[Case]:

@@ -442,53 +442,6 @@ def _patch_norms(saved: dict[tuple[type, str], Callable]) -> None:
                             for modname, clsname in NORM_MODULES))
 
 
-# -- Mamba's decode step and norm ------------------------------------------------------------------------------
-def _mamba_mixer_forward(original: Callable) -> Callable:
-    """``MambaMixer.forward`` whose single-token decode step on CPU in fp32 (a cache holding both states, no
-    padding mask) runs as one :func:`fastarch.nn.mamba.mixer_step` on the module's own weights; every other call
-    (prefill, autograd, accelerators, other dtypes, offloaded weights, export) runs transformers' forward."""
-
-    @functools.wraps(original)
-    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        if (cache_params is not None and attention_mask is None and hidden_states.dim() == 3
-                and hidden_states.shape[1] == 1 and hidden_states.device.type == "cpu"
-                and hidden_states.dtype == torch.float32 and self.in_proj.weight.dtype == torch.float32
-                and self.in_proj.weight.device.type == "cpu" and not hasattr(self, "_hf_hook")
-                and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.in_proj.weight.requires_grad))
-                and not is_torchdynamo_exporting()):
-            conv_state = cache_params.get_conv_state(self.layer_idx, state_idx=0)
-            ssm_state = cache_params.get_recurrent_state(self.layer_idx, state_idx=0)
-            if (conv_state is not None and ssm_state is not None and conv_state.device.type == "cpu"
-                    and not cache_params.is_recording_past(self.layer_idx)):
-                out = _mixer_step(hidden_states[:, 0], self.in_proj, self.conv1d, self.x_proj, self.dt_proj,
-                                  self.A_log, self.D, self.out_proj, conv_state, ssm_state)
-                return out.unsqueeze(1)
-        return original(self, hidden_states, cache_params, attention_mask, **kwargs)
-
-    forward.__fastarch_original__ = original
-    return forward
-
-
-def _on_cpu_fp32(original: Callable, fast: Callable) -> Callable:
-    """A forward that runs ``fast`` when the input and the module's weight are fp32 CPU tensors, else
-    ``original`` (other devices; other or mixed dtypes, e.g. an fp32 residual stream into a bf16 norm)."""
-
-    @functools.wraps(original)
-    def forward(self, hidden_states, *args, **kwargs):
-        fp32_cpu = (hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32
-                    and self.weight.dtype == torch.float32)
-        return (fast if fp32_cpu else original)(self, hidden_states, *args, **kwargs)
-
-    forward.__fastarch_original__ = original
-    return forward
-
-
-def _cpu_fp32_rms_norm_forward(original: Callable) -> Callable:
-    """An RMSNorm forward (``weight * norm(x)``, one ``weight`` and ``variance_epsilon``) on
-    :func:`fastarch.ops.rms_norm` for fp32 CPU input and weight, else ``original``."""
-    return _on_cpu_fp32(original, _norm_forward(original, _norm))
-
-
 # -- the mixers' projections ----------------------------------------------------------------------------------
 _F_LINEAR = torch.nn.functional.linear
 
@@ -529,6 +482,55 @@ def _projections_on_fastarch(original: Callable) -> Callable:
 
     forward.__fastarch_original__ = original
     return forward
+
+
+# -- Mamba's decode step and norm ------------------------------------------------------------------------------
+def _mamba_mixer_forward(original: Callable) -> Callable:
+    """``MambaMixer.forward`` whose single-token decode step on CPU in fp32 (a cache holding both states, no
+    padding mask) runs as one :func:`fastarch.nn.mamba.mixer_step` on the module's own weights; every other call
+    (prefill, autograd, accelerators, other dtypes, offloaded weights, export) runs transformers' forward, with
+    its projections on :func:`fastarch.ops.linear` for CPU input (:func:`_projections_on_fastarch`)."""
+    rest = _projections_on_fastarch(original)
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+        if (cache_params is not None and attention_mask is None and hidden_states.dim() == 3
+                and hidden_states.shape[1] == 1 and hidden_states.device.type == "cpu"
+                and hidden_states.dtype == torch.float32 and self.in_proj.weight.dtype == torch.float32
+                and self.in_proj.weight.device.type == "cpu" and not hasattr(self, "_hf_hook")
+                and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.in_proj.weight.requires_grad))
+                and not is_torchdynamo_exporting()):
+            conv_state = cache_params.get_conv_state(self.layer_idx, state_idx=0)
+            ssm_state = cache_params.get_recurrent_state(self.layer_idx, state_idx=0)
+            if (conv_state is not None and ssm_state is not None and conv_state.device.type == "cpu"
+                    and not cache_params.is_recording_past(self.layer_idx)):
+                out = _mixer_step(hidden_states[:, 0], self.in_proj, self.conv1d, self.x_proj, self.dt_proj,
+                                  self.A_log, self.D, self.out_proj, conv_state, ssm_state)
+                return out.unsqueeze(1)
+        return rest(self, hidden_states, cache_params, attention_mask, **kwargs)
+
+    forward.__fastarch_original__ = original
+    return forward
+
+
+def _on_cpu_fp32(original: Callable, fast: Callable) -> Callable:
+    """A forward that runs ``fast`` when the input and the module's weight are fp32 CPU tensors, else
+    ``original`` (other devices; other or mixed dtypes, e.g. an fp32 residual stream into a bf16 norm)."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, *args, **kwargs):
+        fp32_cpu = (hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32
+                    and self.weight.dtype == torch.float32)
+        return (fast if fp32_cpu else original)(self, hidden_states, *args, **kwargs)
+
+    forward.__fastarch_original__ = original
+    return forward
+
+
+def _cpu_fp32_rms_norm_forward(original: Callable) -> Callable:
+    """An RMSNorm forward (``weight * norm(x)``, one ``weight`` and ``variance_epsilon``) on
+    :func:`fastarch.ops.rms_norm` for fp32 CPU input and weight, else ``original``."""
+    return _on_cpu_fp32(original, _norm_forward(original, _norm))
 
 
 # (modeling module, class) -> the forward register() gives it, made from the class's own forward.

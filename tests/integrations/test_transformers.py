@@ -3,6 +3,7 @@ on small models built from configs with random weights (nothing is downloaded)."
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -523,6 +524,29 @@ def test_mamba_decode_step_goes_to_transformers_where_fastarch_does_not_apply(mi
         cache = _prefilled(model, ids)
         model(input_ids=nxt, cache_params=cache, use_cache=True)
     assert mixer_steps == []
+
+
+def test_mamba_prefill_projections_run_on_fastarch_linear(mixer_steps, monkeypatch):
+    """A prefill's nn.Linear projections (in_proj, x_proj, out_proj; transformers applies dt_proj's weight as a
+    matmul) reach fastarch.ops.linear in fp32; the LM head and other dtypes are untouched."""
+    seen = []
+    real = fh._linear
+    monkeypatch.setattr(fh, "_linear", lambda x, w, b=None: seen.append(tuple(w.shape)) or real(x, w, b))
+    model = _mamba().eval()
+    mixer = model.backbone.layers[0].mixer
+    projections = [tuple(getattr(mixer, name).weight.shape) for name in ("in_proj", "x_proj", "out_proj")]
+    ids = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    assert seen == projections * 2  # two layers; the LM head is not in a mixer
+    seen.clear()
+    with torch.no_grad():
+        copy.deepcopy(model).to(torch.bfloat16)(input_ids=ids)
+    assert seen == []
+    fh.unregister()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_mamba_norm_matches_pytorch_path():

@@ -1,4 +1,4 @@
-// Fused CPU kernels for layer norm and RMS norm, forward and backward.
+// Fused CPU kernels for layer norm, RMS norm and gated grouped RMS norm, forward and backward.
 // Rows are independent, so work is split over rows with at::parallel_for; inner loops are written so the
 // compiler vectorises them (-O3 -march=native), accumulating in fp32 whatever the storage dtype.
 
@@ -6,8 +6,10 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
+#include "fastarch_math.h"
 #include "fastarch_tensor.h"
 
 namespace {
@@ -242,6 +244,231 @@ _Pragma("omp simd")
   return {dx, part.sum(0)};
 }
 
+// -- gated, grouped RMS norm --------------------------------------------------------------------------------
+// Per group of gs channels, with u the normalised input (x, or x * silu(z) when the gate comes first):
+//   n_hat = u * rstd, y = n_hat * w + b, times silu(z) when the norm comes first.
+// x, z, dy are (rows, n) with a contiguous last dimension and any row stride; outputs are contiguous.
+
+enum GateMode { kNoGate = 0, kNormThenGate = 1, kGateThenNorm = 2 };
+
+inline GateMode gate_mode(bool has_z, bool norm_before_gate) {
+  return !has_z ? kNoGate : (norm_before_gate ? kNormThenGate : kGateThenNorm);
+}
+
+inline void check_rows(const torch::Tensor& t, const char* name, const torch::Tensor& x) {
+  TORCH_CHECK(t.device().is_cpu(), "rms_norm_gated: ", name, " must be a CPU tensor, got ", t.device());
+  TORCH_CHECK(t.dim() == 2, "rms_norm_gated: ", name, " must be 2-D (rows, n), got ", t.dim(), "-D");
+  TORCH_CHECK(t.sizes() == x.sizes(), "rms_norm_gated: ", name, " must have x's shape ", x.sizes(), ", got ",
+              t.sizes());
+  TORCH_CHECK(t.scalar_type() == x.scalar_type(), "rms_norm_gated: ", name, " must have x's dtype ",
+              x.scalar_type(), ", got ", t.scalar_type());
+  TORCH_CHECK(t.size(1) <= 1 || t.stride(1) == 1, "rms_norm_gated: ", name,
+              " must have a contiguous last dimension (stride 1), got strides ", t.strides());
+}
+
+// weight/bias as contiguous fp32 (n,); an absent bias reads as zeros.
+inline torch::Tensor channel_param(const c10::optional<torch::Tensor>& t, const char* name, int64_t n,
+                                   const torch::Tensor& x) {
+  if (!t.has_value()) return torch::zeros({n}, x.options().dtype(torch::kFloat32));
+  TORCH_CHECK(t->device().is_cpu(), "rms_norm_gated: ", name, " must be a CPU tensor, got ", t->device());
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == n, "rms_norm_gated: ", name, " must have shape (", n, "), got ",
+              t->sizes());
+  TORCH_CHECK(at::isFloatingType(t->scalar_type()), "rms_norm_gated: ", name,
+              " must be floating point, got ", t->scalar_type());
+  return t->to(torch::kFloat32).contiguous();
+}
+
+inline int64_t check_gated_args(const torch::Tensor& x, const c10::optional<torch::Tensor>& z, int64_t group_size) {
+  TORCH_CHECK(x.device().is_cpu(), "rms_norm_gated: x must be a CPU tensor, got ", x.device());
+  TORCH_CHECK(x.dim() == 2, "rms_norm_gated: x must be 2-D (rows, n), got ", x.dim(), "-D");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "rms_norm_gated: x must be float32, bfloat16 or float16, got ", dt);
+  check_rows(x, "x", x);
+  if (z.has_value()) check_rows(*z, "z", x);
+  const int64_t n = x.size(1);
+  TORCH_CHECK(group_size >= 1 && n % group_size == 0, "rms_norm_gated: group_size must be a positive divisor of ",
+              "the last dimension ", n, ", got ", group_size);
+  return n / group_size;
+}
+
+std::vector<torch::Tensor> rms_norm_gated_fwd(const torch::Tensor& x, const c10::optional<torch::Tensor>& z,
+                                              const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias,
+                                              double eps, int64_t group_size, bool norm_before_gate) {
+  const int64_t groups = check_gated_args(x, z, group_size);
+  const int64_t rows = x.size(0), n = x.size(1), gs = group_size;
+  const auto wf = channel_param(weight, "weight", n, x), bf = channel_param(bias, "bias", n, x);
+  auto y = torch::empty({rows, n}, x.options());
+  auto rstd = torch::empty({rows, groups}, x.options().dtype(torch::kFloat32));
+  if (rows == 0 || n == 0) return {y, rstd};
+  const float* w = wf.data_ptr<float>();
+  const float* b = bf.data_ptr<float>();
+  float* rp = rstd.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  const GateMode mode = gate_mode(z.has_value(), norm_before_gate);
+  const int64_t xs = x.stride(0), zs = z.has_value() ? z->stride(0) : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_gated_fwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* zp = z.has_value() ? z->data_ptr<scalar_t>() : nullptr;
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    constexpr bool f32 = std::is_same<scalar_t, float>::value;
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      // fp32 storage: the gated value goes into the output row itself; otherwise into an fp32 row buffer.
+      std::vector<float> tmp(f32 ? 0 : n);
+      for (int64_t r = r0; r < r1; ++r) {
+        const scalar_t* xr = xp + r * xs;
+        const scalar_t* zr = zp ? zp + r * zs : nullptr;
+        scalar_t* yr = yp + r * n;
+        float* u = f32 ? reinterpret_cast<float*>(yr) : tmp.data();
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t o = g * gs;
+          float ss = 0.f;
+          if (mode == kGateThenNorm) {
+_Pragma("omp simd reduction(+ : ss)")
+            for (int64_t i = o; i < o + gs; ++i) {
+              const float zi = to_f(zr[i]);
+              const float ui = to_f(xr[i]) * zi * fastarch::sigmoid_f(zi);
+              u[i] = ui;
+              ss += ui * ui;
+            }
+          } else {
+_Pragma("omp simd reduction(+ : ss)")
+            for (int64_t i = o; i < o + gs; ++i) {
+              const float ui = to_f(xr[i]);
+              u[i] = ui;
+              ss += ui * ui;
+            }
+          }
+          const float rs = 1.f / std::sqrt(ss / gs + feps);
+          rp[r * groups + g] = rs;
+          if (mode == kNormThenGate) {
+_Pragma("omp simd")
+            for (int64_t i = o; i < o + gs; ++i) {
+              const float zi = to_f(zr[i]);
+              yr[i] = static_cast<scalar_t>((u[i] * rs * w[i] + b[i]) * (zi * fastarch::sigmoid_f(zi)));
+            }
+          } else {
+_Pragma("omp simd")
+            for (int64_t i = o; i < o + gs; ++i) yr[i] = static_cast<scalar_t>(u[i] * rs * w[i] + b[i]);
+          }
+        }
+      }
+    });
+  });
+  return {y, rstd};
+}
+
+// Returns (dx, dz, dweight, dbias); dz is empty without z, dbias empty without bias; dweight/dbias are fp32.
+// dweight/dbias: per-chunk partial sums, added up at the end (as rms_norm_bwd).
+std::vector<torch::Tensor> rms_norm_gated_bwd(const torch::Tensor& dy, const torch::Tensor& x,
+                                              const c10::optional<torch::Tensor>& z, const torch::Tensor& weight,
+                                              const c10::optional<torch::Tensor>& bias, const torch::Tensor& rstd,
+                                              int64_t group_size, bool norm_before_gate) {
+  const int64_t groups = check_gated_args(x, z, group_size);
+  check_rows(dy, "dy", x);
+  const int64_t rows = x.size(0), n = x.size(1), gs = group_size;
+  TORCH_CHECK(rstd.device().is_cpu() && rstd.scalar_type() == at::kFloat && rstd.dim() == 2 &&
+                  rstd.size(0) == rows && rstd.size(1) == groups,
+              "rms_norm_gated: rstd must be a CPU float32 tensor of shape (", rows, ", ", groups, "), got ",
+              rstd.scalar_type(), " ", rstd.sizes(), " on ", rstd.device());
+  const auto wf = channel_param(weight, "weight", n, x), bf = channel_param(bias, "bias", n, x);
+  const auto rc = rstd.contiguous();
+  auto dx = torch::empty({rows, n}, x.options());
+  auto dz = z.has_value() ? torch::empty({rows, n}, x.options()) : torch::empty({0}, x.options());
+  const int64_t nchunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads() * 4, (rows + 15) / 16));
+  const int64_t chunk = (rows + nchunks - 1) / nchunks;
+  auto part = torch::zeros({nchunks, 2, n}, x.options().dtype(torch::kFloat32));
+  const float* w = wf.data_ptr<float>();
+  const float* b = bf.data_ptr<float>();
+  const float* rp = rc.data_ptr<float>();
+  float* pp = part.data_ptr<float>();
+  const GateMode mode = gate_mode(z.has_value(), norm_before_gate);
+  const int64_t xs = x.stride(0), zs = z.has_value() ? z->stride(0) : 0, gst = dy.stride(0);
+  if (rows > 0 && n > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_gated_bwd", [&] {
+      const scalar_t* xp = x.data_ptr<scalar_t>();
+      const scalar_t* zp = z.has_value() ? z->data_ptr<scalar_t>() : nullptr;
+      const scalar_t* gp = dy.data_ptr<scalar_t>();
+      scalar_t* dxp = dx.data_ptr<scalar_t>();
+      scalar_t* dzp = z.has_value() ? dz.data_ptr<scalar_t>() : nullptr;
+      at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+        // n_hat, dn = d(loss)/d(n_hat), and sigmoid(z) where the gate comes first (reused for dx, dz)
+        std::vector<float> nh(n), dn(n), sg(mode == kGateThenNorm ? n : 0);
+        for (int64_t ci = c0; ci < c1; ++ci) {
+          float* dw = pp + ci * 2 * n;
+          float* db = dw + n;
+          const int64_t rbeg = ci * chunk, rend = std::min(rows, rbeg + chunk);
+          for (int64_t r = rbeg; r < rend; ++r) {
+            const scalar_t* xr = xp + r * xs;
+            const scalar_t* zr = zp ? zp + r * zs : nullptr;
+            const scalar_t* gr = gp + r * gst;
+            scalar_t* dxr = dxp + r * n;
+            scalar_t* dzr = dzp ? dzp + r * n : nullptr;
+            for (int64_t g = 0; g < groups; ++g) {
+              const int64_t o = g * gs;
+              const float rs = rp[r * groups + g];
+              float sdn = 0.f;
+              if (mode == kGateThenNorm) {
+_Pragma("omp simd reduction(+ : sdn)")
+                for (int64_t i = o; i < o + gs; ++i) {
+                  const float zi = to_f(zr[i]), si = fastarch::sigmoid_f(zi), gi = to_f(gr[i]);
+                  const float ni = to_f(xr[i]) * zi * si * rs;
+                  sg[i] = si;
+                  nh[i] = ni;
+                  dw[i] += gi * ni;
+                  db[i] += gi;
+                  dn[i] = gi * w[i];
+                  sdn += dn[i] * ni;
+                }
+              } else if (mode == kNormThenGate) {
+_Pragma("omp simd reduction(+ : sdn)")
+                for (int64_t i = o; i < o + gs; ++i) {
+                  const float zi = to_f(zr[i]), si = fastarch::sigmoid_f(zi), gi = to_f(gr[i]);
+                  const float ni = to_f(xr[i]) * rs;
+                  dzr[i] = static_cast<scalar_t>(gi * (ni * w[i] + b[i]) * si * (1.f + zi * (1.f - si)));
+                  const float pi = gi * zi * si;  // d(loss)/d(n_hat * w + b)
+                  nh[i] = ni;
+                  dw[i] += pi * ni;
+                  db[i] += pi;
+                  dn[i] = pi * w[i];
+                  sdn += dn[i] * ni;
+                }
+              } else {
+_Pragma("omp simd reduction(+ : sdn)")
+                for (int64_t i = o; i < o + gs; ++i) {
+                  const float gi = to_f(gr[i]);
+                  const float ni = to_f(xr[i]) * rs;
+                  nh[i] = ni;
+                  dw[i] += gi * ni;
+                  db[i] += gi;
+                  dn[i] = gi * w[i];
+                  sdn += dn[i] * ni;
+                }
+              }
+              const float m = sdn / gs;
+              if (mode == kGateThenNorm) {
+_Pragma("omp simd")
+                for (int64_t i = o; i < o + gs; ++i) {
+                  const float du = rs * (dn[i] - nh[i] * m);
+                  const float zi = to_f(zr[i]), si = sg[i];
+                  dxr[i] = static_cast<scalar_t>(du * zi * si);
+                  dzr[i] = static_cast<scalar_t>(du * to_f(xr[i]) * si * (1.f + zi * (1.f - si)));
+                }
+              } else {
+_Pragma("omp simd")
+                for (int64_t i = o; i < o + gs; ++i) dxr[i] = static_cast<scalar_t>(rs * (dn[i] - nh[i] * m));
+              }
+            }
+          }
+        }
+      });
+    });
+  }
+  // Separate reductions: the outputs must not alias one another.
+  auto dbias = bias.has_value() ? part.select(1, 1).sum(0) : torch::empty({0}, x.options().dtype(torch::kFloat32));
+  return {dx, dz, part.select(1, 0).sum(0), dbias};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -249,4 +476,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layer_norm_bwd", &layer_norm_bwd, "layer norm backward: (dx, dweight, dbias)");
   m.def("rms_norm_fwd", &rms_norm_fwd, "RMS norm forward: (y, rstd)");
   m.def("rms_norm_bwd", &rms_norm_bwd, "RMS norm backward: (dx, dweight)");
+  m.def("rms_norm_gated_fwd", &rms_norm_gated_fwd, "gated grouped RMS norm forward: (y, rstd)");
+  m.def("rms_norm_gated_bwd", &rms_norm_gated_bwd, "gated grouped RMS norm backward: (dx, dz, dweight, dbias)");
 }

@@ -234,6 +234,30 @@ def _rms_norm_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tensor
     return (ops.rms_norm(x["x"], x["w"], 1e-6, backend=backend),)
 
 
+
+@st.composite
+def _gated_norm_cases(draw, tiny: bool) -> dict:
+    n = draw(st.sampled_from([1, 6, 12, 40]))
+    return dict(lead=draw(st.lists(st.integers(1, 4), min_size=1, max_size=2)), n=n,
+                group=draw(st.sampled_from([d for d in (1, 2, 3, 4, 10, n) if n % d == 0])),
+                before=draw(st.booleans()), gated=draw(st.booleans()), bias=draw(st.booleans()),
+                layout=draw(st.sampled_from(LAYOUTS)))
+
+
+def _gated_norm_build(c: dict, dtype: torch.dtype, g: torch.Generator) -> Inputs:
+    n = c["n"]
+    return dict(x=(_randn(g, *c["lead"], n, scale=2.0) + 0.3).to(dtype),
+                z=_randn(g, *c["lead"], n, scale=2.0).to(dtype) if c["gated"] else None,
+                w=(_randn(g, n, scale=0.3) + 1).to(dtype),
+                b=_randn(g, n, scale=0.2).to(dtype) if c["bias"] else None)
+
+
+def _gated_norm_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tensor, ...]:
+    args = (x["x"], x["w"], x["b"], x["z"], 1e-5, c["group"], c["before"])
+    if backend is None:
+        return (ops.rms_norm_gated_ref(*args),)
+    return (ops.rms_norm_gated(*args, backend=backend),)
+
 # -- linear -----------------------------------------------------------------------------------------------
 @st.composite
 def _linear_layer_cases(draw, tiny: bool) -> dict:
@@ -464,6 +488,9 @@ SPECS: dict[str, Spec] = {
     "rms_norm": Spec(_norm_cases, _norm_build, _rms_norm_run, ("x", "w"), rtol=1e-4, atol=5e-5,
                      examples=[dict(lead=[2, 3], n=33, affine="weight", unbiased=False, inside=True,
                                     layout="transposed")]),
+    "rms_norm_gated": Spec(_gated_norm_cases, _gated_norm_build, _gated_norm_run, ("x", "z", "w", "b"), rtol=1e-4,
+                           atol=5e-5, examples=[dict(lead=[2, 3], n=12, group=4, before=False, gated=True, bias=True,
+                                                     layout="strided")]),
     "linear": Spec(_linear_layer_cases, _linear_layer_build, _linear_layer_run, ("x", "w", "b"), rtol=1e-4,
                    atol=5e-5, examples=[dict(lead=[3], K=33, N=17, bias=True, layout="contiguous")],
                    same_dtype=lambda x, c: (torch.nn.functional.linear(x["x"], x["w"], x["b"]),)),

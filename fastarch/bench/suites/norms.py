@@ -8,8 +8,9 @@ Providers per case:
   ``eps`` outside the square root; the guide's interleaved ``apply_rotary``; a composed RMSNorm);
 - ``torch``: ``F.layer_norm`` / ``F.rms_norm`` (fused ATen kernels; note ``F.layer_norm`` computes the
   standard biased-variance LayerNorm, the same amount of work but not the guide's formula);
-- ``rms_norm_gated`` (Mamba-2's gated RMSNorm) against its fp32 composition, and ``linear`` for decode-sized
-  calls (1 and 8 rows) against ``F.linear``;
+- ``rms_norm_gated`` (Mamba-2's gated RMSNorm, forward and forward+backward, ``z`` a strided slice of the
+  in_proj output): the selector's choice (``fastarch``) and each backend forced, against its fp32 composition
+  (``reference``); ``linear`` for decode-sized calls (1 and 8 rows) against ``F.linear``;
 - peers (CUDA only): flash-attn's Triton ``layer_norm_fn``/``rms_norm_fn`` and ``apply_rotary_emb``.
 
 The LayerNorm cases use the guide's semantics (``unbiased=True, eps_inside_sqrt=False``) so that fastarch
@@ -154,21 +155,40 @@ def _rotary_case(batch: int, seq: int, heads: int, dim: int, backward: bool, cfg
     )
 
 
-def _gated_case(rows: int, n: int, groups: int, cfg: BenchConfig) -> Case:
-    """Mamba-2's gated, grouped RMSNorm forward (``norm_before_gate=False``) against its fp32 composition."""
+def _gated_case(rows: int, n: int, groups: int, backward: bool, cfg: BenchConfig) -> Case:
+    """Mamba-2's gated, grouped RMSNorm (``norm_before_gate=False``) against its fp32 composition, with ``z``
+    a slice of the in_proj output (row stride ``2n + 280``: 3352 at n=1536, Mamba-2 2.7B's width), as the
+    model passes it. ``fastarch`` is the selector's choice, ``fastarch-<backend>`` each backend forced."""
+    mode = "fwd+bwd" if backward else "fwd"
+    width = 2 * n + 280
+
     def inputs() -> list[torch.Tensor]:
-        return [randn(rows, n, cfg=cfg, seed=5), 1 + 0.1 * randn(n, cfg=cfg, seed=6), randn(rows, n, cfg=cfg, seed=7)]
+        return [randn(rows, n, cfg=cfg, seed=5, requires_grad=backward),
+                (1 + 0.1 * randn(n, cfg=cfg, seed=6)).detach().requires_grad_(backward),
+                randn(rows, width, cfg=cfg, seed=7, requires_grad=backward)]
 
     def run(fn: Callable[..., Any], **kw: Any) -> Callable[[], Any]:
-        return timed_call(lambda x, w, z: fn(x, w, None, z, EPS, n // groups, False, **kw), inputs(), False)
+        return timed_call(lambda x, w, proj: fn(x, w, None, proj[:, n:2 * n], EPS, n // groups, False, **kw),
+                          inputs(), backward)
 
-    from fastarch.ops import rms_norm_gated, rms_norm_gated_ref  # a composition on the rms_norm op
+    def forced(backend: str) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            require_backend("rms_norm_gated", backend, cfg.device, cfg.dtype, n=n, group_size=n // groups)
+            return run(fastarch_op("rms_norm_gated"), backend=backend)
+        return setup
 
-    return Case(name=f"rms_norm_gated fwd rows={rows},N={n},groups={groups}",
-                params={"rows": rows, "N": n, "groups": groups}, flops=None, bytes=float(3 * rows * n * 4),
-                providers=[Provider("fastarch", "fastarch", lambda: run(rms_norm_gated)),
-                           Provider("reference", "reference", lambda: run(rms_norm_gated_ref))],
-                group="rms_norm_gated fwd", x="rows", ratios=(Ratio("fastarch", "reference"),))
+    from fastarch.ops import rms_norm_gated_ref
+
+    elt = torch.tensor([], dtype=cfg.dtype).element_size()
+    traffic = (7 if backward else 3) * rows * n * elt  # x,z,y | x,z,y + dy,x,z,dx,dz
+    providers = [Provider("fastarch", "fastarch", lambda: run(fastarch_op("rms_norm_gated")))]
+    providers += [Provider(f"fastarch-{b}", "fastarch", forced(b)) for b in ("cpp", "torch")]
+    providers.append(Provider("reference", "reference", lambda: run(rms_norm_gated_ref)))
+    return Case(name=f"rms_norm_gated {mode} rows={rows},N={n},groups={groups}",
+                params={"rows": rows, "N": n, "groups": groups, "mode": mode}, flops=None, bytes=float(traffic),
+                providers=providers, group=f"rms_norm_gated {mode}", x="rows",
+                ratios=(Ratio("fastarch", "reference"), Ratio("fastarch-cpp", "reference"),
+                        Ratio("fastarch-cpp", "fastarch-torch")))
 
 
 def _linear_case(rows: int, n_in: int, n_out: int, cfg: BenchConfig) -> Case:
@@ -214,7 +234,8 @@ def cases(cfg: BenchConfig) -> list[Case]:
     for backward in ((False,) if cfg.quick else (False, True)):
         for seq in seqs:
             out.append(_rotary_case(2, seq, 8, 64, backward, cfg))
-    out.append(_gated_case(64 if cfg.toy else 2048, 128 if cfg.toy else 1536, 1, cfg))
+    out.extend(_gated_case(64 if cfg.toy else 2048, 128 if cfg.toy else 1536, 1, backward, cfg)
+               for backward in (False, True))
     out.extend(_linear_case(rows, 128 if cfg.toy else 768, 256 if cfg.toy else 3352, cfg) for rows in (1, 8))
     return out
 

@@ -57,6 +57,20 @@ _Pragma("omp simd reduction(+ : ss)")
   return finish_stats(mean, ss, n, eps, mode);
 }
 
+// The backward kernels split rows into chunks, each summing its rows' parameter gradients into its own
+// zeroed slice of `width` floats (no races); the caller adds the slices up. body(slice, row_begin, row_end).
+template <class Body>
+torch::Tensor row_chunk_partials(int64_t rows, int64_t width, const torch::Tensor& like, const Body& body) {
+  const int64_t nchunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads() * 4, (rows + 15) / 16));
+  const int64_t chunk = (rows + nchunks - 1) / nchunks;
+  auto part = torch::zeros({nchunks, width}, like.options().dtype(torch::kFloat32));
+  float* pp = part.data_ptr<float>();
+  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t ci = c0; ci < c1; ++ci) body(pp + ci * width, ci * chunk, std::min(rows, ci * chunk + chunk));
+  });
+  return part;
+}
+
 std::vector<torch::Tensor> layer_norm_fwd(const torch::Tensor& x, const c10::optional<torch::Tensor>& weight,
                                           const c10::optional<torch::Tensor>& bias, double eps, int64_t mode) {
   check_cpu_contig(x, "x");
@@ -103,7 +117,6 @@ _Pragma("omp simd")
   return {y, mean, rstd};
 }
 
-// Per-thread partial sums for dweight/dbias avoid races; they are added up at the end.
 std::vector<torch::Tensor> layer_norm_bwd(const torch::Tensor& dy, const torch::Tensor& x,
                                           const c10::optional<torch::Tensor>& weight, const torch::Tensor& mean,
                                           double eps, int64_t mode) {
@@ -114,55 +127,48 @@ std::vector<torch::Tensor> layer_norm_bwd(const torch::Tensor& dy, const torch::
   auto wf = weight.has_value() ? weight->to(torch::kFloat32).contiguous() : torch::Tensor();
   const float* w = wf.defined() ? wf.data_ptr<float>() : nullptr;
   const float* mp = mean.contiguous().data_ptr<float>();
-  const int64_t nchunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads() * 4, (rows + 15) / 16));
-  const int64_t chunk = (rows + nchunks - 1) / nchunks;
-  auto part = torch::zeros({nchunks, 2, n}, x.options().dtype(torch::kFloat32));
-  float* pp = part.data_ptr<float>();
   const int imode = static_cast<int>(mode);
   const double c = (imode & 1) ? std::max<int64_t>(n - 1, 1) : n;
+  torch::Tensor part;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "layer_norm_bwd", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* gp = dy.data_ptr<scalar_t>();
     scalar_t* dxp = dx.data_ptr<scalar_t>();
-    at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    part = row_chunk_partials(rows, 2 * n, x, [&](float* dw, int64_t rbeg, int64_t rend) {
       std::vector<float> xc(n), g(n);
-      for (int64_t ci = c0; ci < c1; ++ci) {
-        float* dw = pp + ci * 2 * n;
-        float* db = dw + n;
-        const int64_t rbeg = ci * chunk, rend = std::min(rows, rbeg + chunk);
-        for (int64_t r = rbeg; r < rend; ++r) {
-          const scalar_t* xr = xp + r * n;
-          const scalar_t* gr = gp + r * n;
-          const float m = mp[r];
-          float ss = 0.f;
+      float* db = dw + n;
+      for (int64_t r = rbeg; r < rend; ++r) {
+        const scalar_t* xr = xp + r * n;
+        const scalar_t* gr = gp + r * n;
+        const float m = mp[r];
+        float ss = 0.f;
 _Pragma("omp simd reduction(+ : ss)")
-          for (int64_t i = 0; i < n; ++i) {
-            xc[i] = to_f(xr[i]) - m;
-            ss += xc[i] * xc[i];
-          }
-          const RowStats st = finish_stats(m, ss, n, static_cast<float>(eps), imode);
-          const float rs = st.rstd;
-          float sg = 0.f, sgx = 0.f;
-_Pragma("omp simd reduction(+ : sg, sgx)")
-          for (int64_t i = 0; i < n; ++i) {
-            const float gi = to_f(gr[i]);
-            dw[i] += gi * xc[i] * rs;
-            db[i] += gi;
-            g[i] = w ? gi * w[i] : gi;
-            sg += g[i];
-            sgx += g[i] * xc[i];
-          }
-          const float gmean = sg / n;
-          const float k = sgx * st.drstd_dvar * static_cast<float>(2.0 / c);
-          scalar_t* dxr = dxp + r * n;
-_Pragma("omp simd")
-          for (int64_t i = 0; i < n; ++i) dxr[i] = static_cast<scalar_t>(rs * (g[i] - gmean) + xc[i] * k);
+        for (int64_t i = 0; i < n; ++i) {
+          xc[i] = to_f(xr[i]) - m;
+          ss += xc[i] * xc[i];
         }
+        const RowStats st = finish_stats(m, ss, n, static_cast<float>(eps), imode);
+        const float rs = st.rstd;
+        float sg = 0.f, sgx = 0.f;
+_Pragma("omp simd reduction(+ : sg, sgx)")
+        for (int64_t i = 0; i < n; ++i) {
+          const float gi = to_f(gr[i]);
+          dw[i] += gi * xc[i] * rs;
+          db[i] += gi;
+          g[i] = w ? gi * w[i] : gi;
+          sg += g[i];
+          sgx += g[i] * xc[i];
+        }
+        const float gmean = sg / n;
+        const float k = sgx * st.drstd_dvar * static_cast<float>(2.0 / c);
+        scalar_t* dxr = dxp + r * n;
+_Pragma("omp simd")
+        for (int64_t i = 0; i < n; ++i) dxr[i] = static_cast<scalar_t>(rs * (g[i] - gmean) + xc[i] * k);
       }
     });
   });
   // Separate reductions: the outputs must not alias one another.
-  return {dx, part.select(1, 0).sum(0), part.select(1, 1).sum(0)};
+  return {dx, part.narrow(1, 0, n).sum(0), part.narrow(1, n, n).sum(0)};
 }
 
 std::vector<torch::Tensor> rms_norm_fwd(const torch::Tensor& x, const c10::optional<torch::Tensor>& weight,
@@ -208,36 +214,29 @@ std::vector<torch::Tensor> rms_norm_bwd(const torch::Tensor& dy, const torch::Te
   auto wf = weight.has_value() ? weight->to(torch::kFloat32).contiguous() : torch::Tensor();
   const float* w = wf.defined() ? wf.data_ptr<float>() : nullptr;
   const float* rp = rstd.contiguous().data_ptr<float>();
-  const int64_t nchunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads() * 4, (rows + 15) / 16));
-  const int64_t chunk = (rows + nchunks - 1) / nchunks;
-  auto part = torch::zeros({nchunks, n}, x.options().dtype(torch::kFloat32));
-  float* pp = part.data_ptr<float>();
+  torch::Tensor part;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_bwd", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* gp = dy.data_ptr<scalar_t>();
     scalar_t* dxp = dx.data_ptr<scalar_t>();
-    at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    part = row_chunk_partials(rows, n, x, [&](float* dw, int64_t rbeg, int64_t rend) {
       std::vector<float> g(n);
-      for (int64_t ci = c0; ci < c1; ++ci) {
-        float* dw = pp + ci * n;
-        const int64_t rbeg = ci * chunk, rend = std::min(rows, rbeg + chunk);
-        for (int64_t r = rbeg; r < rend; ++r) {
-          const scalar_t* xr = xp + r * n;
-          const scalar_t* gr = gp + r * n;
-          const float rs = rp[r];
-          float sgx = 0.f;
+      for (int64_t r = rbeg; r < rend; ++r) {
+        const scalar_t* xr = xp + r * n;
+        const scalar_t* gr = gp + r * n;
+        const float rs = rp[r];
+        float sgx = 0.f;
 _Pragma("omp simd reduction(+ : sgx)")
-          for (int64_t i = 0; i < n; ++i) {
-            const float gi = to_f(gr[i]), xi = to_f(xr[i]);
-            dw[i] += gi * xi * rs;
-            g[i] = w ? gi * w[i] : gi;
-            sgx += g[i] * xi;
-          }
-          const float k = rs * rs * rs * sgx / n;
-          scalar_t* dxr = dxp + r * n;
-_Pragma("omp simd")
-          for (int64_t i = 0; i < n; ++i) dxr[i] = static_cast<scalar_t>(rs * g[i] - to_f(xr[i]) * k);
+        for (int64_t i = 0; i < n; ++i) {
+          const float gi = to_f(gr[i]), xi = to_f(xr[i]);
+          dw[i] += gi * xi * rs;
+          g[i] = w ? gi * w[i] : gi;
+          sgx += g[i] * xi;
         }
+        const float k = rs * rs * rs * sgx / n;
+        scalar_t* dxr = dxp + r * n;
+_Pragma("omp simd")
+        for (int64_t i = 0; i < n; ++i) dxr[i] = static_cast<scalar_t>(rs * g[i] - to_f(xr[i]) * k);
       }
     });
   });
@@ -370,7 +369,6 @@ _Pragma("omp simd")
 }
 
 // Returns (dx, dz, dweight, dbias); dz is empty without z, dbias empty without bias; dweight/dbias are fp32.
-// dweight/dbias: per-chunk partial sums, added up at the end (as rms_norm_bwd).
 std::vector<torch::Tensor> rms_norm_gated_bwd(const torch::Tensor& dy, const torch::Tensor& x,
                                               const c10::optional<torch::Tensor>& z, const torch::Tensor& weight,
                                               const c10::optional<torch::Tensor>& bias, const torch::Tensor& rstd,
@@ -386,98 +384,89 @@ std::vector<torch::Tensor> rms_norm_gated_bwd(const torch::Tensor& dy, const tor
   const auto rc = rstd.contiguous();
   auto dx = torch::empty({rows, n}, x.options());
   auto dz = z.has_value() ? torch::empty({rows, n}, x.options()) : torch::empty({0}, x.options());
-  const int64_t nchunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads() * 4, (rows + 15) / 16));
-  const int64_t chunk = (rows + nchunks - 1) / nchunks;
-  auto part = torch::zeros({nchunks, 2, n}, x.options().dtype(torch::kFloat32));
   const float* w = wf.data_ptr<float>();
   const float* b = bf.data_ptr<float>();
   const float* rp = rc.data_ptr<float>();
-  float* pp = part.data_ptr<float>();
   const GateMode mode = gate_mode(z.has_value(), norm_before_gate);
   const int64_t xs = x.stride(0), zs = z.has_value() ? z->stride(0) : 0, gst = dy.stride(0);
-  if (rows > 0 && n > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_gated_bwd", [&] {
-      const scalar_t* xp = x.data_ptr<scalar_t>();
-      const scalar_t* zp = z.has_value() ? z->data_ptr<scalar_t>() : nullptr;
-      const scalar_t* gp = dy.data_ptr<scalar_t>();
-      scalar_t* dxp = dx.data_ptr<scalar_t>();
-      scalar_t* dzp = z.has_value() ? dz.data_ptr<scalar_t>() : nullptr;
-      at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
-        // n_hat, dn = d(loss)/d(n_hat), and sigmoid(z) where the gate comes first (reused for dx, dz)
-        std::vector<float> nh(n), dn(n), sg(mode == kGateThenNorm ? n : 0);
-        for (int64_t ci = c0; ci < c1; ++ci) {
-          float* dw = pp + ci * 2 * n;
-          float* db = dw + n;
-          const int64_t rbeg = ci * chunk, rend = std::min(rows, rbeg + chunk);
-          for (int64_t r = rbeg; r < rend; ++r) {
-            const scalar_t* xr = xp + r * xs;
-            const scalar_t* zr = zp ? zp + r * zs : nullptr;
-            const scalar_t* gr = gp + r * gst;
-            scalar_t* dxr = dxp + r * n;
-            scalar_t* dzr = dzp ? dzp + r * n : nullptr;
-            for (int64_t g = 0; g < groups; ++g) {
-              const int64_t o = g * gs;
-              const float rs = rp[r * groups + g];
-              float sdn = 0.f;
-              if (mode == kGateThenNorm) {
+  torch::Tensor part;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_gated_bwd", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* zp = z.has_value() ? z->data_ptr<scalar_t>() : nullptr;
+    const scalar_t* gp = dy.data_ptr<scalar_t>();
+    scalar_t* dxp = dx.data_ptr<scalar_t>();
+    scalar_t* dzp = z.has_value() ? dz.data_ptr<scalar_t>() : nullptr;
+    part = row_chunk_partials(rows, 2 * n, x, [&](float* dw, int64_t rbeg, int64_t rend) {
+      // n_hat, dn = d(loss)/d(n_hat), and sigmoid(z) where the gate comes first (reused for dx, dz)
+      std::vector<float> nh(n), dn(n), sg(mode == kGateThenNorm ? n : 0);
+      float* db = dw + n;
+      for (int64_t r = rbeg; r < rend; ++r) {
+        const scalar_t* xr = xp + r * xs;
+        const scalar_t* zr = zp ? zp + r * zs : nullptr;
+        const scalar_t* gr = gp + r * gst;
+        scalar_t* dxr = dxp + r * n;
+        scalar_t* dzr = dzp ? dzp + r * n : nullptr;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t o = g * gs;
+          const float rs = rp[r * groups + g];
+          float sdn = 0.f;
+          if (mode == kGateThenNorm) {
 _Pragma("omp simd reduction(+ : sdn)")
-                for (int64_t i = o; i < o + gs; ++i) {
-                  const float zi = to_f(zr[i]), si = gate_sigmoid(zi), gi = to_f(gr[i]);
-                  const float ni = to_f(xr[i]) * zi * si * rs;
-                  sg[i] = si;
-                  nh[i] = ni;
-                  dw[i] += gi * ni;
-                  db[i] += gi;
-                  dn[i] = gi * w[i];
-                  sdn += dn[i] * ni;
-                }
-              } else if (mode == kNormThenGate) {
+            for (int64_t i = o; i < o + gs; ++i) {
+              const float zi = to_f(zr[i]), si = gate_sigmoid(zi), gi = to_f(gr[i]);
+              const float ni = to_f(xr[i]) * zi * si * rs;
+              sg[i] = si;
+              nh[i] = ni;
+              dw[i] += gi * ni;
+              db[i] += gi;
+              dn[i] = gi * w[i];
+              sdn += dn[i] * ni;
+            }
+          } else if (mode == kNormThenGate) {
 _Pragma("omp simd reduction(+ : sdn)")
-                for (int64_t i = o; i < o + gs; ++i) {
-                  const float zi = to_f(zr[i]), si = gate_sigmoid(zi), gi = to_f(gr[i]);
-                  const float ni = to_f(xr[i]) * rs;
-                  dzr[i] = static_cast<scalar_t>(gi * (ni * w[i] + b[i]) * si * (1.f + zi * (1.f - si)));
-                  const float pi = gi * zi * si;  // d(loss)/d(n_hat * w + b)
-                  nh[i] = ni;
-                  dw[i] += pi * ni;
-                  db[i] += pi;
-                  dn[i] = pi * w[i];
-                  sdn += dn[i] * ni;
-                }
-              } else {
+            for (int64_t i = o; i < o + gs; ++i) {
+              const float zi = to_f(zr[i]), si = gate_sigmoid(zi), gi = to_f(gr[i]);
+              const float ni = to_f(xr[i]) * rs;
+              dzr[i] = static_cast<scalar_t>(gi * (ni * w[i] + b[i]) * si * (1.f + zi * (1.f - si)));
+              const float pi = gi * zi * si;  // d(loss)/d(n_hat * w + b)
+              nh[i] = ni;
+              dw[i] += pi * ni;
+              db[i] += pi;
+              dn[i] = pi * w[i];
+              sdn += dn[i] * ni;
+            }
+          } else {
 _Pragma("omp simd reduction(+ : sdn)")
-                for (int64_t i = o; i < o + gs; ++i) {
-                  const float gi = to_f(gr[i]);
-                  const float ni = to_f(xr[i]) * rs;
-                  nh[i] = ni;
-                  dw[i] += gi * ni;
-                  db[i] += gi;
-                  dn[i] = gi * w[i];
-                  sdn += dn[i] * ni;
-                }
-              }
-              const float m = sdn / gs;
-              if (mode == kGateThenNorm) {
-_Pragma("omp simd")
-                for (int64_t i = o; i < o + gs; ++i) {
-                  const float du = rs * (dn[i] - nh[i] * m);
-                  const float zi = to_f(zr[i]), si = sg[i];
-                  dxr[i] = static_cast<scalar_t>(du * zi * si);
-                  dzr[i] = static_cast<scalar_t>(du * to_f(xr[i]) * si * (1.f + zi * (1.f - si)));
-                }
-              } else {
-_Pragma("omp simd")
-                for (int64_t i = o; i < o + gs; ++i) dxr[i] = static_cast<scalar_t>(rs * (dn[i] - nh[i] * m));
-              }
+            for (int64_t i = o; i < o + gs; ++i) {
+              const float gi = to_f(gr[i]);
+              const float ni = to_f(xr[i]) * rs;
+              nh[i] = ni;
+              dw[i] += gi * ni;
+              db[i] += gi;
+              dn[i] = gi * w[i];
+              sdn += dn[i] * ni;
             }
           }
+          const float m = sdn / gs;
+          if (mode == kGateThenNorm) {
+_Pragma("omp simd")
+            for (int64_t i = o; i < o + gs; ++i) {
+              const float du = rs * (dn[i] - nh[i] * m);
+              const float zi = to_f(zr[i]), si = sg[i];
+              dxr[i] = static_cast<scalar_t>(du * zi * si);
+              dzr[i] = static_cast<scalar_t>(du * to_f(xr[i]) * si * (1.f + zi * (1.f - si)));
+            }
+          } else {
+_Pragma("omp simd")
+            for (int64_t i = o; i < o + gs; ++i) dxr[i] = static_cast<scalar_t>(rs * (dn[i] - nh[i] * m));
+          }
         }
-      });
+      }
     });
-  }
+  });
   // Separate reductions: the outputs must not alias one another.
-  auto dbias = bias.has_value() ? part.select(1, 1).sum(0) : torch::empty({0}, x.options().dtype(torch::kFloat32));
-  return {dx, dz, part.select(1, 0).sum(0), dbias};
+  auto dbias = bias.has_value() ? part.narrow(1, n, n).sum(0) : torch::empty({0}, x.options().dtype(torch::kFloat32));
+  return {dx, dz, part.narrow(1, 0, n).sum(0), dbias};
 }
 
 }  // namespace

@@ -42,6 +42,11 @@ where transformers had only its PyTorch path go to fastarch.
 in place), and ``MambaRMSNorm`` on fp32 CPU tensors runs :func:`fastarch.ops.rms_norm`; every other call runs
 transformers' forward. :func:`unregister` puts the classes' own forwards back.
 
+**The mixers' projections.** ``Mamba2Mixer``'s forward and ``MambaMixer``'s non-decode calls run, for CPU
+input, inside a :class:`torch.overrides.TorchFunctionMode` that sends ``torch.nn.functional.linear`` on fp32
+CPU tensors to :func:`fastarch.ops.linear` (oneDNN's GEMM; PyTorch's BLAS is slow on some CPUs), scoped to
+the mixer's call (:func:`_projections_on_fastarch`).
+
 **Mamba-2's norms.** transformers' Mamba-2 normalises in composed PyTorch, with no kernel function to swap:
 :func:`register` replaces the ``forward`` of the classes in :data:`NORM_MODULES` (``MambaRMSNormGated``, the
 gated, grouped norm after the scan, and ``Mamba2RMSNorm``, each block's input norm and the final norm) with

@@ -56,6 +56,7 @@ def test_linear_selection_cpp_for_few_rows_aten_beyond():
     assert registry.select("linear", call(torch.randn(1, 6, dtype=torch.float64), w.double())).backend == "aten"
 
 
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # torch.backends.mkldnn.flags
 def test_linear_aten_runs_onednn_for_fp32_cpu(monkeypatch):
     if linear_module._ONEDNN_LINEAR is None:
         pytest.skip("this PyTorch build has no oneDNN linear")

@@ -14,7 +14,7 @@ for the instruction set it finds. So on CPU in fp32 the ``aten`` backend runs on
 Backends: ``cpp`` (CPU, fp32, up to :data:`CPP_MAX_ROWS` rows, contiguous weight), ``aten`` (oneDNN's
 linear for fp32 CPU calls with a contiguous weight where PyTorch has it and ``torch.backends.mkldnn`` is
 enabled, ``F.linear`` for every other call) and ``torch`` (fp32 matmul, the reference's arithmetic). Every
-backend's backward is the same pair of matrix products and a sum.
+backend's backward is the same pair of matrix products and a sum (``aten``: on oneDNN where its forward is).
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 class AtenLinear(AtenImplementation):
     op, dtypes = OP, DTYPES
     description = ("PyTorch's kernels: oneDNN's linear (torch.ops.mkldnn) for fp32 CPU calls with a contiguous "
-                   "weight, torch.nn.functional.linear (BLAS) otherwise")
+                   "weight, forward and backward, torch.nn.functional.linear (BLAS) otherwise")
 
     def forward(self, x, weight, bias):
         if uses_onednn(x, weight):
@@ -194,6 +194,10 @@ class AtenLinear(AtenImplementation):
         return F.linear(x, weight, bias)
 
     def backward(self, dy, x, weight):
+        if uses_onednn(x, weight) and dy.dtype == torch.float32 and dy.is_contiguous():
+            # dx = dy W and dW = dy^T x as oneDNN linears on transposed views (oneDNN reads the strides).
+            return (_ONEDNN_LINEAR(dy, weight.t(), None, "none", [], ""),
+                    _ONEDNN_LINEAR(dy.t(), x.t(), None, "none", [], ""), dy.sum(0))
         return _backward_products(dy, x, weight)
 
 

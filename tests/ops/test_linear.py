@@ -78,6 +78,18 @@ def test_linear_aten_runs_onednn_for_fp32_cpu(monkeypatch):
         torch.testing.assert_close(ops.linear(x, w, b, backend="aten"), torch.nn.functional.linear(x, w, b),
                                    rtol=0, atol=0)
     assert len(calls) == 1
+    # The backward's two products run on oneDNN too; the expanded gradient of a sum() gives the same result.
+    xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
+    dy = torch.randn(3, 37, 40, generator=g)
+    got = torch.autograd.grad(ops.linear(xg, wg, bg, backend="aten"), (xg, wg, bg), dy)
+    assert calls == [(3 * 37, 96)] * 2 + [(3 * 37, 40), (40, 3 * 37)]
+    want = torch.autograd.grad(ops.linear_ref(xg, wg, bg), (xg, wg, bg), dy)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
+    got = torch.autograd.grad(ops.linear(xg, wg, bg, backend="aten").sum(), (xg, wg, bg))
+    want = torch.autograd.grad(ops.linear_ref(xg, wg, bg).sum(), (xg, wg, bg))
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
 
 
 def test_linear_float64_as_nn_linear():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..nn.linear import Linear
 from ..nn.linformer import Linformer
 from ..nn.performer import Performer
 from ..nn.s4 import S4Block
@@ -24,8 +25,8 @@ class _AttnBlock(nn.Module):
         self.mixer = mixer
         self.norm1 = nn.LayerNorm(d_model)
         self.norm2 = nn.LayerNorm(d_model)
-        self.ff = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Dropout(dropout),
-                                nn.Linear(4 * d_model, d_model), nn.Dropout(dropout))
+        self.ff = nn.Sequential(Linear(d_model, 4 * d_model), nn.GELU(), nn.Dropout(dropout),
+                                Linear(4 * d_model, d_model), nn.Dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.mixer(self.norm1(x))
@@ -56,7 +57,7 @@ class EfficientLM(nn.Module):
                 blocks.append(_AttnBlock(Linformer(d_model, n_heads, seq_len, k, dropout), d_model, dropout))
         self.blocks = nn.ModuleList(blocks)
         self.norm = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab_size, bias=False)
+        self.head = Linear(d_model, vocab_size, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

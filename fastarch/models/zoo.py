@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from ..nn._models_common import layer_norm
 from ..nn.attention import LongformerAttention
+from ..nn.linear import Linear
 from .registry import register_configs
 
 __all__ = ["LongformerEncoder", "LongformerEncoderLayer"]
@@ -24,7 +25,7 @@ class LongformerEncoderLayer(nn.Module):
         super().__init__()
         self.attn = LongformerAttention(d_model, n_heads, window_size=window_size, dropout=dropout)
         self.norm1 = nn.LayerNorm(d_model)
-        self.ffn = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout), nn.Linear(d_ff, d_model))
+        self.ffn = nn.Sequential(Linear(d_model, d_ff), nn.GELU(), nn.Dropout(dropout), Linear(d_ff, d_model))
         self.norm2 = nn.LayerNorm(d_model)
         self.dropout = nn.Dropout(dropout)
 

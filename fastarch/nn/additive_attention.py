@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ._models_common import check_input
+from .linear import Linear
 
 __all__ = ["AdditiveAttention"]
 
@@ -32,9 +33,9 @@ class AdditiveAttention(nn.Module):
         super().__init__()
         self.hidden_dim = hidden_dim
         self.chunk_elements = chunk_elements
-        self.W_q = nn.Linear(hidden_dim, hidden_dim, bias=False)
-        self.W_k = nn.Linear(hidden_dim, hidden_dim, bias=False)
-        self.v = nn.Linear(hidden_dim, 1, bias=False)
+        self.W_q = Linear(hidden_dim, hidden_dim, bias=False)
+        self.W_k = Linear(hidden_dim, hidden_dim, bias=False)
+        self.v = Linear(hidden_dim, 1, bias=False)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

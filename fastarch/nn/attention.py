@@ -424,9 +424,9 @@ class LongformerAttention(Attention):
         self.window_size = window_size
         self.global_tokens = list(global_tokens) if global_tokens is not None else []
         self.global_mode = global_mode
-        self.w_q_global = nn.Linear(d_model, d_model)
-        self.w_k_global = nn.Linear(d_model, d_model)
-        self.w_v_global = nn.Linear(d_model, d_model)
+        self.w_q_global = Linear(d_model, d_model)
+        self.w_k_global = Linear(d_model, d_model)
+        self.w_v_global = Linear(d_model, d_model)
         self._modules["w_o"] = self._modules.pop("w_o")  # the guide's key order: global projections first
         self.dropout = nn.Dropout(dropout)
 

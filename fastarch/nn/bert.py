@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from ._models_common import check_input, layer_norm
+from .linear import Linear
 from .transformer import TransformerBlock, TransformerEncoder
 
 __all__ = ["BERTTransformer", "BERTModel", "BERT"]
@@ -41,9 +42,9 @@ class BERTTransformer(nn.Module):
         self.segment_embedding = nn.Embedding(num_segments, d_model)
         self.position_embedding = nn.Embedding(max_len, d_model)
         self.encoder = TransformerEncoder(num_layers, d_model, n_heads, d_ff, dropout)
-        self.mlm_head = nn.Sequential(nn.Linear(d_model, d_model), nn.GELU(), nn.LayerNorm(d_model),
-                                      nn.Linear(d_model, vocab_size))
-        self.nsp_head = nn.Sequential(nn.Linear(d_model, d_model), nn.Tanh(), nn.Linear(d_model, 2))
+        self.mlm_head = nn.Sequential(Linear(d_model, d_model), nn.GELU(), nn.LayerNorm(d_model),
+                                      Linear(d_model, vocab_size))
+        self.nsp_head = nn.Sequential(Linear(d_model, d_model), nn.Tanh(), Linear(d_model, 2))
         self.dropout = nn.Dropout(dropout)
         self.d_model = d_model
         self.max_len = max_len
@@ -83,9 +84,9 @@ class BERTModel(nn.Module):
         self.norm = nn.LayerNorm(embed_dim)
         self.dropout = nn.Dropout(dropout)
         self.encoder = nn.ModuleList(TransformerBlock(embed_dim, num_heads, ff_dim, dropout) for _ in range(num_layers))
-        self.mlm_head = nn.Sequential(nn.Linear(embed_dim, embed_dim), nn.GELU(), nn.LayerNorm(embed_dim),
-                                      nn.Linear(embed_dim, vocab_size))
-        self.nsp_head = nn.Sequential(nn.Linear(embed_dim, embed_dim), nn.Tanh(), nn.Linear(embed_dim, 2))
+        self.mlm_head = nn.Sequential(Linear(embed_dim, embed_dim), nn.GELU(), nn.LayerNorm(embed_dim),
+                                      Linear(embed_dim, vocab_size))
+        self.nsp_head = nn.Sequential(Linear(embed_dim, embed_dim), nn.Tanh(), Linear(embed_dim, 2))
         self.max_len = max_len
 
     def encode(self, input_ids, segment_ids=None, attention_mask=None) -> torch.Tensor:
@@ -132,7 +133,7 @@ class BERT(nn.Module):
                                                       layer_norm_eps=layer_norm_eps, activation=hidden_act)
                                      for _ in range(num_layers))
         self.hidden_act = hidden_act
-        self.pooler = nn.Linear(hidden_size, hidden_size)
+        self.pooler = Linear(hidden_size, hidden_size)
         self.hidden_size = hidden_size
         self.max_len = max_position_embeddings
 

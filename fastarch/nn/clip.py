@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._models_common import check_input, layer_norm
+from .linear import Linear
 from .transformer import TransformerEncoderLayer
 from .vision import PatchEmbedding
 
@@ -25,7 +26,7 @@ class _CLIPTower(nn.Module):
         self.blocks = nn.ModuleList(TransformerEncoderLayer(embed_dim, num_heads, int(embed_dim * mlp_ratio), 0.1)
                                     for _ in range(depth))
         self.norm = nn.LayerNorm(embed_dim)
-        self.proj = nn.Linear(embed_dim, embed_dim)
+        self.proj = Linear(embed_dim, embed_dim)
 
     def _encode(self, x: torch.Tensor, position: int) -> torch.Tensor:
         for block in self.blocks:

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._models_common import check_input
+from .linear import Linear
 
 __all__ = [
     "ConvBlock",
@@ -79,7 +80,7 @@ class CNN(nn.Module):
         self.conv4 = ConvBlock(256, 512, kernel_size=3, padding=1)
         self.pool = nn.MaxPool2d(kernel_size=2, stride=2)
         self.global_pool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Sequential(nn.Linear(512, 256), nn.ReLU(), nn.Dropout(0.5), nn.Linear(256, num_classes))
+        self.fc = nn.Sequential(Linear(512, 256), nn.ReLU(), nn.Dropout(0.5), Linear(256, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_image(x, self.in_channels, "CNN")
@@ -103,9 +104,9 @@ class LeNet(nn.Module):
         self.pool1 = nn.MaxPool2d(kernel_size=2)
         self.conv2 = nn.Conv2d(6, 16, kernel_size=5)
         self.pool2 = nn.MaxPool2d(kernel_size=2)
-        self.fc1 = nn.Linear(16 * 4 * 4, 120)
-        self.fc2 = nn.Linear(120, 84)
-        self.fc3 = nn.Linear(84, num_classes)
+        self.fc1 = Linear(16 * 4 * 4, 120)
+        self.fc2 = Linear(120, 84)
+        self.fc3 = Linear(84, num_classes)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The pre-softmax scores (B, num_classes); train on these with cross-entropy."""
@@ -202,7 +203,7 @@ class ResNet(nn.Module):
         self.layer3 = self._make_layer(block, 256, layers[2], stride=2)
         self.layer4 = self._make_layer(block, 512, layers[3], stride=2)
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Linear(512 * getattr(block, "expansion", 1), num_classes)
+        self.fc = Linear(512 * getattr(block, "expansion", 1), num_classes)
 
     def _make_layer(self, block: type[nn.Module], out_channels: int, blocks: int, stride: int = 1) -> nn.Sequential:
         expansion = getattr(block, "expansion", 1)
@@ -286,7 +287,7 @@ class DenseNet(nn.Module):
                 self.features.add_module(f"transition{i + 1}", TransitionLayer(num_features, out))
                 num_features = out
         self.features.add_module("norm5", nn.BatchNorm2d(num_features))
-        self.classifier = nn.Linear(num_features, num_classes)
+        self.classifier = Linear(num_features, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_image(x, 3, "DenseNet")
@@ -385,7 +386,7 @@ class EfficientNet(nn.Module):
         out_channels = self._round_filters(1280, width_mult)
         self.head = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, bias=False), nn.BatchNorm2d(out_channels),
                                   nn.SiLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Dropout(dropout_rate))
-        self.classifier = nn.Linear(out_channels, num_classes)
+        self.classifier = Linear(out_channels, num_classes)
 
     @staticmethod
     def _round_filters(filters: int, width_mult: float) -> int:
@@ -469,7 +470,7 @@ class MobileNetV2(nn.Module):
                                       nn.BatchNorm2d(1280), nn.ReLU6(inplace=True)))
         self.features = nn.Sequential(*features)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.classifier = nn.Linear(1280, num_classes)
+        self.classifier = Linear(1280, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_image(x, 3, "MobileNetV2")

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from ._models_common import check_input
+from .linear import Linear
 
 __all__ = ["MLP"]
 
@@ -26,9 +27,9 @@ class MLP(nn.Module):
         layers: list[nn.Module] = []
         prev = input_dim
         for h in hidden_dims:
-            layers += [nn.Linear(prev, h), nn.ReLU(), nn.Dropout(dropout)]
+            layers += [Linear(prev, h), nn.ReLU(), nn.Dropout(dropout)]
             prev = h
-        layers.append(nn.Linear(prev, output_dim))
+        layers.append(Linear(prev, output_dim))
         self.network = nn.Sequential(*layers)
         self.input_dim = input_dim
 

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ._models_common import check_input
+from .linear import Linear
 
 __all__ = ["GraphConvLayer", "GCN", "GATLayer", "GAT", "edge_index_to_dense", "gcn_normalize"]
 
@@ -86,7 +87,7 @@ class GraphConvLayer(nn.Module):
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.linear = nn.Linear(in_features, out_features)
+        self.linear = Linear(in_features, out_features)
 
     def forward(self, X, adj_matrix=None, *, edge_index=None, edge_weight=None):
         n = _check_graph(X, adj_matrix, edge_index, edge_weight, "GraphConvLayer")

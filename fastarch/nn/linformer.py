@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from .. import ops
 from .attention import Attention
+from .linear import Linear
 
 __all__ = ["Linformer"]
 
@@ -64,7 +65,7 @@ class Linformer(Attention):
         def proj() -> nn.Module:
             if headwise:
                 return _HeadwiseProjection(n_heads, seq_len, self.k)
-            return nn.Linear(seq_len, self.k, bias=False)
+            return Linear(seq_len, self.k, bias=False)
 
         self.E = proj()
         self.F = None if share_kv else proj()

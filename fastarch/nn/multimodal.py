@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from ._models_common import check_input, layer_norm
 from .attention import MultiHeadAttention
+from .linear import Linear
 from .positional import LearnedPositionalEncoding
 from .transformer import PositionwiseFeedForward
 
@@ -68,11 +69,11 @@ class MultiModalTransformer(nn.Module):
                  num_layers: int = 6, num_classes: int = 1000):
         super().__init__()
         self.vision_dim = vision_dim
-        self.vision_proj = nn.Linear(vision_dim, d_model)
+        self.vision_proj = Linear(vision_dim, d_model)
         self.text_embed = nn.Embedding(text_vocab, d_model)
         self.text_pos = LearnedPositionalEncoding(d_model, max_len=512)
         self.cross_modal_layers = nn.ModuleList(CrossModalLayer(d_model, n_heads) for _ in range(num_layers))
-        self.classifier = nn.Linear(d_model, num_classes)
+        self.classifier = Linear(d_model, num_classes)
 
     def forward(self, vision_features: torch.Tensor, text_tokens: torch.Tensor) -> torch.Tensor:
         check_input("vision_features", vision_features, ndim=3, last=self.vision_dim, owner="MultiModalTransformer")

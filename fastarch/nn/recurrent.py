@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from ._models_common import check_input
+from .linear import Linear
 
 __all__ = [
     "VanillaRNN",
@@ -144,7 +145,7 @@ class _RecurrentWithHead(nn.Module):
         self.hidden_size = hidden_size
         self.num_layers = num_layers
         setattr(self, self.rnn_attr, self.rnn_type(input_size, hidden_size, num_layers, batch_first=True))
-        self.fc = nn.Linear(hidden_size, output_size)
+        self.fc = Linear(hidden_size, output_size)
 
     def _zeros(self, x: torch.Tensor) -> torch.Tensor:
         return x.new_zeros(self.num_layers, x.shape[0], self.hidden_size)
@@ -354,7 +355,7 @@ class BidirectionalRNN(nn.Module):
         self.hidden_size = hidden_size
         self.num_layers = num_layers
         self.rnn = kinds[rnn_type](input_size, hidden_size, num_layers, batch_first=True, bidirectional=True)
-        self.fc = nn.Linear(2 * hidden_size, output_size)
+        self.fc = Linear(2 * hidden_size, output_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_seq(x, self.input_size, "BidirectionalRNN")

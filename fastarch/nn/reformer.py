@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ..ops.lsh_attention import lsh_attention, lsh_hash, lsh_rotations
 from ._models_common import key_padding_mask
 from .attention import Attention
+from .linear import Linear
 
 __all__ = ["LSHAttention", "ChunkedFeedForward", "ReformerLayer", "Reformer", "ReformerLM"]
 
@@ -131,8 +132,8 @@ class ChunkedFeedForward(nn.Module):
         if chunks < 1:
             raise ValueError(f"ChunkedFeedForward: chunks must be >= 1, got {chunks}")
         self.chunks = chunks
-        self.w1 = nn.Linear(d_model, d_ff)
-        self.w2 = nn.Linear(d_ff, d_model)
+        self.w1 = Linear(d_model, d_ff)
+        self.w2 = Linear(d_ff, d_model)
         self.dropout = nn.Dropout(dropout)
 
     def _ff(self, x: torch.Tensor) -> torch.Tensor:
@@ -320,7 +321,7 @@ class ReformerLM(nn.Module):
             d_model, n_heads, depth, d_ff, n_hashes, bucket_size, dropout, causal, ff_chunks, reversible
         )
         self.norm = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab_size)
+        self.head = Linear(d_model, vocab_size)
 
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.dim() != 2:

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import ops
+from .linear import Linear
 
 __all__ = ["S4Layer", "S4Block", "hippo_legs_diagonal"]
 
@@ -91,7 +92,7 @@ class S4Layer(nn.Module):
         self.D = nn.Parameter(torch.randn(h))
         self.activation = nn.GELU()
         self.dropout = nn.Dropout(dropout)
-        self.output_linear = nn.Linear(d_model, 2 * d_model)
+        self.output_linear = Linear(d_model, 2 * d_model)
 
     # -- the discretised system ---------------------------------------------------------------------------
     def discretize(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -188,10 +189,10 @@ class S4Block(nn.Module):
             d_ff = 4 * d_model
         self.s4 = S4Layer(d_model, d_state, dropout, **s4_kwargs)
         self.ff = nn.Sequential(
-            nn.Linear(d_model, d_ff),
+            Linear(d_model, d_ff),
             nn.GELU(),
             nn.Dropout(dropout),
-            nn.Linear(d_ff, d_model),
+            Linear(d_ff, d_model),
             nn.Dropout(dropout),
         )
         self.norm1 = nn.LayerNorm(d_model)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..ops.attention import attention
 from ._models_common import check_input, layer_norm
+from .linear import Linear
 
 __all__ = ["WindowAttention", "SwinTransformerBlock", "PatchMerging", "SwinTransformer", "window_partition",
            "window_reverse"]
@@ -64,8 +65,8 @@ class WindowAttention(nn.Module):
             raise ValueError(f"WindowAttention: dim ({dim}) must be divisible by num_heads ({num_heads})")
         self.dim, self.window_size, self.num_heads = dim, window_size, num_heads
         self.scale = (dim // num_heads) ** -0.5
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
+        self.qkv = Linear(dim, dim * 3, bias=qkv_bias)
+        self.proj = Linear(dim, dim)
         self.relative_position_bias = relative_position_bias
         if relative_position_bias:
             wh, ww = _pair(window_size)
@@ -137,7 +138,7 @@ class SwinTransformerBlock(nn.Module):
         self.attn = WindowAttention(dim, window_size, num_heads, relative_position_bias=relative_position_bias)
         self.norm2 = nn.LayerNorm(dim)
         hidden = int(dim * mlp_ratio)
-        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+        self.mlp = nn.Sequential(Linear(dim, hidden), nn.GELU(), Linear(hidden, dim))
 
     def forward(self, x: torch.Tensor, H: int, W: int) -> torch.Tensor:
         check_input("x", x, ndim=3, last=self.dim, owner="SwinTransformerBlock")
@@ -172,7 +173,7 @@ class PatchMerging(nn.Module):
         super().__init__()
         self.dim = dim
         self.norm = nn.LayerNorm(4 * dim)
-        self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
+        self.reduction = Linear(4 * dim, 2 * dim, bias=False)
 
     def forward(self, x: torch.Tensor, H: int, W: int) -> tuple[torch.Tensor, int, int]:
         b, n, c = x.shape
@@ -220,7 +221,7 @@ class SwinTransformer(nn.Module):
                 self.merges.append(PatchMerging(dim))
                 dim *= 2
         self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, num_classes)
+        self.head = Linear(dim, num_classes)
         self.num_features = dim
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from ._models_common import check_input, gelu_module, layer_norm
 from .attention import FusedQKVAttention, MultiHeadAttention, MultiHeadAttention004, RotarySelfAttention
+from .linear import Linear
 from .norms import BatchNorm, FusedLayerNorm, LayerNorm
 from .positional import LearnedPositionalEncoding003, PositionalEncoding, SinusoidalPositionalEncoding
 
@@ -82,8 +83,8 @@ class PositionwiseFeedForward(nn.Module):
         if activation not in ("relu", "gelu"):
             raise ValueError(f"PositionwiseFeedForward: argument 'activation' must be 'relu' or 'gelu', "
                              f"got {activation!r}")
-        self.w_1 = nn.Linear(d_model, d_ff)
-        self.w_2 = nn.Linear(d_ff, d_model)
+        self.w_1 = Linear(d_model, d_ff)
+        self.w_2 = Linear(d_ff, d_model)
         self.dropout = nn.Dropout(dropout)
         self.activation = F.relu if activation == "relu" else F.gelu
 
@@ -190,7 +191,7 @@ class Transformer(nn.Module):
         self.pos_encoding = PositionalEncoding(d_model, max_len, dropout)
         self.encoder = TransformerEncoder(num_encoder_layers, d_model, n_heads, d_ff, dropout)
         self.decoder = TransformerDecoder(num_decoder_layers, d_model, n_heads, d_ff, dropout)
-        self.output_linear = nn.Linear(d_model, tgt_vocab_size)
+        self.output_linear = Linear(d_model, tgt_vocab_size)
         self.d_model = d_model
         self._init_weights()
 
@@ -277,8 +278,8 @@ class TransformerBlock(nn.Module):
         self.attention = FusedQKVAttention(embed_dim, num_heads, dropout)
         self.norm1 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
         self.dropout1 = nn.Dropout(dropout)
-        self.ffn = nn.Sequential(nn.Linear(embed_dim, ff_dim), gelu_module(activation, inplace=True),
-                                 nn.Dropout(dropout), nn.Linear(ff_dim, embed_dim))
+        self.ffn = nn.Sequential(Linear(embed_dim, ff_dim), gelu_module(activation, inplace=True),
+                                 nn.Dropout(dropout), Linear(ff_dim, embed_dim))
         self.norm2 = nn.LayerNorm(embed_dim, eps=layer_norm_eps)
         self.dropout2 = nn.Dropout(dropout)
 
@@ -333,7 +334,7 @@ class FeedFowardNetwork(nn.Module):
     def __init__(self, d_model: int, d_ffn: int, dropout: float = 0.1):
         super().__init__()
         self.d_model, self.d_ffn = d_model, d_ffn
-        self.ffn = nn.Sequential(nn.Linear(d_model, d_ffn), nn.ReLU(), nn.Dropout(dropout), nn.Linear(d_ffn, d_model))
+        self.ffn = nn.Sequential(Linear(d_model, d_ffn), nn.ReLU(), nn.Dropout(dropout), Linear(d_ffn, d_model))
 
     def forward(self, X: torch.Tensor) -> torch.Tensor:
         return self.ffn(X)
@@ -400,7 +401,7 @@ class TransformerLM(nn.Module):
             PostNormRotaryBlock(d_model, n_heads, d_ff, dropout, norm_type, rotary=pos_encoding == "rotary")
             for _ in range(n_layers))
         self.final_norm = LayerNorm(d_model) if norm_type == "layer" else BatchNorm(d_model)
-        self.output_projection = nn.Linear(d_model, vocab_size)
+        self.output_projection = Linear(d_model, vocab_size)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -420,8 +421,8 @@ class TransformerLM(nn.Module):
 class _FFN004(nn.Module):
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.1):
         super().__init__()
-        self.linear1 = nn.Linear(d_model, d_ff)
-        self.linear2 = nn.Linear(d_ff, d_model)
+        self.linear1 = Linear(d_model, d_ff)
+        self.linear2 = Linear(d_ff, d_model)
         self.dropout = nn.Dropout(dropout)
         self.activation = nn.ReLU()
 
@@ -458,7 +459,7 @@ class SinusoidalEncoderLM(nn.Module):
         self.positional_encoding = SinusoidalPositionalEncoding(d_model, max_seq_length)
         self.transformer_blocks = nn.ModuleList(PostNormBlock(d_model, num_heads, d_ff, dropout)
                                                 for _ in range(num_layers))
-        self.final_layer = nn.Linear(d_model, vocab_size)
+        self.final_layer = Linear(d_model, vocab_size)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

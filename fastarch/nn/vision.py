@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from ._models_common import check_input, layer_norm
 from .gpt import GPTBlock
+from .linear import Linear
 from .transformer import TransformerBlock, TransformerEncoderLayer
 
 __all__ = ["PatchEmbedding", "VisionTransformer", "ViTPatchEmbedding", "ViT", "PreNormViT", "PatchEmbedding001",
@@ -62,7 +63,7 @@ class _ClassTokenViT(nn.Module):
         self.dropout = nn.Dropout(dropout)
         setattr(self, self.blocks_attr, blocks)
         self.norm = nn.LayerNorm(embed_dim)
-        self.head = nn.Linear(embed_dim, num_classes)
+        self.head = Linear(embed_dim, num_classes)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Normalised token states (B, 1 + n_patches, embed_dim)."""

@@ -23,7 +23,7 @@ from ..backend import register
 from ._backends import CppImplementation, TorchImplementation
 from ._checks import check_same_device, check_tensor, fail
 from ._dispatch import call_of, resolve, run, run_backward
-from .rms_norm import _rms_norm_fwd, rms_norm_ref
+from .rms_norm import _rms_norm_bwd, _rms_norm_fwd, rms_norm_ref
 
 __all__ = ["rms_norm_gated", "rms_norm_gated_ref"]
 
@@ -194,14 +194,13 @@ class TorchRMSNormGated(TorchImplementation):
 
     @staticmethod
     def backward(dy, x, z, weight, bias, rstd, group_size, norm_before_gate):
-        """The backward in composed fp32 PyTorch from the forward's ``rstd``: (dx, dz, dweight, dbias)."""
+        """The backward from the forward's ``rstd``: the gate and the per-group weight in fp32 PyTorch, the
+        normalisation's own gradient on :func:`fastarch.ops.rms_norm`'s backward. (dx, dz, dweight, dbias)."""
         rows, n = x.shape
-        shape = (rows, n // group_size, group_size)
         xf, g, w = x.float(), dy.float(), weight.float()
         silu, dsilu = _silu_and_derivative(z) if z is not None else (None, None)
-        u = xf * silu if z is not None and not norm_before_gate else xf
-        r = rstd.unsqueeze(-1)
-        n_hat = (u.view(shape) * r).view(rows, n)
+        u = (xf * silu if z is not None and not norm_before_gate else xf).reshape(-1, group_size)
+        n_hat = (u * rstd.reshape(-1, 1)).view(rows, n)
         dz = x.new_empty(0)
         if z is not None and norm_before_gate:
             pre = n_hat * w if bias is None else n_hat * w + bias.float()
@@ -209,9 +208,8 @@ class TorchRMSNormGated(TorchImplementation):
             g = g * silu
         dw = (g * n_hat).sum(0)
         db = g.sum(0) if bias is not None else x.new_empty(0, dtype=torch.float32)
-        dn = (g * w).view(shape)
-        nh = n_hat.view(shape)
-        du = (r * (dn - nh * (dn * nh).mean(-1, keepdim=True))).view(rows, n)
+        inner = resolve("rms_norm", lambda: call_of(u, n=group_size), None)
+        du = _rms_norm_bwd((g * w).reshape(-1, group_size), u, None, rstd.reshape(-1), inner)[0].view(rows, n)
         if z is not None and not norm_before_gate:
             dz = (du * xf * dsilu).to(z.dtype)
             du = du * silu

@@ -118,14 +118,20 @@ def test_nd_input_and_no_autograd(backend):
     torch.testing.assert_close(out.double(), _formula64(x, w, None, z, EPS, 6, False), rtol=1e-4, atol=1e-5)
 
 
-def test_backends_agree_under_rms_norm_override():
-    """The torch backend runs its RMS norm on rms_norm's backends, which use_backend chooses."""
-    x, z, w, b, _ = _inputs(9, 32, True, True, torch.float32, "strided")
-    want = rms_norm_gated(x, w, b, z, EPS, 8, True, backend="cpp")
+@pytest.mark.parametrize("before", [True, False], ids=["norm-then-gate", "gate-then-norm"])
+def test_backends_agree_under_rms_norm_override(before):
+    """The torch backend runs its RMS norm, forward and backward, on rms_norm's backends, which use_backend
+    chooses."""
+    x, z, w, b, dy = _inputs(9, 32, True, True, torch.float32, "strided")
+    leaves = [t.detach().requires_grad_() for t in (x, z, w, b)]
+    out = rms_norm_gated(leaves[0], leaves[2], leaves[3], leaves[1], EPS, 8, before, backend="cpp")
+    want = (out, *torch.autograd.grad(out, leaves, dy))
     for inner in ("aten", "torch", "cpp"):
         with fastarch.use_backend(rms_norm=inner):
-            got = rms_norm_gated(x, w, b, z, EPS, 8, True, backend="torch")
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            out = rms_norm_gated(leaves[0], leaves[2], leaves[3], leaves[1], EPS, 8, before, backend="torch")
+            got = (out, *torch.autograd.grad(out, leaves, dy))
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
 
 
 def test_selector_picks_cpp_on_cpu():

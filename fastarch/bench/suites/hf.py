@@ -273,16 +273,16 @@ def _mamba2_floor(cfg: BenchConfig, L: int, scan: bool, blas: bool = False) -> C
                                   chunk_size=m.chunk_size, D=m.D, dt_bias=m.dt_bias, dt_softplus=True,
                                   dt_limit=m.time_step_limit))
 
+        def project(proj: torch.nn.Linear, t: torch.Tensor) -> torch.Tensor:
+            return proj(t) if blas else linear(t, proj.weight, proj.bias)
+
         def run() -> Any:
             with torch.no_grad():
                 for m, kw in zip(mixers, scans):
-                    if blas:
-                        m.in_proj(u)
-                    else:
-                        linear(u, m.in_proj.weight, m.in_proj.bias)
+                    project(m.in_proj, u)
                     if scan:
                         ssd_scan(**kw)
-                    out = m.out_proj(v) if blas else linear(v, m.out_proj.weight, m.out_proj.bias)
+                    out = project(m.out_proj, v)
             return out
         return run
     return setup

@@ -10,7 +10,8 @@ Providers per case:
   standard biased-variance LayerNorm, the same amount of work but not the guide's formula);
 - ``rms_norm_gated`` (Mamba-2's gated RMSNorm, forward and forward+backward, ``z`` a strided slice of the
   in_proj output): the selector's choice (``fastarch``) and each backend forced, against its fp32 composition
-  (``reference``); ``linear`` for decode-sized calls (1 and 8 rows) against ``F.linear``;
+  (``reference``); ``linear`` for decode-sized calls (1 and 8 rows, ``cpp``) and a prefill (2048 rows,
+  ``aten``, forward and forward+backward) against ``F.linear``;
 - peers (CUDA only): flash-attn's Triton ``layer_norm_fn``/``rms_norm_fn`` and ``apply_rotary_emb``.
 
 The LayerNorm cases use the guide's semantics (``unbiased=True, eps_inside_sqrt=False``) so that fastarch
@@ -191,23 +192,30 @@ def _gated_case(rows: int, n: int, groups: int, backward: bool, cfg: BenchConfig
                         Ratio("fastarch-cpp", "fastarch-torch")))
 
 
-def _linear_case(rows: int, n_in: int, n_out: int, cfg: BenchConfig) -> Case:
-    """``ops.linear`` for a decode-sized call (a few rows: the weight read dominates) against ``F.linear``."""
+def _linear_case(rows: int, n_in: int, n_out: int, cfg: BenchConfig, backward: bool = False) -> Case:
+    """``ops.linear`` against ``F.linear``: a decode-sized call (a few rows: the weight read dominates) on the
+    ``cpp`` kernel, a prefill's rows on ``aten`` (oneDNN's GEMM for fp32 on CPU); forward or forward+backward."""
+    from fastarch.ops.linear import CPP_MAX_ROWS
+
+    backend = "cpp" if rows <= CPP_MAX_ROWS else "aten"
+    mode = "fwd+bwd" if backward else "fwd"
+
     def inputs() -> list[torch.Tensor]:
-        return [randn(rows, n_in, cfg=cfg, seed=8), randn(n_out, n_in, cfg=cfg, seed=9, scale=0.02)]
+        return [randn(rows, n_in, cfg=cfg, seed=8, requires_grad=backward),
+                randn(n_out, n_in, cfg=cfg, seed=9, scale=0.02, requires_grad=backward)]
 
-    def ours(backend: str) -> Callable[[], Callable[[], Any]]:
-        def setup() -> Callable[[], Any]:
-            require_backend("linear", backend, cfg.device, cfg.dtype)
-            op = fastarch_op("linear")
-            return timed_call(lambda x, w: op(x, w, backend=backend), inputs(), False)
-        return setup
+    def ours() -> Callable[[], Any]:
+        require_backend("linear", backend, cfg.device, cfg.dtype)
+        op = fastarch_op("linear")
+        return timed_call(lambda x, w: op(x, w, backend=backend), inputs(), backward)
 
-    return Case(name=f"linear fwd rows={rows},in={n_in},out={n_out}", params={"rows": rows, "in": n_in, "out": n_out},
-                flops=2.0 * rows * n_in * n_out, bytes=float(n_in * n_out * 4),
-                providers=[Provider("fastarch-cpp", "fastarch", ours("cpp")),
-                           Provider("torch", "torch", lambda: timed_call(F.linear, inputs(), False))],
-                reference="torch", group="linear fwd", x="rows", ratios=(Ratio("fastarch-cpp", "torch"),))
+    name = f"fastarch-{backend}"
+    return Case(name=f"linear {mode} rows={rows},in={n_in},out={n_out}",
+                params={"rows": rows, "in": n_in, "out": n_out, "mode": mode},
+                flops=(3 if backward else 1) * 2.0 * rows * n_in * n_out, bytes=float(n_in * n_out * 4),
+                providers=[Provider(name, "fastarch", ours),
+                           Provider("torch", "torch", lambda: timed_call(F.linear, inputs(), backward))],
+                reference="torch", group=f"linear {mode}", x="rows", ratios=(Ratio(name, "torch"),))
 
 
 def cases(cfg: BenchConfig) -> list[Case]:
@@ -236,7 +244,10 @@ def cases(cfg: BenchConfig) -> list[Case]:
             out.append(_rotary_case(2, seq, 8, 64, backward, cfg))
     out.extend(_gated_case(64 if cfg.toy else 2048, 128 if cfg.toy else 1536, 1, backward, cfg)
                for backward in (False, True))
-    out.extend(_linear_case(rows, 128 if cfg.toy else 768, 256 if cfg.toy else 3352, cfg) for rows in (1, 8))
+    n_in, n_out = (128, 256) if cfg.toy else (768, 3352)
+    out.extend(_linear_case(rows, n_in, n_out, cfg) for rows in (1, 8))
+    prefill = 64 if cfg.toy else 2048  # a prefill's rows: oneDNN's GEMM against PyTorch's BLAS
+    out.extend(_linear_case(prefill, n_in, n_out, cfg, backward) for backward in (False, True))
     return out
 
 

@@ -104,6 +104,43 @@ def test_low_precision_outputs_and_gradients(backend, dtype, before, gated):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("wtype", ["fp32", "same"])
+@pytest.mark.parametrize("group", [2048, 256], ids=["one-group", "groups-of-256"])
+@pytest.mark.parametrize("gated", [True, False], ids=["z", "no-z"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("before", [True, False], ids=["norm-then-gate", "gate-then-norm"])
+def test_mamba_ssm_grid(backend, dtype, wtype, group, gated, bias, before):
+    """mamba-ssm's gated-norm grid (d=2048, groups of 256 or one group, x in fp32/fp16/bf16 with the weight
+    in fp32 or x's dtype, with and without z and bias, gate before or after the norm), on 2 x 48 rows instead of
+    its 16 x 1024: outputs and every gradient against the fp64 formula."""
+    require_backend(OP, backend)
+    g = torch.Generator().manual_seed(0)
+    n, wdt = 2048, torch.float32 if wtype == "fp32" else dtype
+    x = torch.randn(2, 48, n, generator=g).to(dtype).requires_grad_()
+    z = torch.randn(2, 48, n, generator=g).to(dtype).requires_grad_() if gated else None
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(wdt).requires_grad_()
+    b = (0.1 * torch.randn(n, generator=g)).to(wdt).requires_grad_() if bias else None
+    dy = torch.randn(2, 48, n, generator=g).to(dtype)
+    out = rms_norm_gated(x, w, b, z, EPS, group, before, backend=backend)
+    assert out.dtype == dtype and out.shape == x.shape
+    leaves = [t for t in (x, z, w, b) if t is not None]
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    x64, rest = leaves64[0], leaves64[1:]
+    z64 = rest.pop(0) if gated else None
+    w64 = rest.pop(0)
+    b64 = rest.pop(0) if bias else None
+    want = _formula64(x64, w64, b64, z64, EPS, group, before)
+    rtol, atol = {torch.float32: (1e-4, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}[dtype]
+    torch.testing.assert_close(out.double(), want, rtol=rtol, atol=atol)
+    got = torch.autograd.grad(out, leaves, dy)
+    exp = torch.autograd.grad(want, leaves64, dy.double())
+    for a, e, t in zip(got, exp, leaves):
+        assert a.dtype == t.dtype and a.shape == t.shape
+        torch.testing.assert_close(a.double(), e, rtol=rtol, atol=atol * (e.abs().max().item() + 1e-6))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_nd_input_and_no_autograd(backend):
     """(B, L, N) with z a slice of a wider projection, as Mamba-2 calls it; without autograd the result
     carries no graph."""

@@ -29,12 +29,21 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'fastarch' has no attribute {name!r}")
 
 
-def explain(op: str, *tensors: Any, backend: str | None = None, **features: Any) -> str:
-    """Which backend runs ``op`` for a call on these tensors, and why the others do not."""
+def explain(op: Any, *args: Any, backend: str | None = None, **kwargs: Any) -> str:
+    """Which backend runs a call, why the others do not, and whether the decision was cached.
+
+    ``explain(fastarch.ops.attention, q, k, v, causal=True)``: the op with its own arguments (it runs once,
+    without autograd, and every decision it makes is reported). ``explain("attention", q, head_dim=64)``:
+    an op name, a tensor giving device and dtype, and the call's features as keywords.
+    """
     import torch
 
     from . import backend as _backend
     from . import ops as _ops  # noqa: F401  (registers implementations)
 
-    t = next(x for x in tensors if isinstance(x, torch.Tensor))
-    return _backend.explain(op, _backend.Call(t.device, t.dtype, features), backend)
+    if callable(op):
+        if backend is not None:
+            kwargs["backend"] = backend
+        return _backend.explain_call(op, *args, **kwargs)
+    t = next(x for x in args if isinstance(x, torch.Tensor))
+    return _backend.explain(op, _backend.Call(t.device, t.dtype, kwargs), backend)

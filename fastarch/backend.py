@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
+import logging
 import os
 import threading
 import warnings
@@ -96,7 +98,9 @@ class Implementation:
     - ``supports_dropout``, ``supports_bias_grad``, ``supports_varlen``: True or False for ops with that
       feature, None (the default) for ops without it; a call whose ``dropout``, ``bias_grad`` or ``varlen``
       feature is true is refused unless it is True;
-    - ``deterministic``: False refuses every call while ``torch.use_deterministic_algorithms(True)``.
+    - ``deterministic``: False refuses every call while ``torch.use_deterministic_algorithms(True)``;
+    - ``cache_rows``: an attention implementation with a ``cache_forward`` (a decode kernel over KV-cache
+      rows) serves inference calls of up to this many query rows with it (0: none).
 
     Loading is declared too: ``kernel_module`` names a module of :mod:`fastarch.kernels` (Triton), and
     subclasses for compiled extensions override :meth:`load` once per backend kind, not per op.
@@ -112,6 +116,7 @@ class Implementation:
     supports_bias_grad: bool | None = None
     supports_varlen: bool | None = None
     deterministic: bool = True
+    cache_rows: int = 0
     kernel_module: str | None = None
     description: str = ""
 
@@ -247,6 +252,7 @@ def register(impl: Implementation | type[Implementation]) -> Implementation:
     if not inst.op:
         raise ValueError("an Implementation must name its op")
     _REGISTRY.setdefault(inst.op, {})[inst.backend] = inst
+    clear_decisions()
     return inst
 
 
@@ -256,6 +262,7 @@ def set_order(op: str, device_type: str, order: Sequence[str]) -> None:
         if b not in BACKENDS:
             raise ValueError(f"unknown backend {b!r}")
     _ORDER.setdefault(op, {})[device_type] = tuple(order)
+    clear_decisions()
 
 
 def ops() -> list[str]:
@@ -300,6 +307,12 @@ def parse_backend_spec(spec: str) -> tuple[dict[str, str], str | None]:
     return per_op, glob
 
 
+@functools.lru_cache(maxsize=16)
+def _parsed_environment(spec: str) -> tuple[dict[str, str], str | None]:
+    # FASTARCH_BACKEND is read on every call; its parse is kept per value (a changed value is parsed anew).
+    return parse_backend_spec(spec.strip())
+
+
 def _check_backend_name(name: str, source: str) -> None:
     if name not in BACKENDS and name != AUTO:
         raise ValueError(f"unknown backend {name!r} in {source!r}; expected one of {', '.join(BACKENDS)}")
@@ -342,9 +355,9 @@ def requested_backend(op: str, backend: str | None = None) -> str:
             return per_op[op]
         if glob is not None:
             return glob
-    env = os.environ.get("FASTARCH_BACKEND", "").strip()
+    env = os.environ.get("FASTARCH_BACKEND", "")
     if env:
-        per_op, glob = parse_backend_spec(env)
+        per_op, glob = _parsed_environment(env)
         if op in per_op:
             return per_op[op]
         if glob is not None:
@@ -371,12 +384,42 @@ def _reasons_table(op: str, call: Call, with_capabilities: bool = False) -> str:
     return "\n".join(lines)
 
 
-def choose(op: str, call: Call, want: str = AUTO) -> Implementation:
-    """The implementation that runs ``call`` when ``want`` (a backend name, or 'auto') is asked for.
+# -- decisions ------------------------------------------------------------------------------------------
+# (op, device, dtype, features, wanted backend, global switches) -> the implementation chosen. Every input of
+# a decision is in the key: the call's own facts (what an implementation's capabilities and check() read),
+# the backend asked for (so a changed override, context or FASTARCH_BACKEND makes another key), and the
+# process-wide switches the reasons read (deterministic algorithms, the Triton interpreter). What changes the
+# candidates (register, set_order) clears it. Calls whose features are not hashable are decided uncached.
+_DECISIONS: dict[tuple, Implementation] = {}
+_DECISIONS_MAX = 4096
+_STATS = {"hits": 0, "misses": 0}
+_LOG = logging.getLogger("fastarch.backend")
+_LOG_DECISIONS: contextvars.ContextVar[list | None] = contextvars.ContextVar("fastarch_decision_log",
+                                                                             default=None)
 
-    No override is read here: 'auto' is the automatic order alone, so the same call always gets the same
-    implementation. A named backend that cannot take the call raises with every backend's reasons.
-    """
+
+def clear_decisions() -> None:
+    """Forget every cached decision (done by :func:`register` and :func:`set_order`; call it after changing
+    what an implementation's reasons read in a way the decision key does not see, e.g. in tests)."""
+    _DECISIONS.clear()
+
+
+def decision_stats() -> dict[str, int]:
+    """Counts of cached-decision hits and misses, and the number of cached decisions."""
+    return {**_STATS, "cached": len(_DECISIONS)}
+
+
+def _decision_key(op: str, call: Call, want: str) -> tuple | None:
+    key = (op, call.device, call.dtype, tuple(call.features.items()), want,
+           torch.are_deterministic_algorithms_enabled(), os.environ.get("TRITON_INTERPRET", ""))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _decide(op: str, call: Call, want: str) -> Implementation:
     impls = _REGISTRY.get(op)
     if not impls:
         raise KeyError(f"unknown op {op!r}")
@@ -401,7 +444,7 @@ def choose(op: str, call: Call, want: str = AUTO) -> Implementation:
                 warnings.warn(
                     f"fastarch: {op} backend {name!r} is unavailable ({err}); falling back",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
             continue
         return impl
@@ -412,13 +455,63 @@ def choose(op: str, call: Call, want: str = AUTO) -> Implementation:
     )
 
 
+def choose(op: str, call: Call, want: str = AUTO) -> Implementation:
+    """The implementation that runs ``call`` when ``want`` (a backend name, or 'auto') is asked for.
+
+    No override is read here: 'auto' is the automatic order alone, so the same call always gets the same
+    implementation. A named backend that cannot take the call raises with every backend's reasons. The
+    decision is cached (see :func:`clear_decisions`); a refused call is decided anew each time.
+    """
+    key = _decision_key(op, call, want)
+    impl = _DECISIONS.get(key) if key is not None else None
+    hit = impl is not None
+    if hit:
+        _STATS["hits"] += 1
+    else:
+        _STATS["misses"] += 1
+        impl = _decide(op, call, want)
+        if key is not None:
+            if len(_DECISIONS) >= _DECISIONS_MAX:
+                _DECISIONS.clear()
+            _DECISIONS[key] = impl
+    log = _LOG_DECISIONS.get()
+    if log is not None or _LOG_ALL:
+        if log is not None:
+            log.append((op, call, want, impl.backend, hit))
+        _LOG.info("fastarch: %s -> %s (%s; %s, %s, %s)", op, impl.backend, "cached" if hit else "decided",
+                  call.device, _dtype_name(call.dtype), call.features)
+    return impl
+
+
+@contextlib.contextmanager
+def log_decisions() -> Iterator[list[tuple[str, Call, str, str, bool]]]:
+    """Record every decision made inside the block: yields a list that fills with ``(op, call, requested,
+    backend, cached)`` tuples, each also logged at INFO on the ``fastarch.backend`` logger. Setting
+    ``FASTARCH_LOG_DECISIONS=1`` logs every decision of the process the same way."""
+    log: list = []
+    token = _LOG_DECISIONS.set(log)
+    try:
+        yield log
+    finally:
+        _LOG_DECISIONS.reset(token)
+
+
+_LOG_ALL = os.environ.get("FASTARCH_LOG_DECISIONS", "") not in ("", "0")
+if _LOG_ALL and not _LOG.handlers:
+    _LOG.addHandler(logging.StreamHandler())
+    _LOG.setLevel(logging.INFO)
+
+
 def select(op: str, call: Call, backend: str | None = None) -> Implementation:
     """Return the implementation that runs ``call``, honouring overrides; raise if a forced one can't."""
     return choose(op, call, requested_backend(op, backend))
 
 
 def explain(op: str, call: Call, backend: str | None = None) -> str:
-    """A human-readable account of which backend runs ``call`` and why the others do not."""
+    """A human-readable account of which backend runs ``call`` and why the others do not, and whether the
+    decision was already cached."""
+    key = _decision_key(op, call, requested_backend(op, backend))
+    cached = key is not None and key in _DECISIONS
     try:
         chosen = select(op, call, backend)
     except BackendUnavailableError as exc:
@@ -426,8 +519,28 @@ def explain(op: str, call: Call, backend: str | None = None) -> str:
     head = f"{op}: runs on {chosen.backend!r} (requested: {requested_backend(op, backend)})"
     if chosen.description:
         head += f": {chosen.description}"
+    state = ("cached decision (hit)" if cached else "decided now and cached" if key is not None
+             else "decided now (features not hashable: not cached)")
     order = " > ".join(auto_order(op, call.device.type))
-    return f"{head}\nautomatic order on {call.device.type}: {order}\n" + _reasons_table(op, call, True)
+    return (f"{head}\ndecision: {state}; features: {call.features}\n"
+            f"automatic order on {call.device.type}: {order}\n" + _reasons_table(op, call, True))
+
+
+def explain_call(fn: Any, *args: Any, **kwargs: Any) -> str:
+    """Run ``fn(*args, **kwargs)`` (a public op with its own arguments) without autograd and explain every
+    decision the call made: which backend ran each op it reached, whether the decision was cached, and why
+    the other backends do not take it."""
+    with log_decisions() as log, torch.no_grad():
+        fn(*args, **kwargs)
+    if not log:
+        return f"{getattr(fn, '__name__', fn)}: the call reached no fastarch op (empty input or a reference path)"
+    parts = []
+    for op, call, want, chosen, hit in log:
+        order = " > ".join(auto_order(op, call.device.type))
+        parts.append(f"{op}: runs on {chosen!r} (requested: {want}; {'cached decision' if hit else 'decided now'})"
+                     f"\nfeatures: {call.features}\nautomatic order on {call.device.type}: {order}\n"
+                     + _reasons_table(op, call, True))
+    return "\n\n".join(parts)
 
 
 def availability(op: str, device_type: str, dtype: torch.dtype = torch.float32) -> Mapping[str, list[str]]:
@@ -442,3 +555,4 @@ def availability(op: str, device_type: str, dtype: torch.dtype = torch.float32) 
 
 def _reset_warnings_for_tests() -> None:
     _WARNED.clear()
+    clear_decisions()

@@ -16,6 +16,13 @@ fi
 # Build requirements are not fetched under --no-build-isolation, so install them here.
 "$PY" -m pip install -q "setuptools>=70.1" wheel ninja
 # --no-build-isolation: the build must see the torch above rather than fetch another into an isolated env.
-# FASTARCH_EXTRAS: the optional extras to install (scripts/test.sh adds hf, so that CI runs those tests).
-"$PY" -m pip install -q --no-build-isolation -e ".[${FASTARCH_EXTRAS:-test,bench}]"
+# FASTARCH_EXTRAS: the optional extras to install (hf: the transformers integration and the bench's hf suite).
+EXTRAS=${FASTARCH_EXTRAS:-test,bench,hf}
+"$PY" -m pip install -q --no-build-isolation -e ".[${EXTRAS}]"
+# The optional integrations are upgraded to their newest release within the extra's range: pip keeps an
+# installed version that satisfies the range, and a fresh machine would get the newest, so this one must too.
+if [[ ",${EXTRAS}," == *",hf,"* ]]; then
+  mapfile -t HF_REQS < <("$PY" scripts/extra_requirements.py hf)
+  "$PY" -m pip install -q --upgrade "${HF_REQS[@]}"
+fi
 "$PY" -m fastarch build --kind cpu >/dev/null || echo "install: some extensions did not build; see 'python -m fastarch info'"

@@ -1,5 +1,6 @@
 """The backend selector: automatic order, overrides, errors, and fallback when a build fails."""
 
+import importlib
 import warnings
 
 import pytest
@@ -309,3 +310,80 @@ def test_measured_orders_are_installed():
     for op, per_device in _orders.MEASURED_ORDER.items():
         for device_type, order in per_device.items():
             assert B.auto_order(op, device_type) == order
+
+
+# -- cached decisions and the lean eager path -------------------------------------------------------------
+def test_decision_is_cached_and_reused(probe):
+    B.clear_decisions()
+    before = B.decision_stats()
+    with B.log_decisions() as log:
+        for _ in range(3):
+            assert B.select("_probe", _call(head_dim=64)).backend == "cpp"
+    after = B.decision_stats()
+    assert after["misses"] - before["misses"] == 1 and after["hits"] - before["hits"] == 2
+    assert [hit for *_, hit in log] == [False, True, True]
+
+
+def test_cached_decision_never_outlives_its_override(probe, monkeypatch):
+    assert B.select("_probe", _call()).backend == "cpp"
+    with fastarch.use_backend("torch"):
+        assert B.select("_probe", _call()).backend == "torch"
+    assert B.select("_probe", _call()).backend == "cpp"
+    monkeypatch.setenv("FASTARCH_BACKEND", "_probe=triton")
+    assert B.select("_probe", _call()).backend == "triton"
+    monkeypatch.setenv("FASTARCH_BACKEND", "torch")
+    assert B.select("_probe", _call()).backend == "torch"
+    monkeypatch.delenv("FASTARCH_BACKEND")
+    assert B.select("_probe", _call()).backend == "cpp"
+    B.set_order("_probe", "cpu", ("triton", "cpp", "torch"))
+    assert B.select("_probe", _call()).backend == "triton"
+    # a call the first choice refuses is decided on its own features
+    assert B.select("_probe", _call(head_dim=512)).backend == "cpp"
+
+
+def test_deterministic_mode_is_part_of_the_decision(probe):
+    _ProbeCpp.deterministic = False
+    try:
+        assert B.select("_probe", _call()).backend == "cpp"
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert B.select("_probe", _call()).backend == "torch"
+        finally:
+            torch.use_deterministic_algorithms(False)
+        assert B.select("_probe", _call()).backend == "cpp"
+    finally:
+        _ProbeCpp.deterministic = True
+
+
+def test_explain_takes_the_ops_own_arguments():
+    x, w = torch.randn(2, 64), torch.randn(64)
+    ops.rms_norm(x, w)
+    text = fastarch.explain(ops.rms_norm, x, w)
+    assert text.startswith("rms_norm: runs on 'cpp'") and "cached decision" in text
+    assert "automatic order on cpu" in text and "torch: available" in text
+    forced = fastarch.explain(ops.rms_norm, x, w, backend="torch")
+    assert forced.startswith("rms_norm: runs on 'torch' (requested: torch")
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_lean_path_only_without_autograd(grad, monkeypatch):
+    """Without autograd the op runs its implementation directly; with it the custom op records the
+    backward; both give the same values, and a forced backend holds for the forward and the backward."""
+    calls = []
+    module = importlib.import_module("fastarch.ops.rms_norm")
+
+    original = module._rms_norm_fwd
+    monkeypatch.setattr(module, "_rms_norm_fwd", lambda *a: calls.append(a[-1]) or original(*a))
+    x = torch.randn(3, 32, requires_grad=grad)
+    w = torch.randn(32)
+    with B.log_decisions() as log:
+        y = ops.rms_norm(x, w, backend="torch")
+        if grad:
+            y.sum().backward()
+    assert calls == (["torch"] if grad else [])
+    assert {backend for _, _, _, backend, _ in log} == {"torch"}
+    torch.testing.assert_close(y, ops.rms_norm_ref(x, w), atol=1e-5, rtol=1e-5)
+    if grad:
+        xr = x.detach().clone().requires_grad_()
+        ops.rms_norm_ref(xr, w).sum().backward()
+        torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--suite", action="append", metavar="NAME[,NAME]",
                     help="suite(s) to run: 'all' (default) or names such as attention, sliding_window, lsh, "
-                    "selective_scan, linear_attention, s4, norms, models")
+                    "selective_scan, linear_attention, s4, norms, models, hf, overhead")
     ap.add_argument("--case", action="append", metavar="NAME[,NAME]",
                     help="named case set(s) to run instead of suites, e.g. lsh-headline (see --list); "
                     "their sizes are fixed, --quick/--full only set the timing budget, and every call is "

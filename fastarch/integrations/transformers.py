@@ -80,14 +80,17 @@ try:
     import transformers
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
-        "fastarch.integrations.transformers needs Hugging Face transformers 5.x: "
-        "pip install 'fastarch[hf]' (or pip install 'transformers>=5,<6')"
+        "fastarch.integrations.transformers needs Hugging Face transformers >=5.21,<6: "
+        "pip install 'fastarch[hf]' (or pip install 'transformers>=5.21,<6')"
     ) from exc
 
-if int(transformers.__version__.split(".")[0]) != 5:
+#: The transformers releases this integration is tested on (the ``hf`` extra's range).
+SUPPORTED_TRANSFORMERS = ((5, 21), (6, 0))
+_tf_version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
+if not SUPPORTED_TRANSFORMERS[0] <= _tf_version < SUPPORTED_TRANSFORMERS[1]:
     raise ImportError(
-        f"fastarch.integrations.transformers supports transformers 5.x, found {transformers.__version__}: "
-        "pip install 'fastarch[hf]' (or pip install 'transformers>=5,<6')"
+        f"fastarch.integrations.transformers supports transformers >=5.21,<6, found {transformers.__version__}: "
+        "pip install 'fastarch[hf]' (or pip install 'transformers>=5.21,<6')"
     )
 
 from transformers import activations as _activations  # noqa: E402
@@ -188,39 +191,99 @@ def hf_window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
     return (sliding_window, sliding_window)
 
 
-def _closure(fn: Callable) -> dict:
-    try:
-        return inspect.getclosurevars(fn).nonlocals
-    except (TypeError, ValueError):
-        return {}
+# Query positions the mask functions are probed at: dense rows of keys ``0 .. 2q + 1`` for the short ones,
+# a binary search of the first visible key for the long one (windows longer than the dense probes).
+_DENSE_PROBES = (0, 1, 5, 97, 1030)
+_LONG_PROBE = (1 << 24) + 3
 
 
-_AND_CODE = masking_utils.and_masks(masking_utils.causal_mask_function).__code__
-_SLIDING_CODE = masking_utils.sliding_window_overlay(1).__code__
-_SLIDING_BIDIR_CODE = masking_utils.sliding_window_bidirectional_overlay(1).__code__
+def _row(mask_function: Callable, b: int, q: int, kv: torch.Tensor) -> torch.Tensor:
+    out = mask_function(torch.tensor(b), torch.tensor(0), torch.tensor(q), kv)
+    return torch.as_tensor(out, dtype=torch.bool).expand(kv.shape)
 
 
-def _pattern(mask_function: Callable) -> tuple[tuple[int, int], bool] | None:
-    """``(window, causal)`` for the mask functions transformers' mask builders pass, None for any other."""
+def _long_window(mask_function: Callable, b: int) -> tuple[int, int] | None:
+    """The window ``(left, right)`` seen from query ``q = _LONG_PROBE`` (-1: unlimited, up to ``q`` keys
+    either side), or None when the visible keys near it are not one interval around it. A k-ary search
+    brackets the first and the last visible key together, 64 keys a side per call of the mask function."""
+    q = _LONG_PROBE
+    # first visible key in (lo_out, lo_in], last in [hi_in, hi_out): *_out not visible, *_in visible
+    lo_out, lo_in, hi_in, hi_out = -1, q, q, 2 * q + 1
+    while lo_in - lo_out > 1 or hi_out - hi_in > 1:
+        left = torch.linspace(lo_out + 1, lo_in, min(64, lo_in - lo_out), dtype=torch.float64).round().long().unique()
+        right = torch.linspace(hi_in, hi_out - 1, min(64, hi_out - hi_in), dtype=torch.float64).round().long().unique()
+        kv = torch.cat([left, right, torch.tensor([q])])
+        seen = _row(mask_function, b, q, kv)
+        if not bool(seen[-1]):
+            return None
+        seen_left, seen_right = seen[: left.numel()], seen[left.numel(): -1]
+        first = int(seen_left.nonzero()[0]) if bool(seen_left.any()) else None
+        if first is None or not bool(seen_left[first:].all()):
+            return None
+        lo_in = int(left[first])
+        lo_out = int(left[first - 1]) if first > 0 else lo_out
+        if not bool(seen_right[0]):
+            return None
+        gone = (~seen_right).nonzero()
+        stop = int(gone[0]) if gone.numel() else seen_right.numel()
+        if bool(seen_right[stop:].any()):
+            return None
+        hi_in = int(right[stop - 1])
+        hi_out = int(right[stop]) if stop < right.numel() else hi_out
+    return (-1 if lo_in == 0 else q - lo_in), (-1 if hi_in == 2 * q else hi_in - q)
+
+
+def _band(q: torch.Tensor, kv: torch.Tensor, window: tuple[int, int]) -> torch.Tensor:
+    """The visible keys of the band ``window`` for queries ``q`` (Q, 1) over keys ``kv`` (1, K)."""
+    left, right = window
+    want = kv <= q + right if right >= 0 else torch.ones_like(kv, dtype=torch.bool).expand(q.shape[0], -1)
+    return want & (kv >= q - left) if left >= 0 else want & (kv >= 0)
+
+
+def _matches(mask_function: Callable, b: int, window: tuple[int, int]) -> bool:
+    """Does ``mask_function`` give the band ``window`` on every short probe row (keys ``0 .. 2q + 1``, one
+    broadcast call) and at the band's edges seen from the long probe (one call)?"""
+    qs = torch.tensor(_DENSE_PROBES)[:, None]
+    kv = torch.arange(2 * _DENSE_PROBES[-1] + 2)[None, :]
+    got = torch.as_tensor(mask_function(torch.tensor(b), torch.tensor(0), qs, kv), dtype=torch.bool)
+    row = kv <= 2 * qs + 1
+    if not torch.equal(got.expand(qs.shape[0], kv.shape[1]) & row, _band(qs, kv, window) & row):
+        return False
+    q, (left, right) = _LONG_PROBE, window
+    edges = [q, 0 if left < 0 else q - left, 2 * q if right < 0 else q + right]
+    outside = ([q - left - 1] if left >= 0 else []) + ([q + right + 1] if right >= 0 else [])
+    row = _row(mask_function, b, q, torch.tensor(edges + outside))
+    return bool(row[: len(edges)].all()) and not bool(row[len(edges):].any())
+
+
+# Windows recognised so far, most recent first: a new mask function (transformers builds one per forward) is
+# first checked against them, two calls each, before the k-ary search.
+_KNOWN_WINDOWS: list[tuple[int, int]] = []
+
+
+def _pattern(mask_function: Callable, batch_size: int = 1) -> tuple[tuple[int, int], bool] | None:
+    """``(window, causal)`` when ``mask_function`` is a banded pattern (each query sees the keys
+    ``q - left .. q + right``, the same for every query and batch row), found by evaluating it on probe
+    positions, else None (the caller then builds transformers' dense mask). Nothing about the function but
+    its values is read, so any release's causal, sliding-window and bidirectional builders are recognised,
+    and anything else (chunked, block-wise, token-type overlays) is not."""
     if mask_function is masking_utils.causal_mask_function:
         return hf_window(None, True), True
     if mask_function is masking_utils.bidirectional_mask_function:
         return hf_window(None, False), False
-    if getattr(mask_function, "__code__", None) is not _AND_CODE:
+    try:
+        window = next((w for w in _KNOWN_WINDOWS if _matches(mask_function, 0, w)), None)
+        if window is None:
+            window = _long_window(mask_function, 0)
+            if window is None or not _matches(mask_function, 0, window):
+                return None
+            _KNOWN_WINDOWS.insert(0, window)
+            del _KNOWN_WINDOWS[8:]
+        if batch_size > 1 and not _matches(mask_function, batch_size - 1, window):
+            return None
+    except Exception:  # noqa: BLE001 - a mask function that cannot be probed gets the dense mask
         return None
-    parts = _closure(mask_function).get("mask_functions", ())
-    if len(parts) != 2:
-        return None
-    overlay, base = parts
-    code = getattr(overlay, "__code__", None)
-    size = _closure(overlay).get("sliding_window")
-    if not isinstance(size, int) or size < 1:
-        return None
-    if code is _SLIDING_CODE and base is masking_utils.causal_mask_function:
-        return hf_window(size, True), True
-    if code is _SLIDING_BIDIR_CODE and base is masking_utils.bidirectional_mask_function:
-        return hf_window(size, False), False
-    return None
+    return window, window[1] == 0
 
 
 def _offset(x) -> int | None:
@@ -247,7 +310,7 @@ def attention_mask(
     """
     if isinstance(attention_mask, CompactMask):  # prepared before the forward (generation, static caches)
         return attention_mask
-    found = _pattern(mask_function)
+    found = _pattern(mask_function, batch_size)
     q0, k0 = _offset(q_offset), _offset(kv_offset)
     compact = found is not None and q0 is not None and k0 is not None and not is_torchdynamo_exporting()
     if compact:
@@ -347,25 +410,41 @@ def attention_forward(
 
 
 # -- Mamba kernel functions -------------------------------------------------------------------------------
-def _kernel_of(fn) -> tuple[str, dict] | None:
-    """(kernel name, closure) when ``fn`` is one of transformers' kernel-function wrappers fastarch covers."""
-    cells = _closure(fn) if callable(fn) else {}
-    name = cells.get("func_name")
-    if name in _KERNELS and cells.get("package") in ("mamba_ssm", "causal_conv1d") and "torch_function" in cells:
-        return name, cells
-    return None
+# transformers' modeling modules bind each kernel function, made by
+# ``use_kernel_func_from_hub_with_fallback(kernel, package)``, to a module global whose name is the same in
+# every family: global name -> (kernel name, package). Only globals that transformers made that way (a
+# ``functools.wraps`` wrapper with ``__wrapped__``) are replaced.
+KERNEL_GLOBALS: dict[str, tuple[str, str]] = {
+    "causal_conv1d_fn": ("causal_conv1d_fn", "causal_conv1d"),
+    "causal_conv1d_update": ("causal_conv1d_update", "causal_conv1d"),
+    "mamba_inner_fn": ("mamba_inner_fn", "mamba_ssm"),
+    "mamba_selective_scan": ("selective_scan_fn", "mamba_ssm"),
+    "mamba_selective_state_update": ("selective_state_update", "mamba_ssm"),
+    "mamba2_chunk_scan": ("mamba_chunk_scan_combined", "mamba_ssm"),
+    "mamba2_selective_state_update": ("selective_state_update", "mamba_ssm"),
+    "mamba2_split_conv1d_scan_combined": ("mamba_split_conv1d_scan_combined", "mamba_ssm"),
+}
 
 
-def _uses_real_package(cells: dict) -> bool:
-    """Did transformers resolve this kernel function to the original package (not its PyTorch path, not
-    fastarch's alias of the package)?"""
-    impl = cells.get("implementation")
-    if impl is None or impl is cells.get("torch_function"):
+def _real_package(package: str) -> bool:
+    """Is the original package (not fastarch's alias of it, :func:`fastarch.compat.install`) importable?
+    transformers resolved its kernel functions to it then."""
+    import sys
+
+    loaded = sys.modules.get(package)
+    if loaded is not None:
+        return not getattr(loaded, "__name__", package).startswith("fastarch.") and not getattr(
+            loaded, "__fastarch_alias__", False)
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
         return False
-    return not getattr(impl, "__module__", "").startswith("fastarch.")
 
 
 def _dispatcher(original: Callable, name: str, real_package: bool) -> Callable:
+    """``original`` (transformers' kernel function ``name``) with CPU calls, and every call when the real
+    package is absent, on fastarch's function of the package's signature, given the keywords it takes (as
+    transformers' wrapper calls the real package: the PyTorch path's own switches are dropped)."""
     target = _KERNELS[name]
     params = frozenset(inspect.signature(target).parameters)
 
@@ -385,13 +464,12 @@ def _patch_mamba(saved: dict[tuple[str, str], Callable]) -> None:
         if importlib.util.find_spec(modname) is None:
             continue
         module = importlib.import_module(modname)
-        for attr, fn in list(vars(module).items()):
-            found = _kernel_of(fn)
-            if found is None:
+        for attr, (name, package) in KERNEL_GLOBALS.items():
+            fn = vars(module).get(attr)
+            if fn is None or not hasattr(fn, "__wrapped__") or hasattr(fn, "__fastarch_original__"):
                 continue
-            name, cells = found
             saved[(modname, attr)] = fn
-            setattr(module, attr, _dispatcher(fn, name, _uses_real_package(cells)))
+            setattr(module, attr, _dispatcher(fn, name, _real_package(package)))
 
 
 # -- Mamba-2's norms -----------------------------------------------------------------------------------------
@@ -490,29 +568,55 @@ def _projections_on_fastarch(original: Callable) -> Callable:
 
 
 # -- Mamba's decode step and norm ------------------------------------------------------------------------------
+def _argument_reader(original: Callable, *names: str) -> Callable[[tuple, dict], tuple]:
+    """A reader of ``original``'s arguments ``names`` (each a tuple of accepted spellings, the first the one
+    the signature has, later ones deprecated aliases) from a call's ``(args, kwargs)`` that exclude ``self``
+    and the first tensor argument: transformers renames keywords between releases (``cache_params`` became
+    ``cache``), so positions and spellings are read off the signature once, not assumed."""
+    params = list(inspect.signature(original).parameters)[2:]
+    slots = []
+    for spellings in names:
+        found = next((n for n in spellings if n in params), spellings[0])
+        slots.append((params.index(found) if found in params else None, (found, *spellings)))
+
+    def read(args: tuple, kwargs: dict) -> tuple:
+        values = []
+        for index, spellings in slots:
+            if index is not None and index < len(args):
+                values.append(args[index])
+            else:
+                values.append(next((kwargs[n] for n in spellings if n in kwargs), None))
+        return tuple(values)
+
+    return read
+
+
 def _mamba_mixer_forward(original: Callable) -> Callable:
     """``MambaMixer.forward`` whose single-token decode step on CPU in fp32 (a cache holding both states, no
     padding mask) runs as one :func:`fastarch.nn.mamba.mixer_step` on the module's own weights; every other call
     (prefill, autograd, accelerators, other dtypes, offloaded weights, export) runs transformers' forward, with
-    its projections on :func:`fastarch.ops.linear` for CPU input (:func:`_projections_on_fastarch`)."""
+    its projections on :func:`fastarch.ops.linear` for CPU input (:func:`_projections_on_fastarch`). The cache
+    argument is found by the signature (``cache`` from transformers 5.24, ``cache_params`` before)."""
     rest = _projections_on_fastarch(original)
+    read = _argument_reader(original, ("cache", "cache_params"), ("attention_mask",))
 
     @functools.wraps(original)
-    def forward(self, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-        if (cache_params is not None and attention_mask is None and hidden_states.dim() == 3
+    def forward(self, hidden_states, *args, **kwargs):
+        cache, attention_mask = read(args, kwargs)
+        if (cache is not None and attention_mask is None and hidden_states.dim() == 3
                 and hidden_states.shape[1] == 1 and hidden_states.device.type == "cpu"
                 and hidden_states.dtype == torch.float32 and self.in_proj.weight.dtype == torch.float32
                 and self.in_proj.weight.device.type == "cpu" and not hasattr(self, "_hf_hook")
                 and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.in_proj.weight.requires_grad))
                 and not is_torchdynamo_exporting()):
-            conv_state = cache_params.get_conv_state(self.layer_idx, state_idx=0)
-            ssm_state = cache_params.get_recurrent_state(self.layer_idx, state_idx=0)
+            conv_state = cache.get_conv_state(self.layer_idx, state_idx=0)
+            ssm_state = cache.get_recurrent_state(self.layer_idx, state_idx=0)
             if (conv_state is not None and ssm_state is not None and conv_state.device.type == "cpu"
-                    and not cache_params.is_recording_past(self.layer_idx)):
+                    and not cache.is_recording_past(self.layer_idx)):
                 out = _mixer_step(hidden_states[:, 0], self.in_proj, self.conv1d, self.x_proj, self.dt_proj,
                                   self.A_log, self.D, self.out_proj, conv_state, ssm_state)
                 return out.unsqueeze(1)
-        return rest(self, hidden_states, cache_params, attention_mask, **kwargs)
+        return rest(self, hidden_states, *args, **kwargs)
 
     forward.__fastarch_original__ = original
     return forward

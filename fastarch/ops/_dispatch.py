@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ..backend import AUTO, Call, choose, get_implementation, requested_backend, select
+from ..backend import AUTO, Call, Implementation, choose, get_implementation, requested_backend, select
 
-__all__ = ["call_of", "in_layout_of", "resolve", "run", "run_backward"]
+__all__ = ["call_of", "direct", "dispatch", "in_layout_of", "resolve", "run", "run_backward"]
 
 
 def call_of(t: torch.Tensor, **features: Any) -> Call:
@@ -38,6 +38,39 @@ def resolve(op: str, make_call: Callable[[], Call], backend: str | None) -> str:
     if torch.compiler.is_compiling():
         return _requested(op, backend)
     return select(op, make_call(), backend).backend
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _dispatch_modes() -> int:
+    return torch._C._len_torch_dispatch_stack()
+
+
+def direct(*tensors: torch.Tensor | None) -> bool:
+    """May this call run its implementation directly, without the custom op? Yes when autograd records
+    nothing for it (no tensor requires a gradient, or grad mode is off), nothing is being compiled or
+    exported, every tensor is a plain tensor (no fake or subclass tensors) and no dispatch mode is active.
+    The custom op serves autograd, ``torch.compile``, export and those modes; a decode step skips its
+    dispatch, which costs more than a small call's arithmetic."""
+    if torch.compiler.is_compiling() or _dispatch_modes():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) not in _PLAIN or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def dispatch(op: str, make_call: Callable[[], Call], backend: str | None,
+             *tensors: torch.Tensor | None) -> tuple[Implementation | None, str]:
+    """One decision for a public op's call: ``(implementation, name)``. ``implementation`` is set when the
+    call may run it directly (:func:`direct`), else None, and ``name`` is what the op passes to its custom op
+    (as :func:`resolve` gives it)."""
+    if torch.compiler.is_compiling():
+        return None, _requested(op, backend)
+    impl = select(op, make_call(), backend)
+    return (impl if direct(*tensors) else None), impl.backend
 
 
 def run(op: str, fn: str, call: Call, backend: str, *args: Any) -> Any:

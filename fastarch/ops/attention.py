@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..backend import Call, get_implementation, register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, in_layout_of, resolve, run, run_backward
+from ._dispatch import call_of, dispatch, in_layout_of, resolve, run, run_backward
 
 __all__ = ["attention", "attention_probs", "attention_ref", "dropout_keep_mask", "normalize_window"]
 
@@ -287,20 +287,17 @@ CACHE_KERNEL_MAX_ROWS = 16  # query rows per batch up to which a cache call take
 
 def _cache_kernel_serves(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor, make_call, dropout_p: float,
                          backend: str | None) -> bool:
-    """Whether a call with queries q4 (B, H, Lq, D) runs the cpp backend's cache kernel: a short
-    inference-only forward (no dropout, no gradient, not traced) that the backend selection (``make_call``
-    gives the call as the general path would make it) gives to cpp."""
-    if q4.shape[2] > CACHE_KERNEL_MAX_ROWS or dropout_p > 0 or q4.device.type != "cpu" or 0 in q4.shape:
-        return False
-    if torch.compiler.is_compiling():
-        return False
-    if torch.is_grad_enabled() and (q4.requires_grad or k.requires_grad or v.requires_grad):
+    """Whether a call with queries q4 (B, H, Lq, D) runs its implementation's cache kernel: the selector's
+    choice for the call (``make_call`` gives it as the general path makes it) declares one
+    (``cache_rows``, the most query rows it serves), and the call is a short inference-only forward (no
+    dropout, no gradient, not traced) on plain tensors."""
+    if dropout_p > 0 or 0 in q4.shape or q4.shape[2] > CACHE_KERNEL_MAX_ROWS:
         return False
     try:
-        name = resolve(OP, make_call, backend)
+        impl, _ = dispatch(OP, make_call, backend, q4, k, v)
     except Exception:  # noqa: BLE001 - the general path reports the selection error with its own context
         return False
-    return name == "cpp"
+    return impl is not None and q4.shape[2] <= impl.cache_rows
 
 
 def _cache_kernel(q4: torch.Tensor, pages_k: torch.Tensor, pages_v: torch.Tensor, block_table: torch.Tensor | None,
@@ -1069,6 +1066,7 @@ def _packed_rows(segs: torch.Tensor | None, Lq: int, Lk: int, wl: int, wr: int) 
 class CppAttention(CppImplementation):
     op, extension = OP, "attention"
     supports_dropout = supports_bias_grad = supports_varlen = True
+    cache_rows = CACHE_KERNEL_MAX_ROWS
     description = ("banded tiled online-softmax C++ kernel (AVX2/FMA micro-GEMMs), fp32 accumulation; reads "
                    "any layout through strides and packed variable-length batches natively")
 

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from ..backend import register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, in_layout_of, resolve, run, run_backward
+from ._dispatch import call_of, dispatch, in_layout_of, resolve, run, run_backward
 
 __all__ = ["causal_conv1d", "causal_conv1d_fn", "causal_conv1d_ref", "causal_conv1d_update",
            "causal_conv1d_update_ref"]
@@ -392,7 +392,9 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
                                             conv_state_indices)
         cs = None if cache_seqlens is None else cache_seqlens.to(torch.int32).contiguous()
         idx = None if conv_state_indices is None else conv_state_indices.to(torch.int32).contiguous()
-        name = resolve(OP_UPDATE, lambda: _update_call(x, weight, cs, idx), backend)
+        impl, name = dispatch(OP_UPDATE, lambda: _update_call(x, weight, cs, idx), backend, x, conv_state)
+        if impl is not None:
+            return in_layout_of(x, impl.update(x, conv_state, weight, bias, silu, cs, idx))
         return _conv_update(x, conv_state, weight, bias, silu, cs, idx, name)
 
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import Call, register
+from ..backend import Call, choose, register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, resolve, run, run_backward
+from ._dispatch import call_of, dispatch, run_backward
 
 __all__ = ["layer_norm", "layer_norm_ref"]
 
@@ -77,8 +77,11 @@ def _call(x: torch.Tensor, mode: int) -> Call:
 def _layer_norm_fwd(
     x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, mode: int, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y, mean, rstd = run(OP, "forward", _call(x, mode), backend, x2, weight, bias, eps, mode)
+    return _forward(choose(OP, _call(x, mode), backend), x, weight, bias, eps, mode)
+
+
+def _forward(impl, x, weight, bias, eps: float, mode: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, mean, rstd = impl.forward(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias, eps, mode)
     return y.view(x.shape), mean, rstd
 
 
@@ -163,7 +166,9 @@ def layer_norm(
     if x.numel() == 0:
         return layer_norm_ref(x, weight, bias, eps, unbiased=unbiased, eps_inside_sqrt=eps_inside_sqrt)
     mode = _mode(unbiased, eps_inside_sqrt)
-    name = resolve(OP, lambda: _call(x, mode), backend)
+    impl, name = dispatch(OP, lambda: _call(x, mode), backend, x, weight, bias)
+    if impl is not None:
+        return _forward(impl, x, weight, bias, float(eps), mode)[0]
     y, _, _ = _layer_norm_fwd(x, weight, bias, float(eps), mode, name)
     return y
 

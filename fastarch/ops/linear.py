@@ -24,10 +24,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..backend import FLOAT_DTYPES, Call, get_implementation, register
+from ..backend import FLOAT_DTYPES, Call, choose, register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, resolve, run, run_backward
+from ._dispatch import call_of, dispatch, run_backward
 
 __all__ = ["linear", "linear_ref"]
 
@@ -78,8 +78,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 # -- the custom ops ---------------------------------------------------------------------------------------
 @torch.library.custom_op("fastarch::linear_fwd", mutates_args=())
 def _linear_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
-    y = run(OP, "forward", _call(x, weight), backend, _rows(x), weight, bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return _forward(choose(OP, _call(x, weight), backend), x, weight, bias)
+
+
+def _forward(impl, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return impl.forward(_rows(x), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 @_linear_fwd.register_fake
@@ -134,13 +137,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _validate(x, weight, bias)
     if x.numel() == 0 or weight.shape[0] == 0:
         return linear_ref(x, weight, bias)
-    name = resolve(OP, lambda: _call(x, weight), backend)
-    if name == "cpp" and not torch.compiler.is_compiling() and not (torch.is_grad_enabled() and (
-            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))):
-        # Inference (decode steps): the kernel without the custom op's dispatch, which costs more than a
-        # small call's arithmetic.
-        y = get_implementation(OP, "cpp").forward(_rows(x), weight, bias)
-        return y.view(*x.shape[:-1], weight.shape[0])
+    impl, name = dispatch(OP, lambda: _call(x, weight), backend, x, weight, bias)
+    if impl is not None:
+        return _forward(impl, x, weight, bias)
     return _linear_fwd(x, weight, bias, name)
 
 

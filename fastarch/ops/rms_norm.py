@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import register
+from ..backend import choose, register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_same_dtype, check_tensor, fail
-from ._dispatch import call_of, resolve, run, run_backward
+from ._dispatch import call_of, dispatch, run_backward
 
 __all__ = ["rms_norm", "rms_norm_ref"]
 
@@ -43,12 +43,15 @@ def _validate(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> None:
         fail(OP, f"argument 'eps' must be >= 0, got {eps}")
 
 
+def _forward(impl, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    y, rstd = impl.forward(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps)
+    return y.view(x.shape), rstd
+
+
 @torch.library.custom_op("fastarch::rms_norm_fwd", mutates_args=())
 def _rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor | None, eps: float, backend: str
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y, rstd = run(OP, "forward", call_of(x, n=x.shape[-1]), backend, x2, weight, eps)
-    return y.view(x.shape), rstd
+    return _forward(choose(OP, call_of(x, n=x.shape[-1]), backend), x, weight, eps)
 
 
 @_rms_norm_fwd.register_fake
@@ -105,7 +108,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     _validate(x, weight, eps)
     if x.numel() == 0:
         return rms_norm_ref(x, weight, eps)
-    name = resolve(OP, lambda: call_of(x, n=x.shape[-1]), backend)
+    impl, name = dispatch(OP, lambda: call_of(x, n=x.shape[-1]), backend, x, weight)
+    if impl is not None:
+        return _forward(impl, x, weight, eps)[0]
     return _rms_norm_fwd(x, weight, float(eps), name)[0]
 
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from ..backend import register
+from ..backend import choose, register
 from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, resolve, run
+from ._dispatch import call_of, dispatch
 
 __all__ = ["rotary_embedding", "rotary_embedding_ref", "rotary_cos_sin"]
 
@@ -71,7 +71,7 @@ def _validate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlen_offs
 @torch.library.custom_op("fastarch::rotary", mutates_args=())
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, conj: bool, offset: int,
             backend: str) -> torch.Tensor:
-    return run(OP, "forward", call_of(x), backend, x.contiguous(), cos, sin, interleaved, conj, offset)
+    return choose(OP, call_of(x), backend).forward(x.contiguous(), cos, sin, interleaved, conj, offset)
 
 
 @_rotary.register_fake
@@ -117,7 +117,9 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
     _validate(x, cos, sin, seqlen_offset)
     if x.numel() == 0:
         return x.clone()
-    name = resolve(OP, lambda: call_of(x), backend)
+    impl, name = dispatch(OP, lambda: call_of(x), backend, x, cos, sin)
+    if impl is not None:
+        return impl.forward(x.contiguous(), cos, sin, bool(interleaved), False, int(seqlen_offset))
     return _rotary(x, cos, sin, bool(interleaved), False, int(seqlen_offset), name)
 
 

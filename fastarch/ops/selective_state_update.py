@@ -31,10 +31,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..backend import register
+from ..backend import Call, register
 from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
-from ._dispatch import call_of, resolve, run
+from ._dispatch import call_of, dispatch, run
 
 __all__ = ["selective_state_update", "selective_state_update_ref"]
 
@@ -126,12 +126,15 @@ def _validate(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> None
                       state_batch_indices=state_batch_indices)
 
 
+def _call(x: torch.Tensor, state: torch.Tensor, state_batch_indices: torch.Tensor | None) -> Call:
+    return call_of(x, dstate=state.shape[-1], has_state_batch_indices=state_batch_indices is not None)
+
+
 @torch.library.custom_op("fastarch::selective_state_update", mutates_args=("state",))
 def _ssu(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
          C: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None, dt_bias: torch.Tensor | None,
          dt_softplus: bool, state_batch_indices: torch.Tensor | None, backend: str) -> torch.Tensor:
-    call = call_of(x, dstate=state.shape[-1], has_state_batch_indices=state_batch_indices is not None)
-    return run(OP, "forward", call, backend, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
+    return run(OP, "forward", _call(x, state, state_batch_indices), backend, state, x, dt, A, B, C, D, z, dt_bias, dt_softplus,
                state_batch_indices)
 
 
@@ -174,7 +177,9 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     _validate(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices)
     idx = None if state_batch_indices is None else state_batch_indices.to(torch.int64).contiguous()
     with torch.no_grad():
-        name = resolve(OP, lambda: call_of(x, dstate=state.shape[-1]), backend)
+        impl, name = dispatch(OP, lambda: _call(x, state, idx), backend, state, x)
+        if impl is not None:
+            return impl.forward(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), idx)
         return _ssu(state, x, dt, A, B, C, D, z, dt_bias, bool(dt_softplus), idx, name)
 
 

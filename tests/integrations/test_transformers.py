@@ -4,6 +4,7 @@ on small models built from configs with random weights (nothing is downloaded)."
 from __future__ import annotations
 
 import copy
+import inspect
 import subprocess
 import sys
 
@@ -275,10 +276,27 @@ def test_custom_4d_mask(kind):
                                    atol=ATOL, rtol=0)
 
 
-def test_unrecognised_mask_pattern_gets_the_dense_mask():
+def _sliding(window: int):
+    return masking_utils.and_masks(masking_utils.sliding_window_overlay(window),
+                                   masking_utils.causal_mask_function)
+
+
+@pytest.mark.parametrize("pattern", ["sink", "chunked", "per_batch", "causal_or_first"])
+def test_unrecognised_mask_pattern_gets_the_dense_mask(pattern):
+    """Patterns that are not one band per query (a sink key beside a sliding window, chunks, a pattern that
+    differs between batch rows) get transformers' dense mask; a pattern equal to a band is that band."""
     B, L = 2, 6
-    fn = masking_utils.or_masks(masking_utils.causal_mask_function, lambda b, h, q, kv: kv == 0)
+    fn = {"sink": masking_utils.or_masks(_sliding(3), lambda b, h, q, kv: kv == 0),
+          "chunked": masking_utils.and_masks(masking_utils.causal_mask_function,
+                                             lambda b, h, q, kv: q // 4096 == kv // 4096),
+          "per_batch": masking_utils.and_masks(masking_utils.causal_mask_function,
+                                               lambda b, h, q, kv: (b == 0) | (q - kv < 2)),
+          "causal_or_first": masking_utils.or_masks(masking_utils.causal_mask_function,
+                                                    lambda b, h, q, kv: kv == 0)}[pattern]
     dense = fh.attention_mask(B, L, L, mask_function=fn)
+    if pattern == "causal_or_first":  # the first key is in every causal row already: this is causal
+        assert isinstance(dense, fh.CompactMask) and dense.window == (-1, 0)
+        return
     assert isinstance(dense, torch.Tensor) and dense.shape == (B, 1, L, L) and dense.dtype == torch.bool
     q, k, v = (torch.randn(B, 4, L, 8) for _ in range(3))
     module = torch.nn.Module()
@@ -464,10 +482,17 @@ def test_mamba_generate_identical(kernel_calls, mixer_steps):
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-5, rtol=1e-5)
 
 
+def _cache_keyword() -> str:
+    """The name of the Mamba models' cache argument and output field: ``cache`` from transformers 5.24,
+    ``cache_params`` before."""
+    params = inspect.signature(transformers.MambaForCausalLM.forward).parameters
+    return "cache" if "cache" in params else "cache_params"
+
+
 def _prefilled(model, ids):
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
-    return out.cache_params
+    return getattr(out, _cache_keyword())
 
 
 def test_mamba_decode_step_matches_pytorch_step(mixer_steps):
@@ -486,10 +511,10 @@ def test_mamba_decode_step_matches_pytorch_step(mixer_steps):
     fh.register()
     got_cache = _prefilled(model, ids)
     with torch.no_grad():
-        got = model(input_ids=nxt, cache_params=got_cache, use_cache=True).logits
+        got = model(input_ids=nxt, **{_cache_keyword(): got_cache}, use_cache=True).logits
         assert len(mixer_steps) == 2
         fh.unregister()
-        want = model(input_ids=nxt, cache_params=want_cache, use_cache=True).logits
+        want = model(input_ids=nxt, **{_cache_keyword(): want_cache}, use_cache=True).logits
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     for i in range(2):
         for get in ("get_conv_state", "get_recurrent_state"):
@@ -506,8 +531,8 @@ def test_mamba_decode_step_goes_to_transformers_where_fastarch_does_not_apply(mi
     nxt = torch.randint(0, VOCAB, (2, 1))
     cache = _prefilled(model, ids)
     with torch.no_grad():
-        model(input_ids=nxt, cache_params=cache, use_cache=True, attention_mask=torch.ones(2, 6, dtype=torch.long))
-    model(input_ids=nxt, cache_params=cache, use_cache=True)  # autograd on
+        model(input_ids=nxt, **{_cache_keyword(): cache}, use_cache=True, attention_mask=torch.ones(2, 6, dtype=torch.long))
+    model(input_ids=nxt, **{_cache_keyword(): cache}, use_cache=True)  # autograd on
     assert mixer_steps == []
     norms = []
     monkeypatch.setattr(fh, "_rms_norm", lambda *args: norms.append(args) or args[0])
@@ -522,7 +547,7 @@ def test_mamba_decode_step_goes_to_transformers_where_fastarch_does_not_apply(mi
     with torch.no_grad():
         model.to(torch.bfloat16)
         cache = _prefilled(model, ids)
-        model(input_ids=nxt, cache_params=cache, use_cache=True)
+        model(input_ids=nxt, **{_cache_keyword(): cache}, use_cache=True)
     assert mixer_steps == []
 
 
@@ -568,13 +593,8 @@ def test_mamba_accelerator_tensors_keep_the_real_kernels():
         seen.append(x.device.type)
         return "real"
 
-    def torch_function(x, weight, bias=None, activation=None, **kwargs):
-        return "torch"
-
-    assert fh._uses_real_package({"implementation": real_kernel, "torch_function": torch_function})
-    assert not fh._uses_real_package({"implementation": torch_function, "torch_function": torch_function})
-    assert not fh._uses_real_package({"implementation": fh._KERNELS["causal_conv1d_fn"],
-                                      "torch_function": torch_function})
+    assert not fh._real_package("fastarch_no_such_package")
+    assert fh._real_package("torch")  # an importable package that is not fastarch's alias
     run = fh._dispatcher(real_kernel, "causal_conv1d_fn", real_package=True)
     w = torch.randn(4, 3, device="meta")
     assert run(torch.empty(1, 4, 5, device="meta"), w, None, activation="silu") == "real"
@@ -582,6 +602,15 @@ def test_mamba_accelerator_tensors_keep_the_real_kernels():
     torch.testing.assert_close(run(x, w, None, activation="silu"),
                                ops.causal_conv1d(x, w, None, "silu"))
     assert seen == ["meta"]
+
+
+def test_mamba_dispatcher_without_the_real_package_runs_fastarch_everywhere():
+    seen = []
+    run = fh._dispatcher(lambda *a, **k: seen.append(1), "causal_conv1d_fn", real_package=False)
+    x, w = torch.randn(1, 4, 5), torch.randn(4, 3)
+    torch.testing.assert_close(run(x, w, None, activation="silu", use_torch_path_only=True),
+                               ops.causal_conv1d(x, w, None, "silu"))
+    assert seen == []
 
 
 def test_mamba_patches_every_kernel_function():

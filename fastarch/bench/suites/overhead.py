@@ -1,0 +1,130 @@
+"""Per-call cost at decode sizes: fastarch's op against the PyTorch call it replaces, at 1 and 2 threads.
+
+A decode step is dozens of tiny calls, so what a call costs above its arithmetic (validation, the backend
+decision, the custom op's dispatch) decides whether a model is faster with fastarch. Each timed iteration
+runs ``CALLS`` calls of the op (inference mode, no autograd: how a decode loop runs them), so the table's
+times are ``CALLS`` calls and the ratios are per call. Cases:
+
+- ``rms_norm`` 1x256 and 1x4096 against ``F.rms_norm``; ``layer_norm`` 1x1024 against ``F.layer_norm``;
+- ``rotary`` on one token (B=1, H=8, D=64) against the rotate-half composition transformers' Llama runs;
+- decode ``attention`` (B=1, H=8, one query over 64 and over 4096 cached keys, D=64) against SDPA;
+- ``causal_conv1d_update`` (B=1, D=1536, W=4) against transformers' PyTorch fallback (concatenate, shift
+  the state, grouped ``conv1d``, SiLU);
+- ``selective_state_update`` (B=1, D=1536, N=16) against transformers' PyTorch fallback formula;
+- ``linear`` on one row (1024 -> 1024) against ``F.linear``.
+
+Providers: ``fastarch`` (the selector's choice) and ``torch`` (the call it replaces); the ratio
+``fastarch`` over ``torch`` has the target 1 (at least as fast). Thread counts are set in each provider's
+set-up (``threads`` in the case parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..core import BenchConfig, Case, Provider, Ratio, Suite
+from ..helpers import fastarch_op, randn
+
+CALLS = 200
+
+
+def _repeat(fn: Callable[[], Any], threads: int) -> Callable[[], Callable[[], Any]]:
+    def setup() -> Callable[[], Any]:
+        torch.set_num_threads(threads)
+
+        def run() -> Any:
+            with torch.inference_mode():
+                for _ in range(CALLS):
+                    out = fn()
+            return out
+
+        return run
+
+    return setup
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _calls(cfg: BenchConfig) -> list[tuple[str, dict[str, int], Callable[[], Any], Callable[[], Any]]]:
+    """(name, params, fastarch call, torch call) per case, on shared inputs."""
+    ops = fastarch_op
+    out = []
+    for n in (256, 4096):
+        x, w = randn(1, n, cfg=cfg, seed=1), randn(n, cfg=cfg, seed=2)
+        out.append((f"rms_norm 1x{n}", {"rows": 1, "n": n},
+                    lambda x=x, w=w: ops("rms_norm")(x, w, 1e-6),
+                    lambda x=x, w=w, n=n: F.rms_norm(x, (n,), w, 1e-6)))
+    x, w, b = randn(1, 1024, cfg=cfg, seed=3), randn(1024, cfg=cfg, seed=4), randn(1024, cfg=cfg, seed=5)
+    out.append(("layer_norm 1x1024", {"rows": 1, "n": 1024},
+                lambda: ops("layer_norm")(x, w, b, 1e-5), lambda: F.layer_norm(x, (1024,), w, b, 1e-5)))
+
+    q = randn(1, 1, 8, 64, cfg=cfg, seed=6)  # (B, L, H, D), one token
+    cos, sin = torch.cos(randn(1, 32, cfg=cfg, seed=7)), torch.sin(randn(1, 32, cfg=cfg, seed=7))
+    cos_full, sin_full = torch.cat([cos, cos], -1)[None, :, None], torch.cat([sin, sin], -1)[None, :, None]
+    out.append(("rotary 1 token", {"L": 1, "H": 8, "D": 64},
+                lambda: ops("rotary_embedding")(q, cos, sin),
+                lambda: q * cos_full + _rotate_half(q) * sin_full))
+
+    for lk in (64, 4096):
+        qd = randn(1, 8, 1, 64, cfg=cfg, seed=8)
+        kd, vd = randn(1, 8, lk, 64, cfg=cfg, seed=9), randn(1, 8, lk, 64, cfg=cfg, seed=10)
+        out.append((f"decode attention Lk={lk}", {"Lq": 1, "Lk": lk, "H": 8, "D": 64},
+                    lambda qd=qd, kd=kd, vd=vd: ops("attention")(qd, kd, vd, causal=True),
+                    lambda qd=qd, kd=kd, vd=vd: F.scaled_dot_product_attention(qd, kd, vd)))
+
+    D, W, N = 1536, 4, 16
+    xc, wc, bc = randn(1, D, cfg=cfg, seed=11), randn(D, W, cfg=cfg, seed=12), randn(D, cfg=cfg, seed=13)
+    state_a, state_b = randn(1, D, W, cfg=cfg, seed=14), randn(1, D, W, cfg=cfg, seed=14)
+
+    def conv_torch() -> torch.Tensor:
+        full = torch.cat([state_b, xc[..., None]], dim=-1)
+        state_b.copy_(full[..., -W:])
+        return F.silu(F.conv1d(full, wc[:, None, :], bc, groups=D)[..., -1])
+
+    out.append(("causal_conv1d_update", {"B": 1, "D": D, "W": W},
+                lambda: ops("causal_conv1d_update")(xc, state_a, wc, bc, "silu"), conv_torch))
+
+    xs, dt, z = randn(1, D, cfg=cfg, seed=15), randn(1, D, cfg=cfg, seed=16), randn(1, D, cfg=cfg, seed=17)
+    A = -torch.exp(randn(D, N, cfg=cfg, seed=18))
+    Bm, Cm, Dv, dt_bias = (randn(1, N, cfg=cfg, seed=19), randn(1, N, cfg=cfg, seed=20),
+                           randn(D, cfg=cfg, seed=21), randn(D, cfg=cfg, seed=22))
+    ssm_a, ssm_b = torch.zeros(1, D, N, device=cfg.device), torch.zeros(1, D, N, device=cfg.device)
+
+    def ssu_torch() -> torch.Tensor:
+        delta = F.softplus(dt + dt_bias)
+        ssm_b.mul_(torch.exp(delta[..., None] * A)).add_(delta[..., None] * Bm[:, None, :] * xs[..., None])
+        y = (ssm_b @ Cm[..., None])[..., 0] + Dv * xs
+        return y * F.silu(z)
+
+    out.append(("selective_state_update", {"B": 1, "D": D, "N": N},
+                lambda: ops("selective_state_update")(ssm_a, xs, dt, A, Bm, Cm, Dv, z, dt_bias, True),
+                ssu_torch))
+
+    xl, wl, bl = randn(1, 1024, cfg=cfg, seed=23), randn(1024, 1024, cfg=cfg, seed=24), randn(1024, cfg=cfg, seed=25)
+    out.append(("linear 1 row", {"rows": 1, "K": 1024, "N": 1024},
+                lambda: ops("linear")(xl, wl, bl), lambda: F.linear(xl, wl, bl)))
+    return out
+
+
+def cases(cfg: BenchConfig) -> list[Case]:
+    out = []
+    for threads in (1, 2):
+        for name, params, fast, plain in _calls(cfg):
+            out.append(Case(
+                name=f"{name} threads={threads}", params={**params, "threads": threads, "calls": CALLS},
+                flops=None, group=name, x="threads", reference="torch",
+                providers=[Provider("fastarch", "fastarch", _repeat(fast, threads)),
+                           Provider("torch", "torch", _repeat(plain, threads))],
+                ratios=(Ratio("fastarch", "torch", target=1.0),)))
+    return out
+
+
+SUITE = Suite(name="overhead", description="per-call cost at decode sizes against the PyTorch call replaced",
+              cases=cases)

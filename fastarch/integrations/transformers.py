@@ -477,7 +477,8 @@ def _gated_norm(module: torch.nn.Module, hidden_states: torch.Tensor, gate: torc
                 ) -> torch.Tensor:
     """``MambaRMSNormGated``: ``weight * norm(x * silu(gate))``, one RMS per group of ``group_size`` channels."""
     return _rms_norm_gated(hidden_states, module.weight, z=gate, eps=module.variance_epsilon,
-                           group_size=module.group_size, norm_before_gate=False)
+                           group_size=getattr(module, "group_size", hidden_states.shape[-1]),
+                           norm_before_gate=False)
 
 
 def _norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -68,9 +68,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.abc
 import importlib.util
 import inspect
-from collections.abc import Callable, Iterable
+import logging
+import sys
+import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -359,11 +363,9 @@ def attention_forward(
     :class:`CompactMask`, a 4-D mask broadcastable to ``(B, H, Lq, Lk)`` (boolean, True = attend, or additive),
     a 2-D key padding mask, or None (then ``is_causal``, else ``module.is_causal``, and ``sliding_window`` set
     the window). ``position_bias`` is added to the scores; ``dropout`` is the probability dropout;
-    ``scaling`` defaults to ``D ** -0.5``.
+    ``scaling`` defaults to ``D ** -0.5``; ``s_aux`` (gpt-oss's attention sinks, one logit per query head)
+    joins every row's softmax denominator.
     """
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("fastarch attention: argument 's_aux' (attention sinks) is not supported; "
-                                  "use attn_implementation='eager' for this model")
     if kwargs.get("cache") is not None:
         raise NotImplementedError("fastarch attention: paged caches (continuous batching) are not supported; "
                                   "use attn_implementation='sdpa' for continuous batching")
@@ -404,6 +406,9 @@ def attention_forward(
         raise ValueError(f"fastarch attention: argument 'attention_mask' must be a CompactMask, a 2-D key "
                          f"padding mask or a 4-D mask, got shape {tuple(attention_mask.shape)}")
 
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:  # gpt-oss: one logit per query head in every row's softmax denominator
+        extra["sinks"] = sinks.reshape(-1)
     out = _attention(query, key, value, window=window, key_padding_mask=kpm, attn_bias=bias,
                      dropout_p=float(dropout), scale=scaling, **extra)
     return out.transpose(1, 2).contiguous(), None
@@ -459,19 +464,6 @@ def _dispatcher(original: Callable, name: str, real_package: bool) -> Callable:
     return run
 
 
-def _patch_mamba(saved: dict[tuple[str, str], Callable]) -> None:
-    for modname in MAMBA_MODULES:
-        if importlib.util.find_spec(modname) is None:
-            continue
-        module = importlib.import_module(modname)
-        for attr, (name, package) in KERNEL_GLOBALS.items():
-            fn = vars(module).get(attr)
-            if fn is None or not hasattr(fn, "__wrapped__") or hasattr(fn, "__fastarch_original__"):
-                continue
-            saved[(modname, attr)] = fn
-            setattr(module, attr, _dispatcher(fn, name, _real_package(package)))
-
-
 # -- Mamba-2's norms -----------------------------------------------------------------------------------------
 def _gated_norm(module: torch.nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -504,26 +496,6 @@ def _norm_forward(original: Callable, fast: Callable[..., torch.Tensor]) -> Call
 
     forward.__fastarch_original__ = original
     return forward
-
-
-def _patch_forwards(saved: dict[tuple[type, str], Callable],
-                    targets: Iterable[tuple[str, str, Callable[[Callable], Callable]]]) -> None:
-    """For each (modeling module, class, make): the class's ``forward`` becomes ``make(its forward)``, the
-    original kept in ``saved``."""
-    for modname, clsname, make in targets:
-        if importlib.util.find_spec(modname) is None:
-            continue
-        cls = getattr(importlib.import_module(modname), clsname, None)
-        original = None if cls is None else vars(cls).get("forward")
-        if original is None or hasattr(original, "__fastarch_original__"):
-            continue
-        saved[(cls, "forward")] = original
-        cls.forward = make(original)
-
-
-def _patch_norms(saved: dict[tuple[type, str], Callable]) -> None:
-    _patch_forwards(saved, ((modname, clsname, functools.partial(_norm_forward, fast=_NORMS[clsname]))
-                            for modname, clsname in NORM_MODULES))
 
 
 # -- the mixers' projections ----------------------------------------------------------------------------------
@@ -651,10 +623,6 @@ MAMBA_CLASSES: dict[tuple[str, str], Callable[[Callable], Callable]] = {
 }
 
 
-def _patch_classes(saved: dict[tuple[type, str], Callable]) -> None:
-    _patch_forwards(saved, ((modname, clsname, make) for (modname, clsname), make in MAMBA_CLASSES.items()))
-
-
 # -- Llama-family norms and rotary embedding ----------------------------------------------------------------
 # (modeling module, RMSNorm class) of the models whose norm forward is Llama's (``weight * x * rsqrt(mean(x^2) +
 # eps)``, computed in fp32) and whose module-level ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` and
@@ -746,63 +714,173 @@ def _apply_rotary_pos_emb(original: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
-def _patch_llama(functions: dict[tuple[str, str], Callable], norms: dict[tuple[type, str], Callable]) -> None:
-    """Point each module's ``apply_rotary_pos_emb`` (a global the attention classes look up at call time) at
-    :func:`_apply_rotary_pos_emb` and each norm class's forward at fastarch's rms_norm, keeping the originals."""
-    for modname, _ in LLAMA_MODULES:
-        if importlib.util.find_spec(modname) is None:
+# -- the patches: one registry, one undo ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Patch:
+    """One replacement :func:`register` makes: attribute ``attr`` of class ``owner`` (None: of the modeling
+    module itself) in modeling module ``module`` becomes ``make(original)``. ``module="*"`` applies to every
+    modeling module that has the attribute as a transformers kernel function (``kernel``). ``group`` is the
+    :func:`register` keyword that enables it; ``what`` says what runs on fastarch, for :func:`report`."""
+
+    group: str
+    module: str
+    owner: str | None
+    attr: str
+    make: Callable[[Callable], Callable]
+    what: str
+    kernel: bool = False
+
+
+def _kernel_patch(attr: str, name: str, package: str) -> Patch:
+    def make(original: Callable) -> Callable:
+        return _dispatcher(original, name, _real_package(package))
+
+    return Patch("mamba", "*", None, attr, make, f"{name} on fastarch.compat's {package} (CPU tensors; every "
+                 f"device when {package} is not installed)", kernel=True)
+
+
+def _norm_patch(module: str, cls: str) -> Patch:
+    return Patch("mamba", module, cls, "forward", functools.partial(_norm_forward, fast=_NORMS[cls]),
+                 f"{cls}.forward on fastarch.ops.{'rms_norm_gated' if 'Gated' in cls else 'rms_norm'}")
+
+
+PATCHES: tuple[Patch, ...] = (
+    *(_kernel_patch(attr, name, package) for attr, (name, package) in KERNEL_GLOBALS.items()),
+    *(_norm_patch(modname, clsname) for modname, clsname in NORM_MODULES),
+    Patch("mamba", "transformers.models.mamba.modeling_mamba", "MambaMixer", "forward", _mamba_mixer_forward,
+          "MambaMixer: the CPU fp32 decode step as one fused mixer step, projections on fastarch.ops.linear"),
+    Patch("mamba", "transformers.models.mamba.modeling_mamba", "MambaRMSNorm", "forward",
+          _cpu_fp32_rms_norm_forward, "MambaRMSNorm.forward on fastarch.ops.rms_norm (CPU fp32)"),
+    Patch("mamba", "transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer", "forward", _projections_on_fastarch,
+          "Mamba2Mixer: projections on fastarch.ops.linear (CPU fp32)"),
+    *(Patch("llama", modname, None, "apply_rotary_pos_emb", _apply_rotary_pos_emb,
+            "apply_rotary_pos_emb on fastarch.ops.rotary_embedding (CPU fp32)") for modname, _ in LLAMA_MODULES),
+    *(Patch("llama", modname, clsname, "forward", _cpu_fp32_rms_norm_forward,
+            f"{clsname}.forward on fastarch.ops.rms_norm (CPU fp32)") for modname, clsname in LLAMA_MODULES),
+    *(Patch("llama", modname, clsname, "forward", _swiglu_mlp_forward,
+            f"{clsname}: SiLU and product in place without autograd") for modname, clsname in LLAMA_MLPS),
+)
+
+# (group, owner object, attribute) -> the original value, for every patch in place.
+_SAVED: dict[tuple[str, object, str], Callable] = {}
+_ACTIVE_GROUPS: set[str] = set()
+
+
+def _is_modeling_module(name: str) -> bool:
+    return name.startswith("transformers.models.") and name.rsplit(".", 1)[-1].startswith("modeling_")
+
+
+def _apply(module: types.ModuleType) -> None:
+    """Apply every active patch that concerns ``module`` (a transformers modeling module)."""
+    for p in PATCHES:
+        if p.group not in _ACTIVE_GROUPS or p.module not in (module.__name__, "*"):
             continue
-        module = importlib.import_module(modname)
-        original = getattr(module, "apply_rotary_pos_emb", None)
+        owner = module if p.owner is None else getattr(module, p.owner, None)
+        if owner is None:
+            continue
+        original = vars(owner).get(p.attr)
         if original is None or hasattr(original, "__fastarch_original__"):
             continue
-        functions[(modname, "apply_rotary_pos_emb")] = original
-        module.apply_rotary_pos_emb = _apply_rotary_pos_emb(original)
-    _patch_forwards(norms, ((modname, clsname, _cpu_fp32_rms_norm_forward) for modname, clsname in LLAMA_MODULES))
-    _patch_forwards(norms, ((modname, clsname, _swiglu_mlp_forward) for modname, clsname in LLAMA_MLPS))
+        if p.kernel and not hasattr(original, "__wrapped__"):  # not a kernel function transformers made
+            continue
+        _SAVED[(p.group, owner, p.attr)] = original
+        setattr(owner, p.attr, p.make(original))
+
+
+def _undo(groups: set[str]) -> None:
+    for key in [k for k in _SAVED if k[0] in groups]:
+        _, owner, attr = key
+        setattr(owner, attr, _SAVED.pop(key))
+
+
+class _WrappedLoader(importlib.abc.Loader):
+    """A modeling module's loader that applies the active patches once the module has executed."""
+
+    def __init__(self, inner: importlib.abc.Loader) -> None:
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._inner.exec_module(module)
+        _apply(module)
+
+    def __getattr__(self, name: str):  # get_source, get_filename, ... for inspect and linecache
+        return getattr(self._inner, name)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Python's import hook: modeling modules imported after :func:`register` get its patches as they load,
+    so registering before or after importing a model's module gives the same result."""
+
+    def find_spec(self, fullname, path, target=None):
+        if not _is_modeling_module(fullname):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _WrappedLoader(spec.loader)
+                return spec
+        return None
+
+
+_IMPORT_HOOK = _PatchOnImport()
+
+
+def _activate(groups: set[str]) -> None:
+    _ACTIVE_GROUPS.update(groups)
+    if _IMPORT_HOOK not in sys.meta_path:
+        sys.meta_path.insert(0, _IMPORT_HOOK)
+    # The modules named by a patch are imported now (cheap next to a model); the kernel functions of every
+    # other modeling module are patched when it is (or was already) imported.
+    for modname in sorted({p.module for p in PATCHES if p.group in groups and p.module != "*"}):
+        if importlib.util.find_spec(modname) is not None:
+            importlib.import_module(modname)
+    for name, module in list(sys.modules.items()):
+        if module is not None and _is_modeling_module(name):
+            _apply(module)
 
 
 # -- register / unregister ----------------------------------------------------------------------------------
 _MISSING = object()
-# name -> what register() replaced: the previous attention and mask entries, and the Mamba functions.
+_LOG = logging.getLogger("fastarch.integrations.transformers")
+# name -> the previous attention and mask entries register() replaced, and the patch groups it asked for.
 _STATE: dict[str, dict] = {}
 
 
 def register(name: str = "fastarch", *, mamba: bool = True, llama: bool = True) -> None:
-    """Register fastarch's attention and mask functions with transformers as ``name``; with ``mamba=True``
-    route the Mamba mixers of :data:`MAMBA_MODULES` to fastarch's kernels and the norms of
-    :data:`NORM_MODULES` to fastarch's norm ops; with ``llama=True`` run the RMSNorm forwards and
-    ``apply_rotary_pos_emb`` of :data:`LLAMA_MODULES` on fastarch's ``rms_norm`` and ``rotary_embedding`` (CPU,
-    fp32; these apply whatever attention implementation a model uses). Idempotent; undone by
+    """Register fastarch's attention and mask functions with transformers as ``name`` and apply the patches
+    of :data:`PATCHES`: with ``mamba=True`` every kernel function transformers resolves from ``mamba_ssm`` and
+    ``causal_conv1d`` (in every modeling module, imported before or after this call) and the Mamba norms and
+    mixers; with ``llama=True`` the Llama-family norms, rotary embedding and MLPs. Idempotent; undone by
     :func:`unregister`."""
     if not isinstance(name, str) or not name or name == "eager":
         raise ValueError(f"register: argument 'name' must be a non-empty string other than 'eager', got {name!r}")
     if name in _STATE:
         return
     masks = masking_utils.AttentionMaskInterface
+    groups = {g for g, on in (("mamba", mamba), ("llama", llama)) if on}
     state = {
         "attention": AttentionInterface._global_mapping.get(name, _MISSING),
         "mask": masks._global_mapping.get(name, _MISSING),
-        "mamba": {},
-        "norms": {},
-        "llama": {},
-        "llama_norms": {},
+        "groups": groups,
     }
-    if mamba and not any(s["mamba"] or s["norms"] for s in _STATE.values()):
-        _patch_mamba(state["mamba"])
-        _patch_norms(state["norms"])
-        _patch_classes(state["norms"])
-    if llama and not any(s["llama"] or s["llama_norms"] for s in _STATE.values()):
-        _patch_llama(state["llama"], state["llama_norms"])
+    _activate(groups)
     AttentionInterface.register(name, attention_forward)
     masks.register(name, attention_mask)
     _STATE[name] = state
+    _LOG.info("fastarch: registered %r with transformers %s; patches: %s", name, transformers.__version__,
+              ", ".join(sorted(groups)) or "none")
 
 
 def unregister(name: str | None = None) -> None:
     """Undo :func:`register` for ``name`` (every registered name when None): the interface entries go back to
-    what they were (removed, or the function a name shadowed) and the Mamba functions, the Llama-family
-    ``apply_rotary_pos_emb`` and the norm forwards to transformers' own.
+    what they were (removed, or the function a name shadowed), and the patches no remaining name asks for
+    are undone (each attribute gets its original back).
     Models still set to ``name`` must be switched (``model.set_attn_implementation("sdpa")``) before use."""
     for key in list(_STATE) if name is None else [name]:
         state = _STATE.pop(key, None)
@@ -814,10 +892,11 @@ def unregister(name: str | None = None) -> None:
                 mapping.pop(key, None)
             else:
                 mapping[key] = previous
-        for (modname, attr), fn in (*state["mamba"].items(), *state["llama"].items()):
-            setattr(importlib.import_module(modname), attr, fn)
-        for (cls, attr), fn in (*state["norms"].items(), *state["llama_norms"].items()):
-            setattr(cls, attr, fn)
+    still = set().union(*(s["groups"] for s in _STATE.values())) if _STATE else set()
+    _undo(_ACTIVE_GROUPS - still)
+    _ACTIVE_GROUPS.intersection_update(still)
+    if not _STATE and _IMPORT_HOOK in sys.meta_path:
+        sys.meta_path.remove(_IMPORT_HOOK)
 
 
 def registered() -> list[str]:

@@ -642,6 +642,7 @@ def attention(
     seqlens_k: torch.Tensor | None = None,
     key_leftpad: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Fused scaled-dot-product attention with windows, padding, bias, ALiBi, soft-capping, GQA, dropout,
     variable-length batches and paged key/value caches.
@@ -679,6 +680,9 @@ def attention(
         block_table: int32 ``(B, n)``: k and v are pages ``(num_pages, page, Hk, D)`` (any page size) and
             row ``b`` of the cache is pages ``block_table[b]`` in order; needs ``seqlens_k`` and
             ``layout='blhd'`` for q.
+        sinks: ``(H,)`` attention sinks (gpt-oss's ``s_aux``): one logit per query head that joins every
+            row's softmax denominator and attends to nothing, so ``o`` becomes ``o * sigmoid(lse - sink)``
+            and ``lse`` becomes ``logaddexp(lse, sink)``; differentiable, on every backend and path.
 
     Returns:
         ``o`` in q's dtype, or ``(o, lse)`` with ``lse`` fp32 when ``return_lse``. A query row that sees no
@@ -694,6 +698,17 @@ def attention(
     """
     if layout not in LAYOUTS:
         fail(OP, f"argument 'layout' must be one of {LAYOUTS}, got {layout!r}")
+    if sinks is not None:
+        varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+        _validate_sinks(sinks, q, layout, varlen)
+        o, lse = attention(q, k, v, causal=causal, window=window, key_padding_mask=key_padding_mask,
+                           attn_bias=attn_bias, dropout_p=dropout_p, scale=scale, return_lse=True,
+                           dropout_seed=dropout_seed, backend=backend, layout=layout, softcap=softcap,
+                           alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                           max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, seqlens_k=seqlens_k,
+                           key_leftpad=key_leftpad, block_table=block_table)
+        o, lse = _with_sinks(o, lse, sinks, "varlen" if varlen else layout)
+        return (o, lse) if return_lse else o
     wl, wr = normalize_window(window, causal)
     softcap = _validate_softcap(softcap)
     dropout_p = float(dropout_p) if isinstance(dropout_p, (int, float)) else dropout_p
@@ -719,6 +734,33 @@ def attention(
                   dropout_seed, backend, softcap)
     o = _as_bhld(o, layout)
     return (o, lse) if return_lse else o
+
+
+def _validate_sinks(sinks, q: torch.Tensor, layout: str, varlen: bool) -> None:
+    check_tensor(OP, "sinks", sinks, ndim=1)
+    if not isinstance(q, torch.Tensor) or q.dim() not in (3, 4):
+        return  # the attention call itself reports a bad q
+    heads = q.shape[1] if varlen or layout == "bhld" else q.shape[2]
+    if sinks.shape[0] != heads:
+        fail(OP, f"argument 'sinks' must have one logit per query head, shape ({heads},), got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        fail(OP, f"argument 'sinks' is on {sinks.device} but 'q' is on {q.device}")
+
+
+def _with_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, layout: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """o, lse of attention without sinks -> with them: each row's softmax gains the sink's logit in its
+    denominator. lse is (B, H, Lq) ((H, total) for varlen); o is laid out as ``layout`` says."""
+    s = sinks.float()
+    s = s[:, None] if layout == "varlen" else s[None, :, None]
+    keep = torch.sigmoid(lse - s)  # exp(lse) / (exp(lse) + exp(sink)); 0 for a row that sees no key
+    if layout == "bhld":
+        factor = keep[..., None]
+    elif layout == "blhd":
+        factor = keep.transpose(1, 2)[..., None]
+    else:
+        factor = keep.t()[..., None]
+    return (o.float() * factor).to(o.dtype), torch.logaddexp(lse, s.expand_as(lse))
 
 
 def _run(q, k, v, kpm, bias4, alibi, segments, wl, wr, dropout_p, scale, dropout_seed, backend, softcap):

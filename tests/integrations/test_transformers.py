@@ -350,10 +350,49 @@ def test_softcap():
 def test_unsupported_arguments_raise():
     q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
     module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        fh.attention_forward(module, q, k, v, None, s_aux=torch.zeros(2))
     with pytest.raises(ValueError, match="attention_mask"):
         fh.attention_forward(module, q, k, v, torch.ones(1, 5, 5, dtype=torch.bool))
+
+
+# -- attention sinks (gpt-oss) ------------------------------------------------------------------------------
+def _gpt_oss(layers: int = 2):
+    cfg = transformers.GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=layers,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=4, max_position_embeddings=128,
+                                    layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():  # sinks away from zero, so that they matter
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.normal_(0, 2)
+    return model
+
+
+@pytest.mark.parametrize("padding", [False, True], ids=["full", "left_padded"])
+def test_gpt_oss_sinks_match_eager(padding):
+    """gpt-oss's sinks (s_aux) and alternating sliding windows: logits, gradients and greedy tokens as
+    transformers' eager attention gives them."""
+    model = _gpt_oss()
+    ids = torch.randint(0, VOCAB, (2, 11))
+    mask = torch.ones_like(ids)
+    if padding:
+        mask[1, :3] = 0
+    model.set_attn_implementation("eager")
+    want = model(input_ids=ids, attention_mask=mask).logits
+    model.set_attn_implementation("fastarch")
+    got = model(input_ids=ids, attention_mask=mask).logits
+    real = mask.bool()[..., None]
+    torch.testing.assert_close(got * real, want * real, atol=ATOL, rtol=1e-4)
+    sinks = [p for n, p in model.named_parameters() if n.endswith("sinks")]
+    (gs,) = torch.autograd.grad((got * real).square().mean(), sinks[:1])
+    (ws,) = torch.autograd.grad((want * real).square().mean(), sinks[:1])
+    torch.testing.assert_close(gs, ws, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        model.set_attn_implementation("eager")
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref)
 
 
 # -- registration -------------------------------------------------------------------------------------------

@@ -22,46 +22,36 @@ bias. A 4-D mask a model or user passes in (boolean, True = attend, or additive 
 HF's ``sliding_window=w`` is ``window=(w - 1, 0)`` for causal models (a token sees itself and the ``w - 1``
 before it: ``q - w < k <= q``) and ``window=(w, w)`` for bidirectional sliding masks (``|q - k| <= w``).
 
-**Mamba.** transformers' Mamba and Mamba-2 mixers call module-level kernel functions of their modeling
-modules (Mamba: ``causal_conv1d_fn``, ``causal_conv1d_update``, ``mamba_selective_scan``,
-``mamba_selective_state_update``, ``mamba_inner_fn``; Mamba-2: ``causal_conv1d_fn``, ``causal_conv1d_update``,
-``mamba2_chunk_scan`` (``mamba_chunk_scan_combined``), ``mamba2_selective_state_update`` and, in training,
-``mamba2_split_conv1d_scan_combined``), each made by ``use_kernel_func_from_hub_with_fallback(kernel_name, package)``, which
-picks the implementation once, when the modeling module is imported: a hub kernel when ``kernels`` is
-installed and enabled, else the function from the original package (``mamba_ssm``, ``causal_conv1d``) when
-that imports, else the PyTorch version (for ``mamba_inner_fn`` and ``mamba_split_conv1d_scan_combined`` a
-stub returning None, which sends the mixer down its unfused path). :func:`register` replaces these module attributes in
-:data:`MAMBA_MODULES` with dispatchers onto :mod:`fastarch.compat` (mamba-ssm's and causal-conv1d's
-signatures on fastarch's ops); :func:`unregister` puts the originals back. Where transformers found the real
-package, tensors on an accelerator still go to it; CPU tensors (which the real kernels refuse) and every call
-where transformers had only its PyTorch path go to fastarch.
+**Patches.** Everything else :func:`register` changes is one entry of :data:`PATCHES` (a :class:`Patch`: a
+modeling module, a class or the module itself, an attribute, the function that makes the replacement from
+the original, and what then runs on fastarch); :func:`unregister` undoes them all. Patches apply to the
+modeling modules already imported and, through an import hook, to those imported later.
 
-**Mamba's decode step and norm.** :func:`register` also replaces the ``forward`` of the classes in
-:data:`MAMBA_CLASSES`: ``MambaMixer``'s single-token decode step on CPU in fp32 runs as one
-:func:`fastarch.nn.mamba.mixer_step` (a fused C++ step on the module's own weights, the cache's states advanced
-in place), and ``MambaRMSNorm`` on fp32 CPU tensors runs :func:`fastarch.ops.rms_norm`; every other call runs
-transformers' forward. :func:`unregister` puts the classes' own forwards back.
+**Kernel functions.** transformers' state-space and convolution layers call module-level kernel functions
+that ``use_kernel_func_from_hub_with_fallback(kernel_name, package)`` resolved when the modeling module was
+imported: a hub kernel when ``kernels`` is enabled, else the original package (``mamba_ssm``,
+``causal_conv1d``) when it imports, else transformers' PyTorch function. Their global names are the same in
+every family (:data:`KERNEL_GLOBALS`); :func:`register` replaces each one transformers made (it has
+``__wrapped__``) in every modeling module (Mamba, Mamba-2, Jamba, Bamba, FalconMamba, Zamba, NemotronH,
+LFM2, ...) with a dispatcher onto :mod:`fastarch.compat` (the packages' signatures on fastarch's ops). Where
+the real package is installed, tensors on an accelerator still go to it; CPU tensors, and every call where
+the package is absent, go to fastarch. The gated delta rule and KDA (fla) are not provided yet:
+:func:`report` says so.
 
-**The mixers' projections.** ``Mamba2Mixer``'s forward and ``MambaMixer``'s non-decode calls run, for CPU
-input, inside a :class:`torch.overrides.TorchFunctionMode` that sends ``torch.nn.functional.linear`` on fp32
-CPU tensors to :func:`fastarch.ops.linear` (oneDNN's GEMM; PyTorch's BLAS is slow on some CPUs), scoped to
-the mixer's call (:func:`_projections_on_fastarch`).
+**Mamba's decode step, the mixers' projections, the norms.** ``MambaMixer``'s single-token decode step on
+CPU in fp32 runs as one :func:`fastarch.nn.mamba.mixer_step`; ``Mamba2Mixer``'s forward and
+``MambaMixer``'s other CPU calls run inside a :class:`torch.overrides.TorchFunctionMode` that sends
+``torch.nn.functional.linear`` on fp32 CPU tensors to :func:`fastarch.ops.linear` (oneDNN's GEMM);
+``MambaRMSNorm``, ``Mamba2RMSNorm`` and the gated ``MambaRMSNormGated`` run :func:`fastarch.ops.rms_norm`
+and :func:`fastarch.ops.rms_norm_gated` (CPU; fp32, bf16 and fp16).
 
-**Mamba-2's norms.** transformers' Mamba-2 normalises in composed PyTorch, with no kernel function to swap:
-:func:`register` replaces the ``forward`` of the classes in :data:`NORM_MODULES` (``MambaRMSNormGated``, the
-gated, grouped norm after the scan, and ``Mamba2RMSNorm``, each block's input norm and the final norm) with
-forwards on :func:`fastarch.ops.rms_norm_gated` and :func:`fastarch.ops.rms_norm`, same formula, same
-parameters, result in the dtype transformers' forward returns; :func:`unregister` puts the classes' own
-forwards back.
+**Llama-family norms, rotary embedding and MLPs.** With ``llama=True``, for the modules of
+:data:`LLAMA_MODULES` (whose norm, ``apply_rotary_pos_emb`` and ``rotate_half`` are Llama's): the norm on
+:func:`fastarch.ops.rms_norm`, ``apply_rotary_pos_emb`` on :func:`fastarch.ops.rotary_embedding` (CPU; fp32,
+bf16, fp16; constant ``(1 or B, L, D)`` cos/sin whose halves repeat), and the MLPs of :data:`LLAMA_MLPS`
+with the SiLU and the product in place when autograd is off.
 
-**Llama-family norms and rotary embedding.** With ``llama=True`` :func:`register` replaces, for each
-``(module, norm class)`` of :data:`LLAMA_MODULES` (models whose norm forward, ``apply_rotary_pos_emb`` and
-``rotate_half`` are Llama's), the norm class's ``forward`` with one on :func:`fastarch.ops.rms_norm` for fp32
-CPU input and weight, and the module attribute ``apply_rotary_pos_emb`` (a global the attention classes look
-up at call time) with one on :func:`fastarch.ops.rotary_embedding` for fp32 CPU ``q``/``k`` ``(B, H, L, D)`` and
-constant ``(1 or B, L, D)`` cos/sin whose halves repeat; every other call runs transformers' own. The MLP
-classes of :data:`LLAMA_MLPS` get a forward that applies the SiLU and the product in place in the gate
-projection's output when autograd is off (CPU input). :func:`unregister` puts all of them back.
+:func:`report` lists, for a model, what runs on fastarch and why anything does not.
 """
 
 from __future__ import annotations
@@ -120,22 +110,19 @@ __all__ = [
     "CompactMask",
     "LLAMA_MLPS",
     "LLAMA_MODULES",
-    "MAMBA_CLASSES",
-    "MAMBA_MODULES",
+    "KERNEL_EXCEPTIONS",
+    "KERNEL_GLOBALS",
     "NORM_MODULES",
+    "PATCHES",
+    "Patch",
     "attention_forward",
     "attention_mask",
     "hf_window",
     "register",
     "registered",
+    "report",
     "unregister",
 ]
-
-# The modeling modules whose Mamba kernel functions register() routes to fastarch.
-# FalconMamba is not among them: its PyTorch path normalises dt over dt_rank before dt_proj, mamba-ssm's fused
-# mamba_inner_fn (and fastarch's) over d_inner after it, so its training forward would change meaning.
-MAMBA_MODULES: tuple[str, ...] = ("transformers.models.mamba.modeling_mamba",
-                                   "transformers.models.mamba2.modeling_mamba2")
 
 # (modeling module, norm class) whose forward register() runs on fastarch's norm ops.
 NORM_MODULES: tuple[tuple[str, str], ...] = (("transformers.models.mamba2.modeling_mamba2", "MambaRMSNormGated"),
@@ -431,6 +418,15 @@ KERNEL_GLOBALS: dict[str, tuple[str, str]] = {
 }
 
 
+# (modeling module, global) kernel functions left to transformers, and why (report() gives the reason).
+KERNEL_EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("transformers.models.falcon_mamba.modeling_falcon_mamba", "mamba_inner_fn"):
+        "FalconMamba's PyTorch path normalises dt over dt_rank before dt_proj, mamba-ssm's fused mamba_inner_fn "
+        "(and fastarch's) over d_inner after it; training keeps transformers' unfused path, whose scan and "
+        "convolution run on fastarch",
+}
+
+
 def _real_package(package: str) -> bool:
     """Is the original package (not fastarch's alias of it, :func:`fastarch.compat.install`) importable?
     transformers resolved its kernel functions to it then."""
@@ -595,32 +591,31 @@ def _mamba_mixer_forward(original: Callable) -> Callable:
     return forward
 
 
-def _on_cpu_fp32(original: Callable, fast: Callable) -> Callable:
-    """A forward that runs ``fast`` when the input and the module's weight are fp32 CPU tensors, else
-    ``original`` (other devices; other or mixed dtypes, e.g. an fp32 residual stream into a bf16 norm)."""
+# The dtypes fastarch's norm and rotary ops read and write natively on the CPU (fp32 accumulation).
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _on_cpu(original: Callable, fast: Callable) -> Callable:
+    """A forward that runs ``fast`` when the input and the module's weight are CPU tensors of one dtype among
+    fp32, bf16 and fp16, else ``original`` (other devices; other or mixed dtypes, e.g. an fp32 residual
+    stream into a bf16 norm)."""
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
-        fp32_cpu = (hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32
-                    and self.weight.dtype == torch.float32)
-        return (fast if fp32_cpu else original)(self, hidden_states, *args, **kwargs)
+        native = (hidden_states.device.type == "cpu" and hidden_states.dtype in _NATIVE_DTYPES
+                  and self.weight.dtype == hidden_states.dtype)
+        return (fast if native else original)(self, hidden_states, *args, **kwargs)
 
     forward.__fastarch_original__ = original
     return forward
 
 
-def _cpu_fp32_rms_norm_forward(original: Callable) -> Callable:
+def _cpu_rms_norm_forward(original: Callable) -> Callable:
     """An RMSNorm forward (``weight * norm(x)``, one ``weight`` and ``variance_epsilon``) on
-    :func:`fastarch.ops.rms_norm` for fp32 CPU input and weight, else ``original``."""
-    return _on_cpu_fp32(original, _norm_forward(original, _norm))
-
-
-# (modeling module, class) -> the forward register() gives it, made from the class's own forward.
-MAMBA_CLASSES: dict[tuple[str, str], Callable[[Callable], Callable]] = {
-    ("transformers.models.mamba.modeling_mamba", "MambaMixer"): _mamba_mixer_forward,
-    ("transformers.models.mamba.modeling_mamba", "MambaRMSNorm"): _cpu_fp32_rms_norm_forward,
-    ("transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer"): _projections_on_fastarch,
-}
+    :func:`fastarch.ops.rms_norm` for CPU input and weight of one dtype (fp32, bf16, fp16), else ``original``.
+    In bf16 and fp16 the result is rounded once (transformers rounds the normalised input, then the
+    product), so the two differ by at most a unit in the last place."""
+    return _on_cpu(original, _norm_forward(original, _norm))
 
 
 # -- Llama-family norms and rotary embedding ----------------------------------------------------------------
@@ -690,8 +685,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _apply_rotary_pos_emb(original: Callable) -> Callable:
-    """Llama's ``apply_rotary_pos_emb`` on :func:`fastarch.ops.rotary_embedding` for fp32 CPU ``q``/``k``
-    ``(B, H, L, D)`` and constant cos/sin ``(1 or B, L, D)`` broadcast over the heads (``unsqueeze_dim=1``) whose
+    """Llama's ``apply_rotary_pos_emb`` on :func:`fastarch.ops.rotary_embedding` for CPU ``q``/``k``
+    ``(B, H, L, D)`` (fp32, bf16 or fp16, cos/sin of the same dtype; computed in fp32, rounded once) and
+    constant cos/sin ``(1 or B, L, D)`` broadcast over the heads (``unsqueeze_dim=1``) whose
     halves repeat; every other call (other devices or dtypes, other layouts, cos/sin with a gradient, tracing
     by dynamo) runs ``original``."""
 
@@ -699,7 +695,7 @@ def _apply_rotary_pos_emb(original: Callable) -> Callable:
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         tensors = (q, k, cos, sin)
         if (unsqueeze_dim == 1 and all(isinstance(t, torch.Tensor) and t.device.type == "cpu"
-                                       and t.dtype == torch.float32 for t in tensors)
+                                       and t.dtype == q.dtype for t in tensors) and q.dtype in _NATIVE_DTYPES
                 and q.dim() == 4 and k.dim() == 4 and cos.dim() == 3 and cos.shape == sin.shape
                 and q.shape[0] == k.shape[0] and cos.shape[0] in (1, q.shape[0])
                 and q.shape[2] == k.shape[2] == cos.shape[1] and q.shape[3] == k.shape[3] == cos.shape[2]
@@ -750,13 +746,13 @@ PATCHES: tuple[Patch, ...] = (
     Patch("mamba", "transformers.models.mamba.modeling_mamba", "MambaMixer", "forward", _mamba_mixer_forward,
           "MambaMixer: the CPU fp32 decode step as one fused mixer step, projections on fastarch.ops.linear"),
     Patch("mamba", "transformers.models.mamba.modeling_mamba", "MambaRMSNorm", "forward",
-          _cpu_fp32_rms_norm_forward, "MambaRMSNorm.forward on fastarch.ops.rms_norm (CPU fp32)"),
+          _cpu_rms_norm_forward, "MambaRMSNorm.forward on fastarch.ops.rms_norm (CPU; fp32, bf16, fp16)"),
     Patch("mamba", "transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer", "forward", _projections_on_fastarch,
           "Mamba2Mixer: projections on fastarch.ops.linear (CPU fp32)"),
     *(Patch("llama", modname, None, "apply_rotary_pos_emb", _apply_rotary_pos_emb,
-            "apply_rotary_pos_emb on fastarch.ops.rotary_embedding (CPU fp32)") for modname, _ in LLAMA_MODULES),
-    *(Patch("llama", modname, clsname, "forward", _cpu_fp32_rms_norm_forward,
-            f"{clsname}.forward on fastarch.ops.rms_norm (CPU fp32)") for modname, clsname in LLAMA_MODULES),
+            "apply_rotary_pos_emb on fastarch.ops.rotary_embedding (CPU; fp32, bf16, fp16)") for modname, _ in LLAMA_MODULES),
+    *(Patch("llama", modname, clsname, "forward", _cpu_rms_norm_forward,
+            f"{clsname}.forward on fastarch.ops.rms_norm (CPU; fp32, bf16, fp16)") for modname, clsname in LLAMA_MODULES),
     *(Patch("llama", modname, clsname, "forward", _swiglu_mlp_forward,
             f"{clsname}: SiLU and product in place without autograd") for modname, clsname in LLAMA_MLPS),
 )
@@ -781,7 +777,8 @@ def _apply(module: types.ModuleType) -> None:
         original = vars(owner).get(p.attr)
         if original is None or hasattr(original, "__fastarch_original__"):
             continue
-        if p.kernel and not hasattr(original, "__wrapped__"):  # not a kernel function transformers made
+        if p.kernel and (not hasattr(original, "__wrapped__")  # not a kernel function transformers made
+                         or (module.__name__, p.attr) in KERNEL_EXCEPTIONS):
             continue
         _SAVED[(p.group, owner, p.attr)] = original
         setattr(owner, p.attr, p.make(original))
@@ -897,6 +894,66 @@ def unregister(name: str | None = None) -> None:
     _ACTIVE_GROUPS.intersection_update(still)
     if not _STATE and _IMPORT_HOOK in sys.meta_path:
         sys.meta_path.remove(_IMPORT_HOOK)
+
+
+# Kernel functions transformers resolves from fla, which fastarch does not provide yet: global name -> kernel.
+_MISSING_KERNELS: dict[str, str] = {
+    "torch_chunk_gated_delta_rule": "fla's chunk_gated_delta_rule (Gated DeltaNet)",
+    "torch_recurrent_gated_delta_rule": "fla's fused_recurrent_gated_delta_rule (Gated DeltaNet)",
+    "chunk_kimi_delta_attention": "fla's chunk_kda (KDA)",
+    "recurrent_kimi_delta_attention": "fla's fused_recurrent_kda (KDA)",
+}
+_REPORTED: set[type] = set()
+
+
+def report(model: torch.nn.Module) -> str:
+    """What of ``model`` runs on fastarch, module by module, and where something does not, why.
+
+    One line for the attention implementation, one per class whose forward :func:`register` replaced (with
+    the conditions under which the replacement runs), and one per kernel function of the model's modeling
+    modules: on fastarch, or transformers' PyTorch path and the reason. Logged once per model class on the
+    ``fastarch.integrations.transformers`` logger (INFO) as well.
+    """
+    lines = []
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl in _STATE:
+        lines.append(f"attention: fastarch ({impl!r}: fastarch.ops.attention, compact masks)")
+    else:
+        lines.append(f"attention: transformers' {impl!r}, not fastarch (model.set_attn_implementation("
+                     f"{(registered() or ['fastarch'])[0]!r}) after register() runs it on fastarch)")
+    by_owner = {(p.module, p.owner, p.attr): p for p in PATCHES}
+    seen_classes: dict[type, list[str]] = {}
+    modules: dict[str, types.ModuleType] = {}
+    for name, sub in model.named_modules():
+        cls = type(sub)
+        seen_classes.setdefault(cls, []).append(name or "(model)")
+        mod = sys.modules.get(cls.__module__)
+        if mod is not None and _is_modeling_module(mod.__name__):
+            modules[mod.__name__] = mod
+    for cls, names in seen_classes.items():
+        forward = vars(cls).get("forward")
+        if hasattr(forward, "__fastarch_original__"):
+            p = by_owner.get((cls.__module__, cls.__name__, "forward"))
+            what = p.what if p is not None else "forward replaced by fastarch"
+            lines.append(f"{cls.__name__} x{len(names)}: {what}")
+    for modname, mod in sorted(modules.items()):
+        for attr, fn in sorted(vars(mod).items()):
+            if not callable(fn):
+                continue
+            if hasattr(fn, "__fastarch_original__") and attr in KERNEL_GLOBALS:
+                lines.append(f"{modname.rsplit('.', 1)[-1]}.{attr}: fastarch ({KERNEL_GLOBALS[attr][0]})")
+            elif attr in KERNEL_GLOBALS and hasattr(fn, "__wrapped__"):
+                why = KERNEL_EXCEPTIONS.get((modname, attr)) or (
+                    "register(mamba=False)" if _STATE else "register() has not been called")
+                lines.append(f"{modname.rsplit('.', 1)[-1]}.{attr}: transformers' resolution, not fastarch ({why})")
+            elif attr in _MISSING_KERNELS and hasattr(fn, "__wrapped__"):
+                lines.append(f"{modname.rsplit('.', 1)[-1]}.{attr}: transformers' PyTorch path: fastarch has no "
+                             f"{_MISSING_KERNELS[attr]} yet")
+    text = "\n".join(lines)
+    if type(model) not in _REPORTED:
+        _REPORTED.add(type(model))
+        _LOG.info("fastarch: %s\n%s", type(model).__name__, text)
+    return text
 
 
 def registered() -> list[str]:

@@ -245,10 +245,27 @@ def test_rotary_matches_original(tables, calls):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_rotary_low_precision_on_fastarch(dtype, calls):
+    """bf16/fp16 q, k, cos, sin reach fastarch's rotary (fp32 arithmetic, one rounding): no further from the
+    fp32 result than transformers' own low-precision arithmetic (FlashAttention's criterion)."""
+    fh.register()
+    module = _module("llama")
+    q, k, cos, sin = _qkcs()
+    low = [t.to(dtype) for t in (q, k, cos, sin)]
+    got = module.apply_rotary_pos_emb(*low)
+    assert calls["rotary"] == 2
+    original = module.apply_rotary_pos_emb.__fastarch_original__
+    theirs = original(*low)
+    exact = original(*(t.float() for t in low))
+    for g, t, e in zip(got, theirs, exact):
+        assert g.dtype == dtype
+        assert (g.float() - e).abs().max() <= 2 * (t.float() - e).abs().max() + 1e-5
+
+
 def _fallback_cases():
     q, k, cos, sin = _qkcs()
     yield "float64", _qkcs(dtype=torch.float64), {}
-    yield "bfloat16", _qkcs(dtype=torch.bfloat16), {}
     yield "meta", _qkcs(device="meta"), {}
     yield "halves differ", (q, k, cos, torch.randn_like(sin)), {}
     yield "unsqueeze_dim=2", (q.transpose(1, 2), k.transpose(1, 2), cos, sin), {"unsqueeze_dim": 2}
@@ -269,8 +286,8 @@ def test_rotary_fallback_runs_original(case, calls):
 
 
 @pytest.mark.parametrize("dtype,device", [(torch.float32, "cpu"), (torch.float64, "cpu"), (torch.bfloat16, "cpu"),
-                                          (torch.float32, "meta")])
-def test_norm_fast_path_only_for_cpu_fp32(dtype, device, calls):
+                                          (torch.float16, "cpu"), (torch.float32, "meta")])
+def test_norm_fast_path_for_cpu_native_dtypes(dtype, device, calls):
     fh.register()
     module = _module("qwen2")
     torch.manual_seed(3)
@@ -280,11 +297,17 @@ def test_norm_fast_path_only_for_cpu_fp32(dtype, device, calls):
             norm.weight.uniform_(0.5, 1.5)
     x = torch.randn(2, 5, 32).to(device=device, dtype=dtype)
     out = norm(x)
-    assert calls["rms_norm"] == (1 if (dtype, device) == (torch.float32, "cpu") else 0)
+    native = device == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)
+    assert calls["rms_norm"] == (1 if native else 0)
     assert out.dtype == dtype and out.device.type == device
     if device != "meta":
         ref = vars(module.Qwen2RMSNorm)["forward"].__fastarch_original__(norm, x)
-        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        if dtype in (torch.bfloat16, torch.float16):
+            # FlashAttention's criterion: no further from the fp32 result than transformers' own rounding
+            exact = vars(module.Qwen2RMSNorm)["forward"].__fastarch_original__(norm.float(), x.float())
+            assert (out.float() - exact).abs().max() <= 2 * (ref.float() - exact).abs().max() + 1e-5
+        else:
+            torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
 
 
 def test_norm_mixed_dtypes_run_original(calls):

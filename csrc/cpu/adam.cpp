@@ -3,7 +3,7 @@
 // One call updates every (param, grad, m, v) of a param group: it bumps each tensor's step counter, then
 // does weight decay (decoupled for AdamW, L2 for Adam), the m/v moving averages, the bias correction and
 // the parameter update in a single read-modify-write pass per element. The tensors are treated as one
-// virtual concatenation that at::parallel_for splits evenly over threads, so a model of many small tensors
+// virtual concatenation that fastarch::parallel_for splits over threads, so a model of many small tensors
 // parallelises as well as one big tensor and pays one parallel region per step, not one per tensor.
 //
 // The arithmetic mirrors, operation by operation and in the same precision, the foreach path of
@@ -29,6 +29,7 @@
 #include <cstring>
 #include <string>
 #include <vector>
+#include "fastarch_parallel.h"
 
 namespace {
 
@@ -284,7 +285,7 @@ void adam_step(std::vector<torch::Tensor> params, std::vector<torch::Tensor> gra
   // ~1-2 ms on one core, a second thread saves little, and on a loaded machine waking it was measured to
   // cost several ms (0.55M elements in 1000 tensors: 1.0 ms on one thread, 8 ms median on two).
   constexpr int64_t kGrain = 1 << 20;
-  at::parallel_for(0, total, kGrain, [&](int64_t b, int64_t e) {
+  fastarch::parallel_for(0, total, kGrain, [&](int64_t b, int64_t e) {
     size_t k = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), b) - offsets.begin()) - 1;
     while (b < e && k < jobs.size()) {
       const int64_t start = offsets[k];

@@ -355,7 +355,7 @@ std::pair<at::Tensor, at::Tensor> key_panels(const at::Tensor& k, const at::Tens
   const int64_t v0 = v ? v->stride(0) : 0, v1 = v ? v->stride(1) : 0, v2 = v ? v->stride(2) : 0;
   float* dst = out.data_ptr<float>();
   float* vdst = v ? vout.data_ptr<float>() : nullptr;
-  at::parallel_for(0, nbh * np, 64, [&](int64_t t0, int64_t t1) {
+  fastarch::parallel_for(0, nbh * np, 64, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / np, row0 = (t % np) * 16;
       float* o = dst + t * D * 16;

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "fastarch_math.h"
+#include "fastarch_parallel.h"
 
 namespace {
 
@@ -155,7 +156,7 @@ torch::Tensor conv_fwd_channel_last(const Conv& c, bool silu) {
   std::vector<float> wt(K * dim);  // (K, D): tap k's weights contiguous over channels
   for (int64_t d = 0; d < dim; ++d)
     for (int64_t k = 0; k < K; ++k) wt[k * dim + d] = c.w[d * K + k];
-  at::parallel_for(0, batch * L, std::max<int64_t>(1, 16384 / std::max<int64_t>(dim * K, 1)),
+  fastarch::parallel_for(0, batch * L, std::max<int64_t>(1, 16384 / std::max<int64_t>(dim * K, 1)),
                    [&](int64_t begin, int64_t end) {
                      for (int64_t bt = begin; bt < end; ++bt) {
                        const int64_t b = bt / L, t = bt % L;
@@ -192,7 +193,7 @@ torch::Tensor conv_fwd(torch::Tensor x, torch::Tensor w, c10::optional<torch::Te
   auto out = torch::empty_like(x);
   float* po = out.data_ptr<float>();
   // Fork only when each task gets >= ~16K outputs: waking a thread team costs more than small rows.
-  at::parallel_for(0, c.batch * c.dim, std::max<int64_t>(1, 16384 / std::max<int64_t>(c.L, 1)),
+  fastarch::parallel_for(0, c.batch * c.dim, std::max<int64_t>(1, 16384 / std::max<int64_t>(c.L, 1)),
                    [&](int64_t begin, int64_t end) {
                      const bool plain = !c.init && !c.seq;
                      std::vector<float> v(plain ? 0 : c.K - 1 + c.L);
@@ -227,7 +228,7 @@ std::vector<torch::Tensor> conv_bwd(torch::Tensor x, torch::Tensor w, c10::optio
   float* pdw = dw.data_ptr<float>();
   float* pdb = db.data_ptr<float>();
   // Parallel over channels: dw/db of a channel sum over batch inside one task.
-  at::parallel_for(0, dim, std::max<int64_t>(1, 16384 / std::max<int64_t>(batch * L, 1)), [&](int64_t begin,
+  fastarch::parallel_for(0, dim, std::max<int64_t>(1, 16384 / std::max<int64_t>(batch * L, 1)), [&](int64_t begin,
                                                                                                 int64_t end) {
     std::vector<float> v(pad + L), dv(pad + L), g(L), drow(dout_channel_last ? L : 0);
     for (int64_t d = begin; d < end; ++d) {
@@ -303,7 +304,7 @@ torch::Tensor conv_update(torch::Tensor x, torch::Tensor conv_state, torch::Tens
   const int64_t pad = K - 1;
   // Tiny per row (T outputs of K taps): fork only when a task gets ~16K multiply-adds.
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(T * K + S, 1));
-  at::parallel_for(0, batch * dim, grain, [&](int64_t begin, int64_t end) {
+  fastarch::parallel_for(0, batch * dim, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> v(pad + T), shifted(S);
     // One decode step is a few multiply-adds per row: the row's (b, d) advance without divisions, and the
     // linear state's window needs no modulo.

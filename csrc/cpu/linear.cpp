@@ -12,6 +12,7 @@
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+#include "fastarch_parallel.h"
 #define FA_AVX2 1
 #endif
 
@@ -89,7 +90,7 @@ torch::Tensor linear_fwd(const torch::Tensor& x, const torch::Tensor& weight, co
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (N + R - 1) / R;
-  at::parallel_for(0, tiles, std::max<int64_t>(GRAIN / (R * std::max<int64_t>(K, 1)), 1), [&](int64_t t0, int64_t t1) {
+  fastarch::parallel_for(0, tiles, std::max<int64_t>(GRAIN / (R * std::max<int64_t>(K, 1)), 1), [&](int64_t t0, int64_t t1) {
     float acc[R];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * R, nr = std::min<int64_t>(R, N - n0);

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <vector>
+#include "fastarch_parallel.h"
 
 namespace {
 
@@ -38,7 +39,7 @@ torch::Tensor causal_fwd(torch::Tensor q, torch::Tensor k, torch::Tensor va, int
   check_input(va, "va", n, L);
   TORCH_CHECK(k.size(2) == m, "linear_attention (cpp): k feature size ", k.size(2), " != q's ", m);
   auto y = torch::empty({n, L, da}, q.options());
-  at::parallel_for(0, n, 1, [&](int64_t b0, int64_t b1) {
+  fastarch::parallel_for(0, n, 1, [&](int64_t b0, int64_t b1) {
     at::NoGradGuard ng;
     auto state = torch::empty({m, da}, q.options());
     auto a = torch::empty({chunk * chunk}, q.options());
@@ -71,7 +72,7 @@ std::vector<torch::Tensor> causal_bwd(torch::Tensor q, torch::Tensor k, torch::T
   check_input(ga, "ga", n, L);
   TORCH_CHECK(ga.size(2) == da, "linear_attention (cpp): ga width ", ga.size(2), " != va's ", da);
   auto dq = torch::empty_like(q), dk = torch::empty_like(k), dva = torch::empty_like(va);
-  at::parallel_for(0, n, 1, [&](int64_t b0, int64_t b1) {
+  fastarch::parallel_for(0, n, 1, [&](int64_t b0, int64_t b1) {
     at::NoGradGuard ng;
     auto state = torch::empty({m, da}, q.options());
     auto p = torch::empty({chunk * chunk}, q.options());

@@ -1026,7 +1026,7 @@ std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& v, const 
   float* lp = lse_s.data_ptr<float>();
   const float ninf = -std::numeric_limits<float>::infinity();
 
-  at::parallel_for(0, BH * g.C, 1, [&](int64_t begin, int64_t end) {
+  fastarch::parallel_for(0, BH * g.C, 1, [&](int64_t begin, int64_t end) {
     Tile t(g);
     std::vector<float> Ob(g.bsp * g.Dp), rinv(g.bsp);
     for (int64_t task = begin; task < end; ++task) {
@@ -1068,7 +1068,7 @@ std::vector<at::Tensor> lsh_fwd(const at::Tensor& q, const at::Tensor& v, const 
   float* outp = out.data_ptr<float>();
   float* lsep = lse.data_ptr<float>();
   const int64_t* ip = inv.data_ptr<int64_t>();
-  at::parallel_for(0, BH * g.L, 256, [&](int64_t begin, int64_t end) {
+  fastarch::parallel_for(0, BH * g.L, 256, [&](int64_t begin, int64_t end) {
     std::vector<float> w(g.NH);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t bh = idx / g.L, i = idx % g.L;
@@ -1132,7 +1132,7 @@ std::vector<at::Tensor> lsh_bwd(const at::Tensor& dout, const at::Tensor& q, con
   float* dvp = dv_prev.data_ptr<float>();
   const float ninf = -std::numeric_limits<float>::infinity();
 
-  at::parallel_for(0, BH * g.C, 1, [&](int64_t begin, int64_t end) {
+  fastarch::parallel_for(0, BH * g.C, 1, [&](int64_t begin, int64_t end) {
     Tile t(g);
     std::vector<float> Gb(g.bsp * g.Dp), Vt(g.Dp * g.NKp), Kb(g.NKp * g.Dp), dP(g.bsp * g.NKp);
     std::vector<float> T(g.NKp * g.bsp), Ob(g.NKp * g.Dp);
@@ -1205,7 +1205,7 @@ std::vector<at::Tensor> lsh_bwd(const at::Tensor& dout, const at::Tensor& q, con
   float* dknp = dkno.data_ptr<float>();
   float* dvop = dvout.data_ptr<float>();
   const int64_t* ip = inv.data_ptr<int64_t>();
-  at::parallel_for(0, BH * g.L, 256, [&](int64_t begin, int64_t end) {
+  fastarch::parallel_for(0, BH * g.L, 256, [&](int64_t begin, int64_t end) {
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t bh = idx / g.L, i = idx % g.L;
       const int64_t* slots = ip + (bh * g.NH) * g.L + i;
@@ -1244,7 +1244,7 @@ std::vector<at::Tensor> lsh_sort(const at::Tensor& buckets, int64_t bucket_size,
   int64_t* ip = inv.data_ptr<int64_t>();
   // rows of a few thousand elements are not worth waking threads for
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(L, 1));
-  at::parallel_for(0, B * H * NH, grain, [&](int64_t begin, int64_t end) {
+  fastarch::parallel_for(0, B * H * NH, grain, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> start(n_buckets + 2);
     for (int64_t row = begin; row < end; ++row) {
       const int64_t* bk = bp + row * L;

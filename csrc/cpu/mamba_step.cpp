@@ -14,6 +14,7 @@
 
 #include "fastarch_math.h"
 #include "fastarch_tensor.h"
+#include "fastarch_parallel.h"
 
 namespace {
 
@@ -72,7 +73,7 @@ void matvec(const float* W, const float* bias, int64_t N, int64_t K, const float
             bool parallel) {
   const int64_t tiles = (N + 3) / 4;
   const int64_t grain = parallel ? std::max<int64_t>(1, GRAIN / (4 * std::max<int64_t>(K, 1))) : std::max<int64_t>(tiles, 1);
-  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+  fastarch::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     matvec_rows(W, bias, K, X, M, Y, N, t0 * 4, std::min(N, t1 * 4));
   });
 }
@@ -185,7 +186,7 @@ torch::Tensor mamba_step(const torch::Tensor& x, const torch::Tensor& in_w, cons
   float* pss = ssm_state.data_ptr<float>();
   const int64_t chan_grain = parallel ? std::max<int64_t>(1, GRAIN / std::max<int64_t>(4 * (R + N), 1))
                                         : std::max<int64_t>(E, 1);
-  at::parallel_for(0, E, chan_grain, [&](int64_t e0, int64_t e1) {
+  fastarch::parallel_for(0, E, chan_grain, [&](int64_t e0, int64_t e1) {
     for (int64_t b = 0; b < Bsz; ++b) {
       const float* dtr = pxd + b * (R + 2 * N);
       const float* Bv = dtr + R;

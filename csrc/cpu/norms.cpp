@@ -1,5 +1,5 @@
 // Fused CPU kernels for layer norm, RMS norm and gated grouped RMS norm, forward and backward.
-// Rows are independent, so work is split over rows with at::parallel_for; inner loops are written so the
+// Rows are independent, so work is split over rows with fastarch::parallel_for; inner loops are written so the
 // compiler vectorises them (-O3 -march=native), accumulating in fp32 whatever the storage dtype.
 
 #include <torch/extension.h>
@@ -11,6 +11,7 @@
 
 #include "fastarch_math.h"
 #include "fastarch_tensor.h"
+#include "fastarch_parallel.h"
 
 namespace {
 
@@ -65,7 +66,7 @@ torch::Tensor row_chunk_partials(int64_t rows, int64_t width, const torch::Tenso
   const int64_t chunk = (rows + nchunks - 1) / nchunks;
   auto part = torch::zeros({nchunks, width}, like.options().dtype(torch::kFloat32));
   float* pp = part.data_ptr<float>();
-  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+  fastarch::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t ci = c0; ci < c1; ++ci) body(pp + ci * width, ci * chunk, std::min(rows, ci * chunk + chunk));
   });
   return part;
@@ -89,7 +90,7 @@ std::vector<torch::Tensor> layer_norm_fwd(const torch::Tensor& x, const c10::opt
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "layer_norm_fwd", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    fastarch::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       std::vector<float> buf(n);
       for (int64_t r = r0; r < r1; ++r) {
         const scalar_t* xr = xp + r * n;
@@ -183,7 +184,7 @@ std::vector<torch::Tensor> rms_norm_fwd(const torch::Tensor& x, const c10::optio
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rms_norm_fwd", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    fastarch::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const scalar_t* xr = xp + r * n;
         scalar_t* yr = yp + r * n;
@@ -322,7 +323,7 @@ std::vector<torch::Tensor> rms_norm_gated_fwd(const torch::Tensor& x, const c10:
     const scalar_t* zp = z.has_value() ? z->data_ptr<scalar_t>() : nullptr;
     scalar_t* yp = y.data_ptr<scalar_t>();
     constexpr bool f32 = std::is_same<scalar_t, float>::value;
-    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    fastarch::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       // fp32 storage: the gated value goes into the output row itself; otherwise into an fp32 row buffer.
       std::vector<float> tmp(f32 ? 0 : n);
       for (int64_t r = r0; r < r1; ++r) {

@@ -1,5 +1,5 @@
 // Fused CPU kernel for rotary embedding; one kernel serves the forward and, rotating backwards, the backward.
-// Work is split over tokens with at::parallel_for, computing in fp32 whatever the storage dtype.
+// Work is split over tokens with fastarch::parallel_for, computing in fp32 whatever the storage dtype.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "fastarch_tensor.h"
+#include "fastarch_parallel.h"
 
 namespace {
 
@@ -31,7 +32,7 @@ torch::Tensor rotary_apply(const torch::Tensor& x, const torch::Tensor& cos, con
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "rotary_apply", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B * L, 4, [&](int64_t t0, int64_t t1) {
+    fastarch::parallel_for(0, B * L, 4, [&](int64_t t0, int64_t t1) {
       std::vector<float> c(R), s(R);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t l = t % L + offset;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
+#include "fastarch_parallel.h"
 
 namespace {
 
@@ -62,7 +63,7 @@ torch::Tensor kernel_fwd(torch::Tensor ar, torch::Tensor ai, torch::Tensor wr, t
   const float *par = ar.data_ptr<float>(), *pai = ai.data_ptr<float>();
   const float *pwr = wr.data_ptr<float>(), *pwi = wi.data_ptr<float>();
   float *pa = A.data_ptr<float>(), *pp = P.data_ptr<float>();
-  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+  fastarch::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
     std::vector<double> sr(N), si(N);
     for (int64_t h = h0; h < h1; ++h) {
       const Powers z(par + h * N, pai + h * N, N);
@@ -106,7 +107,7 @@ std::vector<torch::Tensor> kernel_bwd_sums(torch::Tensor dk, torch::Tensor ar, t
   auto Q = torch::empty({H, BLOCK, 4 * N}, ar.options());
   const float *par = ar.data_ptr<float>(), *pai = ai.data_ptr<float>();
   float* pq = Q.data_ptr<float>();
-  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+  fastarch::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
       const Powers z(par + h * N, pai + h * N, N);
       float* q = pq + h * BLOCK * 4 * N;
@@ -124,7 +125,7 @@ std::vector<torch::Tensor> kernel_bwd_sums(torch::Tensor dk, torch::Tensor ar, t
   const float* pm = M.data_ptr<float>();
   auto s0r = torch::empty({H, N}, ar.options()), s0i = torch::empty_like(s0r);
   auto s1r = torch::empty_like(s0r), s1i = torch::empty_like(s0r);
-  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+  fastarch::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
     for (int64_t h = h0; h < h1; ++h) {
       const Powers z(par + h * N, pai + h * N, N);  // only the block step is needed here
       for (int64_t j = 0; j < N; ++j) {

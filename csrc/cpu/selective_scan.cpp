@@ -34,6 +34,7 @@
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#include "fastarch_parallel.h"
 #endif
 
 namespace {
@@ -522,7 +523,7 @@ std::vector<torch::Tensor> scan_fwd(torch::Tensor u, torch::Tensor delta, torch:
   const int64_t ntask = s.batch * s.nseg * s.nblk;
   // A task is 16 channels x L x N state updates; short sequences run several tasks per thread.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(W * s.L * s.N, 1));
-  at::parallel_for(0, ntask, grain, [&](int64_t begin, int64_t end) {
+  fastarch::parallel_for(0, ntask, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       if (gB && gC) fwd_task<true, true>(s, task, po, pl, pc);
       else if (gB) fwd_task<true, false>(s, task, po, pl, pc);
@@ -573,7 +574,7 @@ std::vector<torch::Tensor> scan_bwd(torch::Tensor dout, c10::optional<torch::Ten
   float* pdCp = gC ? dCp.data_ptr<float>() : nullptr;
   const int64_t ntask = base * nslice;
   const int64_t task_work = W * s.L * s.N * ((s.nblk + nslice - 1) / nslice);
-  at::parallel_for(0, ntask, std::max<int64_t>(1, 65536 / std::max<int64_t>(task_work, 1)), [&](int64_t begin,
+  fastarch::parallel_for(0, ntask, std::max<int64_t>(1, 65536 / std::max<int64_t>(task_work, 1)), [&](int64_t begin,
                                                                                                 int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t slice = task % nslice;
@@ -630,7 +631,7 @@ torch::Tensor state_update(torch::Tensor state, torch::Tensor x, torch::Tensor d
   // A row is ~10 N flops: a decode step of a whole model layer (1536 x 16) is ~30 us of work, less than
   // waking a thread team costs on a busy machine, so fork only above ~64K state elements per task.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(N, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  fastarch::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t b = r / (H * P);
       const int64_t hp = r % (H * P);  // (head, channel) index into A / D / dt_bias

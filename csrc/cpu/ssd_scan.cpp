@@ -395,7 +395,7 @@ constexpr int64_t kSerialStreamWork = 1 << 21;
 template <class Body>
 void for_rows(const Scan& s, const Body& body) {
   const int64_t per_row = std::max<int64_t>(1, s.nc * s.P * s.N);
-  at::parallel_for(0, s.batch * s.H, std::max<int64_t>(1, kSerialStreamWork / per_row), body);
+  fastarch::parallel_for(0, s.batch * s.H, std::max<int64_t>(1, kSerialStreamWork / per_row), body);
 }
 
 // The pass between chunks for every (batch, head) row of the (batch, nc, H, P, N) slots, each already holding
@@ -502,7 +502,7 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
   for_tasks(s, [&](int64_t i, int64_t) {
     at::NoGradGuard ng2;
     const Task k = task_of(s, i);
-    float* Bp = scratch[at::get_thread_num()].get(2 * s.cmax * s.N);
+    float* Bp = scratch[fastarch::thread_index()].get(2 * s.cmax * s.N);
     float* bw = Bp + s.cmax * s.N;
     ChunkSeq q;
     q.fill(s, k);
@@ -527,7 +527,7 @@ std::vector<torch::Tensor> ssd_fwd(torch::Tensor x, torch::Tensor dt, torch::Ten
     at::NoGradGuard ng2;
     const Task k = task_of(s, i);
     const int64_t T = k.T;
-    float* cb = scratch[at::get_thread_num()].get(2 * T2 + 2 * s.cmax * s.N);
+    float* cb = scratch[fastarch::thread_index()].get(2 * T2 + 2 * s.cmax * s.N);
     float* m = cb + T2;
     float* Cp = m + T2;
     float* Bp = Cp + s.cmax * s.N;
@@ -617,7 +617,7 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
   for_tasks(s, [&](int64_t i, int64_t) {
     at::NoGradGuard ng2;
     const Task k = task_of(s, i);
-    float* cw = scratch[at::get_thread_num()].get(s.cmax * s.N);
+    float* cw = scratch[fastarch::thread_index()].get(s.cmax * s.N);
     ChunkSeq q;
     q.fill(s, k);
     Decays d;
@@ -644,7 +644,7 @@ std::vector<torch::Tensor> ssd_bwd(torch::Tensor dy, c10::optional<torch::Tensor
     at::NoGradGuard ng2;
     const Task k = task_of(s, i);
     const int64_t T = k.T, N = s.N, P = s.P;
-    float* cb = scratch[at::get_thread_num()].get(4 * T2 + 2 * s.cmax * N + 4 * s.cmax);
+    float* cb = scratch[fastarch::thread_index()].get(4 * T2 + 2 * s.cmax * N + 4 * s.cmax);
     float* m = cb + T2;
     float* z = m + T2;
     float* zs = z + T2;          // sum over the block's heads of K*dt_s*(dY X^T): B and C are shared by them

@@ -12,6 +12,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch intra-op threads for the run (default: torch's own choice)")
     ap.add_argument("--memory", choices=("auto", "all", "none"), default="auto",
                     help="peak memory: auto = every case in --full, flagged cases in --quick (default)")
+    ap.add_argument("--neighbour", action="store_true",
+                    help="run a CPU-bound neighbour process (one busy core) for the whole run, as on a shared "
+                    "machine; recorded in the results' machine info")
     ap.add_argument("--no-plot", action="store_true", help="do not write PNG plots")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar / progress lines")
     ap.add_argument("--toy", action="store_true", help="tiny sizes, for testing the bench machinery")
@@ -170,11 +174,16 @@ def main(argv: list[str] | None = None) -> int:
     for e in broken:
         print(f"fastarch bench: suite {e.name!r} not run: {e.error}", file=sys.stderr)
     cb, close = _progress(not args.no_progress)
+    neighbour = (subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.neighbour else None)
     try:
         run = run_benchmarks(sel, opts, progress=cb)
     finally:
         close()
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait()
     meta = machine_info(device, dtype, args.quick)
+    meta["neighbour"] = bool(args.neighbour)
     rows = result_rows(run, meta)
     out = Path(args.out)
     table = format_table(run)

@@ -232,7 +232,7 @@ class AtenLayerNorm(AtenImplementation):
                                                     "eps inside the root)"]
 
     def forward(self, x, weight, bias, eps, mode):
-        y, mean, rstd = torch.ops.aten.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)
+        y, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)
         return y, mean.float().view(-1), rstd.float().view(-1)
 
     def backward(self, dy, x, weight, mean, rstd, eps, mode):

@@ -146,7 +146,7 @@ class AtenRMSNorm(AtenImplementation):
                    "has no native CPU kernel for it")
 
     def forward(self, x, weight, eps):
-        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        y, rstd = torch._fused_rms_norm(x, [x.shape[-1]], weight, eps)
         return y, rstd.float().view(-1)
 
     backward = staticmethod(_composed_backward)

@@ -9,20 +9,15 @@ projection's bias and softplus fused into it, and the depthwise conv + SiLU on
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..backend import AUTO, ExtensionBuildError, requested_backend
-from ..extensions import load_extension
-from ..ops.causal_conv1d import causal_conv1d, causal_conv1d_update
-from ..ops.linear import linear
+from ..ops.causal_conv1d import causal_conv1d
+from ..ops.mamba_mixer_step import mamba_mixer_step
 from ..ops.selective_scan import selective_scan
-from ..ops.selective_state_update import selective_state_update
 from ._models_common import keep_logits
 from .linear import Linear
 from .norms import RMSNorm
@@ -68,119 +63,18 @@ def _ssm_core(x: torch.Tensor, z: torch.Tensor, conv: nn.Conv1d, x_proj: nn.Line
     return y
 
 
-def _ssm_step(x: torch.Tensor, z: torch.Tensor, conv: nn.Conv1d, x_proj: nn.Linear, dt_weight: torch.Tensor,
-              dt_bias: torch.Tensor | None, A_log: torch.Tensor, D: torch.Tensor, d_state: int, dt_rank: int,
-              conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
-    """One token: x, z (B, d_inner) -> y (B, d_inner); conv_state and ssm_state advance in place."""
-    xc = causal_conv1d_update(x, conv_state, conv.weight.squeeze(1), conv.bias, activation="silu")
-    dt, Bm, Cm = torch.split(linear(xc, x_proj.weight, x_proj.bias), [dt_rank, d_state, d_state], dim=-1)
-    dt = linear(dt, dt_weight)
-    A = -torch.exp(A_log.float())
-    return selective_state_update(ssm_state, xc, dt, A, Bm, Cm, D.float(), z,
-                                  dt_bias=None if dt_bias is None else dt_bias.float(), dt_softplus=True)
-
-
-# The ops a mixer decode step runs; the fused kernel takes the step when none of them is forced off ``cpp``.
-_STEP_OPS = ("linear", "causal_conv1d_update", "selective_state_update")
-
-
-def _fused_step_kernel() -> Any | None:
-    """The fused C++ decode step's extension, or None where it cannot be built (the step then runs op by op)."""
-    try:
-        return load_extension("mamba_step", "cpu")
-    except ExtensionBuildError:
-        return None
-
-
-class _ForkPolicy:
-    """Whether the fused step splits its loops over threads. On an idle machine two threads read the weights
-    faster than one; but every split waits until each thread has been scheduled, so on a machine busier than
-    its cores a step that forks can wait a scheduler time slice per fork, far longer than the step. The forked
-    calls are timed: one slower than ``SLOW`` times the fastest forked call of the same shapes sends the next
-    ``HOLD`` calls to the calling thread alone, after which forking is tried again."""
-
-    SLOW = 4.0
-    HOLD = 256
-
-    def __init__(self) -> None:
-        self.best: dict[tuple, float] = {}
-        self.calls = 0
-        self.hold_until = 0
-
-    def run(self, kernel: Any, key: tuple, args: tuple) -> torch.Tensor:
-        self.calls += 1
-        if self.calls < self.hold_until or torch.get_num_threads() == 1:
-            return kernel.mamba_step(*args, False)
-        start = time.perf_counter()
-        out = kernel.mamba_step(*args, True)
-        took = time.perf_counter() - start
-        best = self.best.get(key)
-        if best is not None and took > self.SLOW * best:
-            self.hold_until = self.calls + self.HOLD
-        if best is None or took < best:
-            self.best[key] = took
-        return out
-
-
-_FORK = _ForkPolicy()
-
-
-def _fusable(tensors: tuple[torch.Tensor | None, ...]) -> bool:
-    """Can the fused C++ step take these tensors: CPU fp32 contiguous, no autograd, not traced, no backend
-    other than ``cpp`` asked for the step's ops."""
-    if torch.compiler.is_compiling() or any(requested_backend(op) not in (AUTO, "cpp") for op in _STEP_OPS):
-        return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        if t is not None and (t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous()
-                              or (grad and t.requires_grad)):
-            return False
-    return True
-
-
-def _check_step(x: torch.Tensor, in_proj: nn.Linear, A_log: torch.Tensor, conv_state: torch.Tensor,
-                ssm_state: torch.Tensor) -> None:
-    d_inner, d_state = A_log.shape
-    if x.dim() != 2 or x.shape[1] != in_proj.in_features:
-        raise ValueError(f"mixer_step: argument 'x' must be (batch, {in_proj.in_features}), got {tuple(x.shape)}")
-    if conv_state.dim() != 3 or conv_state.shape[:2] != (x.shape[0], d_inner):
-        raise ValueError(f"mixer_step: argument 'conv_state' must be ({x.shape[0]}, {d_inner}, width), got "
-                         f"{tuple(conv_state.shape)}")
-    if tuple(ssm_state.shape) != (x.shape[0], d_inner, d_state):
-        raise ValueError(f"mixer_step: argument 'ssm_state' must be ({x.shape[0]}, {d_inner}, {d_state}), got "
-                         f"{tuple(ssm_state.shape)}")
-
-
 def mixer_step(x: torch.Tensor, in_proj: nn.Linear, conv: nn.Conv1d, x_proj: nn.Linear, dt_proj: nn.Linear,
                A_log: torch.Tensor, D: torch.Tensor, out_proj: nn.Linear, conv_state: torch.Tensor,
                ssm_state: torch.Tensor, norm: RMSNorm | None = None, residual: bool = False) -> torch.Tensor:
-    """One decode step of a Mamba-1 mixer: x (B, d_model) -> (B, d_out); ``conv_state`` (B, d_inner, S) and
-    ``ssm_state`` (B, d_inner, N) advance in place.
-
-    (``norm``) -> in_proj -> causal conv update + SiLU -> x_proj -> dt_proj (bias, softplus) -> selective state
-    update (``A = -exp(A_log)``, D skip, ``silu(z)`` gate) -> out_proj (-> ``+ x`` when ``residual``). On CPU in
-    fp32 without autograd it runs as one fused C++ call (the weights are read once, no per-op overhead);
-    otherwise op by op on fastarch's ops.
-    """
-    _check_step(x, in_proj, A_log, conv_state, ssm_state)
-    if residual and out_proj.out_features != x.shape[1]:
-        raise ValueError(f"mixer_step: argument 'residual' needs out_proj to give {x.shape[1]} features, it gives "
-                         f"{out_proj.out_features}")
-    d_inner, d_state = A_log.shape
-    conv_w = conv.weight.view(d_inner, -1) if conv.weight.is_contiguous() else conv.weight
-    tensors = (x, in_proj.weight, in_proj.bias, conv_state, conv_w, conv.bias, x_proj.weight, x_proj.bias,
-               dt_proj.weight, dt_proj.bias, A_log, D, ssm_state, out_proj.weight, out_proj.bias,
-               None if norm is None else norm.weight)
-    if _fusable(tensors):
-        kernel = _fused_step_kernel()
-        if kernel is not None:
-            key = (x.shape[0], in_proj.weight.shape, out_proj.weight.shape, norm is None)
-            return _FORK.run(kernel, key, (*tensors, 0.0 if norm is None else float(norm.eps), residual))
-    xi, z = linear(x if norm is None else norm(x), in_proj.weight, in_proj.bias).chunk(2, dim=-1)
-    y = _ssm_step(xi, z, conv, x_proj, dt_proj.weight, dt_proj.bias, A_log, D, d_state, dt_proj.weight.shape[1],
-                  conv_state, ssm_state)
-    out = linear(y, out_proj.weight, out_proj.bias)
-    return out + x if residual else out
+    """One decode step of a Mamba-1 mixer on the module's layers: x (B, d_model) -> (B, d_out);
+    ``conv_state`` (B, d_inner, S) and ``ssm_state`` (B, d_inner, N) advance in place. It is
+    :func:`fastarch.ops.mamba_mixer_step` (one fused C++ call on CPU in fp32 without autograd, else op by op)."""
+    d_inner = A_log.shape[0]
+    conv_w = conv.weight.view(d_inner, -1) if conv.weight.is_contiguous() else conv.weight.squeeze(1)
+    return mamba_mixer_step(x, in_proj.weight, in_proj.bias, conv_w, conv.bias, x_proj.weight, x_proj.bias,
+                            dt_proj.weight, dt_proj.bias, A_log, D, out_proj.weight, out_proj.bias, conv_state,
+                            ssm_state, None if norm is None else norm.weight,
+                            0.0 if norm is None else float(norm.eps), residual)
 
 
 class _SelectiveSSMLayer(nn.Module):

@@ -12,6 +12,7 @@ from . import (
     linear,
     linear_attention,
     lsh_attention,
+    mamba_mixer_step,
     mamba_split_conv1d_scan,
     rms_norm,
     rms_norm_gated,
@@ -23,7 +24,8 @@ from . import (
     ssm_convolution,
 )
 
-_OPS = (attention, causal_conv1d, layer_norm, linear, linear_attention, lsh_attention, mamba_split_conv1d_scan,
+_OPS = (attention, causal_conv1d, layer_norm, linear, linear_attention, lsh_attention, mamba_mixer_step,
+        mamba_split_conv1d_scan,
         rms_norm, rms_norm_gated, rotary, s4_kernel, selective_scan, selective_state_update, ssd_scan,
         ssm_convolution)
 

@@ -118,9 +118,10 @@ def _step_pair(module, batch: int, seed: int = 0):
                                   lambda: Mamba(16, d_state=4, d_conv=3, conv_bias=False, dt_rank=3),
                                   lambda: MambaBlock(8, d_state=4, d_conv=2)],
                          ids=["mamba-bias", "mamba-no-conv-bias", "guide-block"])
-def test_fused_mixer_step_matches_op_by_op(make, monkeypatch):
-    """The fused C++ decode step gives the op-by-op step's output and states (batch 3, several steps)."""
-    from fastarch.nn import mamba as mm
+def test_fused_mixer_step_matches_op_by_op(make):
+    """The fused C++ decode step (the cpp backend of ops.mamba_mixer_step) gives the op-by-op step's output and
+    states (batch 3, several steps)."""
+    from fastarch.backend import log_decisions, use_backend
 
     torch.manual_seed(0)
     m = make().eval()
@@ -128,49 +129,40 @@ def test_fused_mixer_step_matches_op_by_op(make, monkeypatch):
         for p in m.parameters():
             p.add_(0.05 * torch.randn_like(p))
     fused, ops = _step_pair(m, 3)
-    calls = []
-    kernel = mm._fused_step_kernel()
-    assert kernel is not None  # the extension builds on this machine
-
-    class Counting:
-        def mamba_step(self, *args):
-            calls.append(1)
-            return kernel.mamba_step(*args)
-
     with torch.no_grad():
         for _ in range(4):
             x = torch.randn(3, m.d_model)
-            monkeypatch.setattr(mm, "_fused_step_kernel", lambda: Counting())
-            got = m.step(x, fused)
-            monkeypatch.setattr(mm, "_fused_step_kernel", lambda: None)
-            want = m.step(x, ops)
+            with log_decisions() as log:
+                got = m.step(x, fused)
+            assert [(op, backend) for op, _, _, backend, _ in log] == [("mamba_mixer_step", "cpp")]
+            with use_backend(mamba_mixer_step="torch"):
+                want = m.step(x, ops)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(fused.conv_state, ops.conv_state, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(fused.ssm_state, ops.ssm_state, rtol=1e-5, atol=1e-5)
-    assert len(calls) == 4
 
 
-def test_mixer_step_falls_back_to_ops_where_the_kernel_does_not_apply(monkeypatch):
-    """Autograd, a forced backend and a non-contiguous state run op by op."""
-    from fastarch.backend import use_backend
-    from fastarch.nn import mamba as mm
+def test_mixer_step_falls_back_to_ops_where_the_kernel_does_not_apply():
+    """Autograd and a non-contiguous state run op by op (the selector refuses cpp for them, saying why)."""
+    from fastarch.backend import log_decisions
 
-    def refuse():
-        raise AssertionError("the fused kernel ran")
-
-    monkeypatch.setattr(mm, "_fused_step_kernel", refuse)
     m = Mamba(16, d_state=4).eval()
     cache = m.allocate_inference_cache(2)
     x = torch.randn(2, 16)
-    out = m.step(x, cache)  # grad enabled, parameters require grad
-    assert out.requires_grad
-    with torch.no_grad(), use_backend(selective_state_update="torch"):
-        m.step(x, cache)
+    with log_decisions() as log:
+        out = m.step(x, cache)  # grad enabled, parameters require grad
+    assert out.requires_grad and log[0][3] == "torch"
     with torch.no_grad():
         conv = cache.conv_state.clone()
         cache.conv_state = conv.transpose(1, 2).contiguous().transpose(1, 2)
-        m.step(x, cache)
+        with log_decisions() as log:
+            m.step(x, cache)
+        assert log[0][:1] == ("mamba_mixer_step",) and log[0][3] == "torch"
         torch.testing.assert_close(cache.conv_state[..., :-1], conv[..., 1:])
+    import fastarch
+
+    text = fastarch.explain("mamba_mixer_step", x, batch=2, all_fp32=True, contiguous=False, grad=False)
+    assert "every tensor must be contiguous" in text
 
 
 def test_mixer_step_rejects_bad_input_before_touching_the_states():
@@ -190,9 +182,9 @@ def test_mixer_step_rejects_bad_input_before_touching_the_states():
     assert torch.equal(cache.conv_state, conv) and torch.equal(cache.ssm_state, ssm)
 
 
-def test_fused_lm_step_with_norm_and_residual_matches_op_by_op(monkeypatch):
+def test_fused_lm_step_with_norm_and_residual_matches_op_by_op():
     """MambaLM's step (norm, mixer and residual in one fused call per layer) against the op-by-op step."""
-    from fastarch.nn import mamba as mm
+    from fastarch.backend import use_backend
 
     torch.manual_seed(0)
     lm = MambaLM(vocab_size=40, d_model=24, n_layers=2, d_state=8, norm_eps=1e-3).eval()
@@ -200,37 +192,13 @@ def test_fused_lm_step_with_norm_and_residual_matches_op_by_op(monkeypatch):
         for layer in lm.layers:
             layer.norm.weight.normal_()
     fused, ops = lm.allocate_inference_cache(2), lm.allocate_inference_cache(2)
-    kernel = mm._fused_step_kernel()
-    assert kernel is not None
     for _ in range(3):
         ids = torch.randint(0, 40, (2,))
         got = lm.step(ids, fused)
-        monkeypatch.setattr(mm, "_fused_step_kernel", lambda: None)
-        want = lm.step(ids, ops)
-        monkeypatch.setattr(mm, "_fused_step_kernel", lambda: kernel)
+        with use_backend(mamba_mixer_step="torch"):
+            want = lm.step(ids, ops)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(fused.layers, ops.layers):
         torch.testing.assert_close(a.ssm_state, b.ssm_state, rtol=1e-5, atol=1e-5)
 
 
-def test_fork_policy_runs_on_one_thread_after_a_slow_forked_call(monkeypatch):
-    """A forked call much slower than the fastest one (threads not scheduled on a busy machine) sends the next
-    calls to the calling thread; forking is tried again after them."""
-    from fastarch.nn.mamba import _ForkPolicy
-
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    durations = iter([1.0, 1.0, 10.0] + [1.0] * 100)
-    clock = [0.0]
-    forked = []
-
-    class Kernel:
-        def mamba_step(self, parallel):
-            forked.append(parallel)
-            clock[0] += next(durations) if parallel else 1.0
-
-    monkeypatch.setattr("fastarch.nn.mamba.time.perf_counter", lambda: clock[0])
-    policy = _ForkPolicy()
-    policy.HOLD = 3
-    for _ in range(7):
-        policy.run(Kernel(), ("k",), ())
-    assert forked == [True, True, True, False, False, True, True]

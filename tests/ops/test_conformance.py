@@ -472,6 +472,47 @@ def _ssd_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tensor, ...
     return tuple(ops.ssd_scan(*args, c["chunk"], **kw, backend=backend))
 
 
+# -- Mamba-1 mixer decode step ----------------------------------------------------------------------------------
+@st.composite
+def _mixer_step_cases(draw, tiny: bool) -> dict:
+    d_model = draw(st.integers(2, 8))
+    residual = draw(st.booleans())
+    return dict(B=draw(st.integers(1, 3)), d_model=d_model, d_inner=draw(st.integers(1, 12)),
+                N=draw(st.integers(1, 8)), W=draw(st.integers(2, 4)), extra=draw(st.integers(0, 1)),
+                rank=draw(st.integers(1, 4)), d_out=d_model if residual else draw(st.integers(1, 8)),
+                residual=residual, bias=draw(st.booleans()), conv_bias=draw(st.booleans()),
+                has_D=draw(st.booleans()), norm=draw(st.booleans()), layout=draw(st.sampled_from(LAYOUTS)))
+
+
+def _mixer_step_build(c: dict, dtype: torch.dtype, g: torch.Generator) -> Inputs:
+    B, Dm, E, N, W, R, Do = c["B"], c["d_model"], c["d_inner"], c["N"], c["W"], c["rank"], c["d_out"]
+
+    def w(*shape: int) -> torch.Tensor:
+        return _randn(g, *shape, scale=shape[-1] ** -0.5).to(dtype)
+
+    def maybe(flag: str, *shape: int) -> torch.Tensor | None:
+        return _randn(g, *shape, scale=0.1).to(dtype) if c[flag] else None
+
+    return dict(x=_randn(g, B, Dm).to(dtype), in_w=w(2 * E, Dm), in_b=maybe("bias", 2 * E), conv_w=w(E, W),
+                conv_b=maybe("conv_bias", E), xp_w=w(R + 2 * N, E), xp_b=maybe("bias", R + 2 * N), dt_w=w(E, R),
+                dt_b=_randn(g, E, scale=0.2).to(dtype), A_log=torch.log(_rand(g, E, N) + 0.5).to(dtype),
+                D=maybe("has_D", E), out_w=w(Do, E), out_b=maybe("bias", Do),
+                conv_state=_randn(g, B, E, W - 1 + c["extra"]).to(dtype), ssm_state=_randn(g, B, E, N).to(dtype),
+                norm_w=(1 + _randn(g, Dm, scale=0.1)).to(dtype) if c["norm"] else None)
+
+
+def _mixer_step_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tensor, ...]:
+    conv_state, ssm_state = x["conv_state"].clone(), x["ssm_state"].clone()
+    args = [x[k] for k in ("x", "in_w", "in_b", "conv_w", "conv_b", "xp_w", "xp_b", "dt_w", "dt_b", "A_log", "D",
+                           "out_w", "out_b")]
+    tail = (conv_state, ssm_state, x["norm_w"], 1e-5, c["residual"])
+    if backend is None:
+        out = ops.mamba_mixer_step_ref(*args, *tail)
+    else:
+        out = ops.mamba_mixer_step(*args, *tail, backend=backend)
+    return out, conv_state, ssm_state
+
+
 SPECS: dict[str, Spec] = {
     "attention": Spec(_attention_cases, _attention_build, _attention_run, ("q", "k", "v", "bias"),
                       examples=ATTENTION_EXAMPLES, same_dtype=_attention_same_dtype),
@@ -512,6 +553,10 @@ SPECS: dict[str, Spec] = {
                      ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states"), rtol=1e-4, atol=1e-4,
                      examples=[dict(B=2, L=9, H=4, G=2, P=3, N=5, chunk=4, D="hp", has_z=True, has_bias=True,
                                     softplus=True, has_init=True, seq=True, layout="strided")]),
+    "mamba_mixer_step": Spec(
+        _mixer_step_cases, _mixer_step_build, _mixer_step_run, rtol=1e-4, atol=1e-5, dtypes=(torch.float32,),
+        examples=[dict(B=2, d_model=6, d_inner=5, N=3, W=4, extra=1, rank=2, d_out=6, residual=True, bias=True,
+                       conv_bias=True, has_D=True, norm=True, layout="contiguous")]),
     "selective_state_update": Spec(
         _ssu_cases, _ssu_build, _ssu_run, rtol=1e-5, atol=1e-5,
         examples=[dict(B=2, heads=2, dim=3, N=5, groups=2, has_D=True, has_z=True, has_bias=True, softplus=True,

@@ -75,6 +75,24 @@ class Call:
         return self.features.get(key, default)
 
 
+# os.environ.get encodes the key and decodes the value on every call (about a microsecond); the selector reads
+# two variables per call, so it reads os.environ's own storage, which every assignment through os.environ
+# (monkeypatch.setenv included) updates. Elsewhere it falls back to os.environ.get.
+_ENV_STORE = getattr(os.environ, "_data", None)
+_ENV_KEYS: dict[str, object] = {}
+
+
+def _env(name: str) -> str:
+    """``os.environ.get(name, "")``, without the per-call encoding."""
+    if _ENV_STORE is None:
+        return os.environ.get(name, "")
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = os.environ.encodekey(name)
+    value = _ENV_STORE.get(key)
+    return "" if value is None else (value.decode() if isinstance(value, bytes) else value)
+
+
 def triton_interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -355,7 +373,7 @@ def requested_backend(op: str, backend: str | None = None) -> str:
             return per_op[op]
         if glob is not None:
             return glob
-    env = os.environ.get("FASTARCH_BACKEND", "")
+    env = _env("FASTARCH_BACKEND")
     if env:
         per_op, glob = _parsed_environment(env)
         if op in per_op:
@@ -411,7 +429,7 @@ def decision_stats() -> dict[str, int]:
 
 def _decision_key(op: str, call: Call, want: str) -> tuple | None:
     key = (op, call.device, call.dtype, tuple(call.features.items()), want,
-           torch.are_deterministic_algorithms_enabled(), os.environ.get("TRITON_INTERPRET", ""))
+           torch.are_deterministic_algorithms_enabled(), _env("TRITON_INTERPRET"))
     try:
         hash(key)
     except TypeError:

@@ -233,13 +233,13 @@ def test_padding_is_a_key_padding_mask_and_no_dense_mask_is_built(monkeypatch):
 
 def test_no_padded_key_takes_the_unmasked_path(monkeypatch):
     calls = []
-    real = fh._attention
+    real = fh.attention._attention
 
     def spy(q, k, v, **kw):
         calls.append(kw)
         return real(q, k, v, **kw)
 
-    monkeypatch.setattr(fh, "_attention", spy)
+    monkeypatch.setattr(fh.attention, "_attention", spy)
     model = _llama()
     ids, _ = _batch("none")
     _logits(model, "fastarch", input_ids=ids, attention_mask=torch.ones_like(ids))
@@ -249,13 +249,13 @@ def test_no_padded_key_takes_the_unmasked_path(monkeypatch):
 
 def test_gqa_runs_on_the_key_value_heads(monkeypatch):
     heads = []
-    real = fh._attention
+    real = fh.attention._attention
 
     def spy(q, k, v, **kw):
         heads.append((q.shape[1], k.shape[1], v.shape[1]))
         return real(q, k, v, **kw)
 
-    monkeypatch.setattr(fh, "_attention", spy)
+    monkeypatch.setattr(fh.attention, "_attention", spy)
     _logits(_llama(), "fastarch", input_ids=torch.randint(1, VOCAB, (1, 5)))
     assert heads and all(h == (4, 2, 2) for h in heads)
 
@@ -336,7 +336,7 @@ def test_softcap():
     q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
     module = torch.nn.Module()
     mask = fh.attention_mask(1, 5, 5)
-    if "softcap" not in fh._OP_PARAMS:
+    if "softcap" not in fh.attention._OP_PARAMS:
         with pytest.raises(NotImplementedError, match="softcap"):
             fh.attention_forward(module, q, k, v, mask, softcap=30.0)
         return
@@ -474,8 +474,8 @@ def kernel_calls(monkeypatch):
         return run
 
     fh.unregister()
-    for name, fn in list(fh._KERNELS.items()):
-        monkeypatch.setitem(fh._KERNELS, name, counting(name, fn))
+    for name, fn in list(fh.kernels._KERNELS.items()):
+        monkeypatch.setitem(fh.kernels._KERNELS, name, counting(name, fn))
     fh.register()
     return calls
 
@@ -503,7 +503,7 @@ def mixer_steps(monkeypatch):
         calls.append(args[0].shape)
         return mixer_step(*args)
 
-    monkeypatch.setattr(fh, "_mixer_step", counting)
+    monkeypatch.setattr(fh.mamba, "_mixer_step", counting)
     return calls
 
 
@@ -574,7 +574,7 @@ def test_mamba_decode_step_goes_to_transformers_where_fastarch_does_not_apply(mi
     model(input_ids=nxt, **{_cache_keyword(): cache}, use_cache=True)  # autograd on
     assert mixer_steps == []
     norms = []
-    monkeypatch.setattr(fh, "_rms_norm", lambda *args: norms.append(args) or args[0])
+    monkeypatch.setattr(fh.norms, "_rms_norm", lambda *args: norms.append(args) or args[0])
     norm = mm.MambaRMSNorm(32).to("meta")
     assert norm(torch.randn(2, 3, 32, device="meta")).device.type == "meta" and norms == []
     norm = mm.MambaRMSNorm(32).to(torch.bfloat16)
@@ -594,8 +594,8 @@ def test_mamba_prefill_projections_run_on_fastarch_linear(mixer_steps, monkeypat
     """A prefill's nn.Linear projections (in_proj, x_proj, out_proj; transformers applies dt_proj's weight as a
     matmul) reach fastarch.ops.linear in fp32; the LM head and other dtypes are untouched."""
     seen = []
-    real = fh._linear
-    monkeypatch.setattr(fh, "_linear", lambda x, w, b=None: seen.append(tuple(w.shape)) or real(x, w, b))
+    real = fh.mamba._linear
+    monkeypatch.setattr(fh.mamba, "_linear", lambda x, w, b=None: seen.append(tuple(w.shape)) or real(x, w, b))
     model = _mamba().eval()
     mixer = model.backbone.layers[0].mixer
     projections = [tuple(getattr(mixer, name).weight.shape) for name in ("in_proj", "x_proj", "out_proj")]
@@ -632,9 +632,9 @@ def test_mamba_accelerator_tensors_keep_the_real_kernels():
         seen.append(x.device.type)
         return "real"
 
-    assert not fh._real_package("fastarch_no_such_package")
-    assert fh._real_package("torch")  # an importable package that is not fastarch's alias
-    run = fh._dispatcher(real_kernel, "causal_conv1d_fn", real_package=True)
+    assert not fh.kernels._real_package("fastarch_no_such_package")
+    assert fh.kernels._real_package("torch")  # an importable package that is not fastarch's alias
+    run = fh.kernels._dispatcher(real_kernel, "causal_conv1d_fn", real_package=True)
     w = torch.randn(4, 3, device="meta")
     assert run(torch.empty(1, 4, 5, device="meta"), w, None, activation="silu") == "real"
     x, w = torch.randn(1, 4, 5), torch.randn(4, 3)
@@ -645,7 +645,7 @@ def test_mamba_accelerator_tensors_keep_the_real_kernels():
 
 def test_mamba_dispatcher_without_the_real_package_runs_fastarch_everywhere():
     seen = []
-    run = fh._dispatcher(lambda *a, **k: seen.append(1), "causal_conv1d_fn", real_package=False)
+    run = fh.kernels._dispatcher(lambda *a, **k: seen.append(1), "causal_conv1d_fn", real_package=False)
     x, w = torch.randn(1, 4, 5), torch.randn(4, 3)
     torch.testing.assert_close(run(x, w, None, activation="silu", use_torch_path_only=True),
                                ops.causal_conv1d(x, w, None, "silu"))

@@ -65,12 +65,12 @@ def kernel_calls(monkeypatch):
     """Counts the calls of fastarch's functions behind the patched kernel functions."""
     calls: dict[str, int] = {}
     fh.unregister()
-    for name, fn in list(fh._KERNELS.items()):
+    for name, fn in list(fh.kernels._KERNELS.items()):
         def counting(*args, _fn=fn, _name=name, **kwargs):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*args, **kwargs)
         counting.__signature__ = __import__("inspect").signature(fn)
-        monkeypatch.setitem(fh._KERNELS, name, counting)
+        monkeypatch.setitem(fh.kernels._KERNELS, name, counting)
     fh.register()
     yield calls
     fh.unregister()

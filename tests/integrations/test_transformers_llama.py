@@ -36,8 +36,8 @@ def calls(monkeypatch):
             return fn(*args, **kwargs)
         return run
 
-    monkeypatch.setattr(fh, "_rms_norm", counting("rms_norm", fh._rms_norm))
-    monkeypatch.setattr(fh, "_rotary_embedding", counting("rotary", fh._rotary_embedding))
+    monkeypatch.setattr(fh.norms, "_rms_norm", counting("rms_norm", fh.norms._rms_norm))
+    monkeypatch.setattr(fh.llama, "_rotary_embedding", counting("rotary", fh.llama._rotary_embedding))
     return counts
 
 

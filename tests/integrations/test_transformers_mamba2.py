@@ -119,8 +119,8 @@ def test_projections_run_on_fastarch_linear(monkeypatch):
     """Inside the mixers (prefill, decode steps, training), the nn.Linear projections reach fastarch.ops.linear,
     fp32 only; the head outside the mixers and every call after the forward are untouched."""
     seen = []
-    real = fh._linear
-    monkeypatch.setattr(fh, "_linear", lambda x, w, b=None: seen.append((tuple(w.shape), x.dtype)) or real(x, w, b))
+    real = fh.mamba._linear
+    monkeypatch.setattr(fh.mamba, "_linear", lambda x, w, b=None: seen.append((tuple(w.shape), x.dtype)) or real(x, w, b))
     model = _mamba2().eval()
     mixer = model.backbone.layers[0].mixer
     projections = [(tuple(mixer.in_proj.weight.shape), torch.float32), (tuple(mixer.out_proj.weight.shape), torch.float32)]
@@ -145,8 +145,8 @@ def test_projections_run_on_fastarch_linear(monkeypatch):
 def test_norms_run_on_fastarch_and_match(dtype, groups, monkeypatch):
     """The swapped norm forwards reach fastarch's norm ops and agree with transformers' own forwards."""
     calls = []
-    for name, fn in (("_rms_norm", fh._rms_norm), ("_rms_norm_gated", fh._rms_norm_gated)):
-        monkeypatch.setattr(fh, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
+    for name, fn in (("_rms_norm", fh.norms._rms_norm), ("_rms_norm_gated", fh.norms._rms_norm_gated)):
+        monkeypatch.setattr(fh.norms, name, lambda *a, _fn=fn, _name=name, **k: calls.append(_name) or _fn(*a, **k))
     torch.manual_seed(0)
     if "group_size" in inspect.signature(mm.MambaRMSNormGated).parameters:
         gated = mm.MambaRMSNormGated(64, group_size=64 // groups, eps=1e-5)
@@ -179,5 +179,5 @@ def test_accelerator_tensors_keep_the_real_kernel():
         seen.append(zxbcdt.device.type)
         return "real"
 
-    run = fh._dispatcher(real, "mamba_split_conv1d_scan_combined", real_package=True)
+    run = fh.kernels._dispatcher(real, "mamba_split_conv1d_scan_combined", real_package=True)
     assert run(torch.empty(1, 2, 3, device="meta")) == "real" and seen == ["meta"]

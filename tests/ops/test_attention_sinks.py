@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastarch import BackendUnavailableError
 from fastarch.ops import attention
 from tests._backends import backend_cases, case_id, require_backend
 
@@ -63,7 +64,10 @@ def test_sinks_match_gpt_oss_formula(case, feature):
         kpm[1, :4] = False
         kw["key_padding_mask"] = ref_kw["key_padding_mask"] = kpm
     if backend == "aten" and feature in ("window", "padding"):
-        pytest.skip("aten takes no windows or masks (the selector sends such calls elsewhere)")
+        # aten declares no windows or masks: forced, it refuses with the reasons (auto sends them elsewhere)
+        with pytest.raises(BackendUnavailableError, match="aten"):
+            attention(q, k, v, sinks=sinks, backend=backend, **kw)
+        return
     leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     out = attention(*leaves[:3], sinks=leaves[3], backend=backend, **kw)
     want_leaves = [t.double().clone().requires_grad_() for t in (q, k, v, sinks)]

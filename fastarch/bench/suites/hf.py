@@ -29,6 +29,12 @@ Cases and providers:
   fastarch's GEMMs plus its SSD scan of every layer (so ``fastarch`` over it is the cost of the convolution,
   the norms and the model's glue). All three are of kind ``reference``, so none counts as a peer or as
   fastarch's headline.
+- ``generate small`` (case set ``hf-generate-small``, ``fastarch bench --case hf-generate-small``): Llama,
+  Qwen2, Mistral, Phi-3, GPT-2, Mamba and Mamba-2 with hidden 256 and 4 layers (8 heads with 2 key/value
+  heads), batch 1, greedy generation of 32 tokens after a 16-token prompt: ``fastarch`` (``register()`` and
+  ``attn_implementation="fastarch"``) against plain transformers (``transformers``: nothing registered,
+  ``sdpa``); the bar is 1.3x. Decode steps of this size are dozens of tiny calls, so this is the per-call cost
+  benchmark at the model level. ``--dtype bfloat16`` runs it in bf16.
 
 Thread counts are the run's (``--threads``).
 
@@ -306,6 +312,64 @@ def _mamba2_forward_case(cfg: BenchConfig, L: int) -> Case:
                            Ratio("projections-blas", "hf-pytorch")))
 
 
+# Decode-bound generation: small models (hidden 256, 4 layers, 8 heads with 2 key/value heads), batch 1, a
+# 16-token prompt and 32 new tokens, where per-call costs dominate.
+_SMALL = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)
+
+
+def _small_config(tf, family: str):
+    if family == "gpt2":
+        return tf.GPT2Config(vocab_size=VOCAB, n_embd=256, n_layer=4, n_head=8), tf.GPT2LMHeadModel
+    if family == "mamba":
+        return tf.MambaConfig(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, state_size=16), \
+            tf.MambaForCausalLM
+    if family == "mamba2":
+        return tf.Mamba2Config(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=4, num_heads=8, head_dim=64,
+                               n_groups=1, state_size=16, expand=2, chunk_size=64), tf.Mamba2ForCausalLM
+    name = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "phi3": "Phi3"}[family]
+    return getattr(tf, f"{name}Config")(**_SMALL), getattr(tf, f"{name}ForCausalLM")
+
+
+def _small_generate_case(cfg: BenchConfig, family: str, prompt: int, new: int) -> Case:
+    def provider(fastarch: bool) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            tf, fh = _hf()
+            conf, cls = _small_config(tf, family)
+            torch.manual_seed(cfg.seed)
+            model = cls(conf).to(device=cfg.device, dtype=cfg.dtype).eval()
+            ids = _tokens(cfg, prompt)
+
+            def run() -> Any:
+                # transformers alone: none of register()'s patches; fastarch: register() and its attention
+                if fastarch:
+                    fh.register()
+                else:
+                    fh.unregister()
+                impl = "fastarch" if fastarch else "sdpa"
+                # models without attention (Mamba) take no implementation; switching costs, so only on change
+                if family not in ("mamba", "mamba2") and model.config._attn_implementation != impl:
+                    model.set_attn_implementation(impl)
+                with torch.no_grad():
+                    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                          min_new_tokens=new, do_sample=False, pad_token_id=0)
+            return run
+        return setup
+
+    return Case(name=f"{family} generate small prompt={prompt},new={new}",
+                params={"L": prompt, "new_tokens": new, "model": family}, flops=None,
+                providers=[Provider("fastarch", "fastarch", provider(True)),
+                           Provider("transformers", "reference", provider(False))],
+                reference="transformers", group="generate small", x="L",
+                ratios=(Ratio("fastarch", "transformers", target=1.3),))
+
+
+def generate_small_cases(cfg: BenchConfig) -> list[Case]:
+    prompt, new = (4, 4) if cfg.toy else (16, 32)
+    return [_small_generate_case(cfg, family, prompt, new)
+            for family in ("llama", "qwen2", "mistral", "phi3", "gpt2", "mamba", "mamba2")]
+
+
 def mamba2_cases(cfg: BenchConfig) -> list[Case]:
     return [_mamba2_forward_case(cfg, 64 if cfg.toy else 2048)]
 
@@ -328,5 +392,5 @@ SUITE = Suite(
     description="Hugging Face models with fastarch registered (attn_implementation='fastarch', Mamba and Mamba-2 "
                 "kernels) vs sdpa and HF's PyTorch Mamba paths",
     cases=cases,
-    case_sets={"hf-mamba2": mamba2_cases},
+    case_sets={"hf-mamba2": mamba2_cases, "hf-generate-small": generate_small_cases},
 )

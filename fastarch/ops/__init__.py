@@ -8,6 +8,8 @@ from . import (
     _orders,
     attention,
     causal_conv1d,
+    gated_delta_rule,
+    kda,
     layer_norm,
     linear,
     linear_attention,
@@ -24,7 +26,7 @@ from . import (
     ssm_convolution,
 )
 
-_OPS = (attention, causal_conv1d, layer_norm, linear, linear_attention, lsh_attention, mamba_mixer_step,
+_OPS = (attention, causal_conv1d, gated_delta_rule, kda, layer_norm, linear, linear_attention, lsh_attention, mamba_mixer_step,
         mamba_split_conv1d_scan,
         rms_norm, rms_norm_gated, rotary, s4_kernel, selective_scan, selective_state_update, ssd_scan,
         ssm_convolution)

@@ -513,9 +513,66 @@ def _mixer_step_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tens
     return out, conv_state, ssm_state
 
 
+# -- gated delta rule (GDN) and KDA --------------------------------------------------------------------------
+@st.composite
+def _delta_cases(draw, tiny: bool) -> dict:
+    hk = draw(st.sampled_from([1, 2]))
+    varlen = draw(st.booleans())
+    return dict(B=1 if varlen else draw(st.integers(1, 2)), T=draw(st.integers(1, 12 if tiny else 80)), Hk=hk,
+                r=draw(st.sampled_from([1, 2])), K=draw(st.sampled_from([4, 8, 16])), V=draw(st.integers(1, 9)),
+                gate=draw(st.sampled_from(["near0", "mid", "strong"])), l2=draw(st.booleans()),
+                has_init=draw(st.booleans()), varlen=varlen, recurrent=draw(st.booleans()),
+                layout=draw(st.sampled_from(LAYOUTS)))
+
+
+def _delta_build(per_key: bool):
+    def build(c: dict, dtype: torch.dtype, g: torch.Generator) -> Inputs:
+        B, T, Hk, K, V = c["B"], c["T"], c["Hk"], c["K"], c["V"]
+        Hv = Hk * c["r"]
+        gate_shape = (B, T, Hv, K) if per_key else (B, T, Hv)
+        scale = {"near0": 0.01, "mid": 1.0, "strong": 6.0}[c["gate"]]
+        k = _randn(g, B, T, Hk, K)
+        if not c["l2"]:  # unnormalised keys make the delta rule unstable; fla's tests normalise them too
+            k = torch.nn.functional.normalize(k, dim=-1)
+        cu = None
+        if c["varlen"]:  # a few cuts, sequences of length 0 and 1 included
+            cuts = sorted(int(x) for x in torch.randint(0, T + 1, (3,), generator=g))
+            cu = torch.tensor([0, *cuts, T], dtype=torch.int32)
+        n = B if cu is None else cu.numel() - 1
+        return dict(q=_randn(g, B, T, Hk, K).to(dtype), k=k.to(dtype), v=_randn(g, B, T, Hv, V).to(dtype),
+                    g=torch.nn.functional.logsigmoid(_randn(g, *gate_shape)) * scale, beta=_rand(g, B, T, Hv).to(dtype),
+                    h0=_randn(g, n, Hv, K, V) if c["has_init"] else None, cu=cu)
+    return build
+
+
+def _delta_run(fn, ref):
+    def run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tensor, ...]:
+        args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+        kw = dict(initial_state=x["h0"], output_final_state=True, use_qk_l2norm_in_kernel=c["l2"],
+                  cu_seqlens=x["cu"])
+        if backend is None:
+            return tuple(ref(*args, **kw))
+        return tuple(fn(*args, **kw, mode="recurrent" if c["recurrent"] else "chunk", backend=backend))
+    return run
+
+
+DELTA_EXAMPLES = [
+    dict(B=2, T=9, Hk=1, r=2, K=8, V=5, gate="mid", l2=True, has_init=True, varlen=False, recurrent=False,
+         layout="strided"),
+    dict(B=1, T=70, Hk=2, r=1, K=16, V=3, gate="strong", l2=False, has_init=True, varlen=True, recurrent=False,
+         layout="contiguous"),
+    dict(B=1, T=3, Hk=1, r=1, K=4, V=4, gate="near0", l2=True, has_init=False, varlen=False, recurrent=True,
+         layout="transposed"),
+]
+
+
 SPECS: dict[str, Spec] = {
     "attention": Spec(_attention_cases, _attention_build, _attention_run, ("q", "k", "v", "bias"),
                       examples=ATTENTION_EXAMPLES, same_dtype=_attention_same_dtype),
+    "gated_delta_rule": Spec(_delta_cases, _delta_build(False), _delta_run(ops.gated_delta_rule, ops.gated_delta_rule_ref),
+                             ("q", "k", "v", "g", "beta", "h0"), rtol=1e-4, atol=1e-4, examples=DELTA_EXAMPLES),
+    "kda": Spec(_delta_cases, _delta_build(True), _delta_run(ops.kda, ops.kda_ref), ("q", "k", "v", "g", "beta", "h0"),
+                rtol=1e-4, atol=1e-4, examples=DELTA_EXAMPLES),
     "causal_conv1d": Spec(_conv_cases, _conv_build, _conv_run, ("x", "w", "b"), rtol=1e-5, atol=1e-5,
                           examples=[dict(B=2, D=3, L=1, W=4, bias=True, act="silu", layout="strided")]),
     "causal_conv1d_update": Spec(

@@ -1,6 +1,6 @@
-"""Drop-in modules for code written against flash-attn, mamba-ssm and causal-conv1d, running on fastarch's
-ops (CPU included): :mod:`fastarch.compat.flash_attn`, :mod:`fastarch.compat.mamba_ssm` and
-:mod:`fastarch.compat.causal_conv1d`, with the originals' signatures, positional order, defaults and return
+"""Drop-in modules for code written against flash-attn, mamba-ssm, causal-conv1d and flash-linear-attention,
+running on fastarch's ops (CPU included): :mod:`fastarch.compat.flash_attn`, :mod:`fastarch.compat.mamba_ssm`,
+:mod:`fastarch.compat.causal_conv1d` and :mod:`fastarch.compat.fla` (the gated delta rule and KDA), with the originals' signatures, positional order, defaults and return
 values.
 
 Code that imports the originals by name can be pointed at them with an opt-in::
@@ -30,6 +30,7 @@ __all__ = ["install", "installed", "uninstall"]
 # Package name -> the fastarch module that stands in for it.
 TARGETS: dict[str, str] = {
     "causal_conv1d": "fastarch.compat.causal_conv1d",
+    "fla": "fastarch.compat.fla",
     "flash_attn": "fastarch.compat.flash_attn",
     "mamba_ssm": "fastarch.compat.mamba_ssm",
 }
@@ -69,6 +70,9 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         real = base + ("." + rest if rest else "")
         real_spec = _find(real)
         if real_spec is None:
+            if rest:  # a submodule of the package that fastarch's stand-in lacks: say so
+                raise ModuleNotFoundError(f"No module named '{fullname}': fastarch's stand-in for '{top}' ({base}) "
+                                          f"does not provide it", name=fullname)
             return None
         return importlib.util.spec_from_loader(fullname, _AliasLoader(real),
                                                is_package=real_spec.submodule_search_locations is not None)
@@ -98,7 +102,7 @@ def _is_ours(name: str) -> bool:
 
 
 def install() -> list[str]:
-    """Alias ``causal_conv1d``, ``mamba_ssm`` and ``flash_attn`` to fastarch's
+    """Alias ``causal_conv1d``, ``mamba_ssm``, ``flash_attn`` and ``fla`` to fastarch's
     modules, each only when the real package is not installed. Idempotent. Returns the aliased names."""
     uninstall()  # so that find_spec below sees only real packages
     aliases = {name: target for name, target in TARGETS.items()

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from transformers.utils.import_utils import is_torchdynamo_exporting
 
 from ...compat.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
+from ...compat.fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from ...compat.fla.ops.kda import chunk_kda, fused_recurrent_kda
 from ...compat.mamba_ssm.ops.selective_scan_interface import mamba_inner_fn, selective_scan_fn
 from ...compat.mamba_ssm.ops.triton.selective_state_update import selective_state_update
 from ...compat.mamba_ssm.ops.triton.ssd_combined import (
@@ -30,6 +32,10 @@ _KERNELS: dict[str, Callable] = {
     "mamba_inner_fn": mamba_inner_fn,
     "mamba_chunk_scan_combined": mamba_chunk_scan_combined,
     "mamba_split_conv1d_scan_combined": mamba_split_conv1d_scan_combined,
+    "chunk_gated_delta_rule": chunk_gated_delta_rule,
+    "fused_recurrent_gated_delta_rule": fused_recurrent_gated_delta_rule,
+    "chunk_kda": chunk_kda,
+    "fused_recurrent_kda": fused_recurrent_kda,
 }
 
 
@@ -47,6 +53,11 @@ KERNEL_GLOBALS: dict[str, tuple[str, str]] = {
     "mamba2_chunk_scan": ("mamba_chunk_scan_combined", "mamba_ssm"),
     "mamba2_selective_state_update": ("selective_state_update", "mamba_ssm"),
     "mamba2_split_conv1d_scan_combined": ("mamba_split_conv1d_scan_combined", "mamba_ssm"),
+    # the gated delta rule (Qwen3-Next, Qwen3.5, OLMo-hybrid) and KDA (Kimi-Linear)
+    "torch_chunk_gated_delta_rule": ("chunk_gated_delta_rule", "fla"),
+    "torch_recurrent_gated_delta_rule": ("fused_recurrent_gated_delta_rule", "fla"),
+    "chunk_kimi_delta_attention": ("chunk_kda", "fla"),
+    "recurrent_kimi_delta_attention": ("fused_recurrent_kda", "fla"),
 }
 
 
@@ -91,10 +102,5 @@ def _dispatcher(original: Callable, name: str, real_package: bool) -> Callable:
     return run
 
 
-# Kernel functions transformers resolves from fla, which fastarch does not provide yet: global name -> kernel.
-_MISSING_KERNELS: dict[str, str] = {
-    "torch_chunk_gated_delta_rule": "fla's chunk_gated_delta_rule (Gated DeltaNet)",
-    "torch_recurrent_gated_delta_rule": "fla's fused_recurrent_gated_delta_rule (Gated DeltaNet)",
-    "chunk_kimi_delta_attention": "fla's chunk_kda (KDA)",
-    "recurrent_kimi_delta_attention": "fla's fused_recurrent_kda (KDA)",
-}
+# Kernel functions transformers resolves that fastarch does not provide: global name -> kernel (none now).
+_MISSING_KERNELS: dict[str, str] = {}

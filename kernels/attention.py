@@ -80,10 +80,15 @@ def _fits(cfg: triton.Config, block_d: int) -> bool:
     return max(m, n) * block_d <= 128 * 128 and m * n * block_d <= 128 * 64 * 256
 
 
+def _length_key(n: int) -> int:
+    """The autotuning key of a sequence length: its power-of-two bucket (at least 16). Keying on the exact
+    length would tune again, compiling every config, for each new length: every step of a decode loop."""
+    return max(16, triton.next_power_of_2(int(n)))
+
+
 def _prune(configs: list[triton.Config], nargs: dict, *, decode_rows: bool) -> list[triton.Config]:
-    lq, lk, block_d = nargs["Lq"], nargs["Lk"], nargs["BLOCK_D"]
-    max_m = max(16, triton.next_power_of_2(lq))
-    max_n = max(16, triton.next_power_of_2(lk))
+    # Pruned once per key, so only the bucketed lengths may decide.
+    lq, max_m, max_n, block_d = nargs["LQ_KEY"], nargs["LQ_KEY"], nargs["LK_KEY"], nargs["BLOCK_D"]
     out = [c for c in configs if c.kwargs["BLOCK_M"] <= max_m and c.kwargs["BLOCK_N"] <= max_n
            and _fits(c, block_d)]
     if decode_rows:
@@ -256,16 +261,16 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, bias_base
 
 
 @triton.autotune(configs=_FWD_CONFIGS,
-                 key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_ALIBI", "SPLIT"],
+                 key=["LQ_KEY", "LK_KEY", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_ALIBI", "SPLIT"],
                  prune_configs_by={"early_config_prune": _prune_fwd})
-@triton.jit(do_not_specialize=["seed", "thresh", "drop_row0", "drop_col0"])
+@triton.jit(do_not_specialize=["seed", "thresh", "drop_row0", "drop_col0", "LQ_KEY", "LK_KEY"])
 def _attn_fwd_kernel(
     Q, K, V, O, LSE, BIAS, KPM, ALIBI,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_os, stride_om, stride_lb, stride_ls,
     stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn, stride_ab, stride_ah,
     H, G, Lq, Lk, D, left, right, qk_scale, seed, thresh, drop_row0, drop_col0,
-    drop_scale, softcap2, split_len,
+    drop_scale, softcap2, split_len, LQ_KEY, LK_KEY,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, SPLIT: tl.constexpr,
     PREC: tl.constexpr,
@@ -403,9 +408,9 @@ def _bwd_kv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qm
 
 
 @triton.autotune(configs=_BWD_KV_CONFIGS,
-                 key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_ALIBI"],
+                 key=["LQ_KEY", "LK_KEY", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_ALIBI"],
                  prune_configs_by={"early_config_prune": _prune_bwd})
-@triton.jit(do_not_specialize=["seed", "thresh", "drop_row0", "drop_col0"])
+@triton.jit(do_not_specialize=["seed", "thresh", "drop_row0", "drop_col0", "LQ_KEY", "LK_KEY"])
 def _attn_bwd_kv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, KPM, ALIBI,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
@@ -413,7 +418,7 @@ def _attn_bwd_kv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn, stride_ab, stride_ah,
     H, Hk, G, Lq, Lk, D, left, right, qk_scale, sm_scale, seed, thresh, drop_row0, drop_col0,
-    drop_scale, softcap2,
+    drop_scale, softcap2, LQ_KEY, LK_KEY,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -525,17 +530,17 @@ def _bwd_q_inner(dq, q, do, lse2, delta, k_base, v_base, stride_kn, stride_vn, b
 
 
 @triton.autotune(configs=_BWD_Q_CONFIGS,
-                 key=["Lq", "Lk", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_ALIBI",
+                 key=["LQ_KEY", "LK_KEY", "D", "HAS_BIAS", "HAS_KPM", "HAS_DROPOUT", "HAS_SOFTCAP", "HAS_ALIBI",
                       "NEED_DBIAS"],
                  prune_configs_by={"early_config_prune": _prune_bwd})
-@triton.jit(do_not_specialize=["seed", "thresh", "drop_row0", "drop_col0"])
+@triton.jit(do_not_specialize=["seed", "thresh", "drop_row0", "drop_col0", "LQ_KEY", "LK_KEY"])
 def _attn_bwd_q_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, BIAS, KPM, DBIAS, ALIBI,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm,
     stride_biasb, stride_biash, stride_biasm, stride_biasn, stride_kpmb, stride_kpmn, stride_ab, stride_ah,
     H, G, Lq, Lk, D, left, right, qk_scale, sm_scale, seed, thresh, drop_row0, drop_col0,
-    drop_scale, softcap2,
+    drop_scale, softcap2, LQ_KEY, LK_KEY,
     BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_KPM: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, NEED_DBIAS: tl.constexpr,
     PREC: tl.constexpr,
@@ -779,7 +784,8 @@ def _attention_fwd(q, k, v, *, window_left, window_right, key_padding_mask, attn
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), *ostr, *lstr, *bstr, *kstr, *astr,
         H, H // Hk, Lq, Lk, D, left, right, float(scale) * _LOG2E, seed_u, thresh, int(drop_row0), int(drop_col0),
-        drop_scale, softcap2, split_len, BLOCK_D=block_d, EVEN_D=block_d == D, HAS_BIAS=attn_bias is not None,
+        drop_scale, softcap2, split_len, _length_key(Lq), _length_key(Lk), BLOCK_D=block_d, EVEN_D=block_d == D,
+        HAS_BIAS=attn_bias is not None,
         HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=has_drop, HAS_SOFTCAP=has_cap, HAS_ALIBI=has_alibi,
         SPLIT=splits > 1, PREC=_prec(q.dtype),
     )
@@ -840,7 +846,7 @@ def attention_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
         H, Lq, D, BLOCK_M=pre_m, BLOCK_D=block_d, EVEN_D=even_d)
 
     common = (left, right, float(scale) * _LOG2E, float(scale), seed_u, thresh, int(drop_row0), int(drop_col0),
-              drop_scale, softcap2)
+              drop_scale, softcap2, _length_key(Lq), _length_key(Lk))
     flags = dict(BLOCK_D=block_d, EVEN_D=even_d, HAS_BIAS=attn_bias is not None,
                  HAS_KPM=key_padding_mask is not None, HAS_DROPOUT=has_drop, HAS_SOFTCAP=has_cap,
                  HAS_ALIBI=has_alibi, PREC=prec)

@@ -89,3 +89,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """``FASTARCH_FAILURE_LOG=PATH`` appends each failure's report as it happens, so that a run cut short
+    (a time limit on a borrowed machine) still leaves the reasons behind."""
+    path = os.environ.get("FASTARCH_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")

@@ -311,3 +311,17 @@ def test_empty_keys_and_queries():
     assert (dq == 0).all() and dk.shape == k.shape and dv.shape == v.shape
     o, lse = A.attention_fwd(q[:, :, :0], torch.randn(2, 1, 3, 16), torch.randn(2, 1, 3, 16), **kw)
     assert o.shape == (2, 2, 0, 16) and lse.shape == (2, 2, 0)
+
+
+def test_decode_loop_tunes_once_per_length_bucket():
+    """Each autotuning key compiles and times every config: a decode loop, whose key length grows by one per
+    step, must reuse one key per power-of-two bucket of lengths rather than tune again at every step."""
+    tuner = A._attn_fwd_kernel
+    tuner.cache.clear()
+    for lk in range(33, 65):
+        q, k, v = torch.randn(1, 2, 1, 16), torch.randn(1, 2, lk, 16), torch.randn(1, 2, lk, 16)
+        o, _ = A.attention_fwd(q, k, v, window_left=-1, window_right=0, key_padding_mask=None, attn_bias=None,
+                               dropout_p=0.0, seed=0, scale=0.25)
+        ref, _ = dense_ref(q, k, v, -1, 0, scale=0.25)
+        torch.testing.assert_close(o, ref, atol=1e-5, rtol=1e-5)
+    assert len(tuner.cache) == 1, list(tuner.cache)

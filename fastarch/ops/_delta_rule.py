@@ -435,3 +435,41 @@ class DeltaRuleTorchMixin:
 
     def backward(self, do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens, scale):
         return torch_backward(do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens, scale)
+
+
+class DeltaRuleCppMixin:
+    """The ``cpp`` backend's methods, shared by both ops (``csrc/cpu/delta_rule.cpp``): the chunked WY/UT forward
+    or the step recurrence, and the exact backward of the recurrence, parallel over (sequence, value head).
+    q, k, v are read in their dtype (fp32, fp16 or bf16; fp32 when they differ), the gate, beta and the states
+    in fp32."""
+
+    extension = "delta_rule"
+    supports_varlen = True
+    description = ("C++: chunked WY/UT forward (chunk 64, vectorised fp32 micro-GEMMs) or the step recurrence, "
+                   "exact reverse-recurrence backward from per-chunk states; parallel over (sequence, head)")
+
+    @staticmethod
+    def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        same = q.dtype == k.dtype == v.dtype
+        return [(t if same else t.float()).contiguous() for t in (q, k, v)]
+
+    @staticmethod
+    def _rest(g, beta, initial_state, cu_seqlens):
+        return (g.float().contiguous(), beta.float().contiguous(),
+                None if initial_state is None else initial_state.float().contiguous(),
+                None if cu_seqlens is None else cu_seqlens.long().contiguous())
+
+    def forward(self, q, k, v, g, beta, initial_state, cu_seqlens, scale, recurrent):
+        o, S = self.lib.delta_rule_fwd(*self._qkv(q, k, v), *self._rest(g, beta, initial_state, cu_seqlens),
+                                       float(scale), bool(recurrent))
+        return o, S
+
+    def backward(self, do, dfinal, q, k, v, g, beta, initial_state, cu_seqlens, scale):
+        dq, dk, dv, dg, db, dh0 = self.lib.delta_rule_bwd(
+            do.float().contiguous(), None if dfinal is None else dfinal.float().contiguous(), *self._qkv(q, k, v),
+            *self._rest(g, beta, initial_state, cu_seqlens), float(scale))
+        B, T, hk, K = q.shape
+        r = v.shape[2] // hk
+        # the kernel's q/k gradients are per value head: sum the heads sharing a q/k head
+        dq, dk = (t.view(B, T, hk, r, K).sum(3) for t in (dq, dk))
+        return dq, dk, dv, dg, db, dh0 if initial_state is not None else None

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from ..backend import register
-from ._backends import TorchImplementation
-from ._delta_rule import DeltaRuleTorchMixin, delta_rule_ref, run_delta_rule, validate
+from ._backends import CppImplementation, TorchImplementation
+from ._delta_rule import DeltaRuleCppMixin, DeltaRuleTorchMixin, delta_rule_ref, run_delta_rule, validate
 
 __all__ = ["gated_delta_rule", "gated_delta_rule_ref"]
 
@@ -84,4 +84,9 @@ class TorchGatedDeltaRule(DeltaRuleTorchMixin, TorchImplementation):
     op = OP
 
 
-register(TorchGatedDeltaRule)
+class CppGatedDeltaRule(DeltaRuleCppMixin, CppImplementation):
+    op = OP
+
+
+for _impl in (TorchGatedDeltaRule, CppGatedDeltaRule):
+    register(_impl)

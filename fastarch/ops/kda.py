@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import register
-from ._backends import TorchImplementation
+from ._backends import CppImplementation, TorchImplementation
 from ._checks import check_tensor, fail
-from ._delta_rule import DeltaRuleTorchMixin, delta_rule_ref, run_delta_rule, validate
+from ._delta_rule import DeltaRuleCppMixin, DeltaRuleTorchMixin, delta_rule_ref, run_delta_rule, validate
 
 __all__ = ["kda", "kda_gate", "kda_ref"]
 
@@ -122,4 +122,9 @@ class TorchKda(DeltaRuleTorchMixin, TorchImplementation):
     op = OP
 
 
-register(TorchKda)
+class CppKda(DeltaRuleCppMixin, CppImplementation):
+    op = OP
+
+
+for _impl in (TorchKda, CppKda):
+    register(_impl)

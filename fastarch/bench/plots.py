@@ -37,7 +37,8 @@ def plot_suites(run: RunResult, out_dir: str | os.PathLike, title_suffix: str = 
             xname = grs[0].x_name or "size"
             provs = list(dict.fromkeys(r.provider for r in grs))
             for p in provs:
-                pts = sorted((r.x, r) for r in grs if r.provider == p)
+                # Cases of one group may share an x (e.g. several models at one size): order by x alone.
+                pts = sorted(((r.x, r) for r in grs if r.provider == p), key=lambda t: t[0])
                 style = dict(marker="o", linestyle="--" if pts[0][1].kind != "fastarch" else "-", label=p)
                 if pts[0][1].reference:
                     style.update(color="black")

@@ -480,3 +480,21 @@ def test_case_set_policy_repeats_slow_calls():
     calls = []
     res = time_callable(lambda: (calls.append(1), time.sleep(0.02)), "cpu", replace(p, budget_s=0.01))
     assert len(calls) == 4 and res.reps == 3 and res.median_ms >= 20
+
+
+def test_plots_take_cases_that_share_an_x(tmp_path):
+    """Several cases of one group at the same x (models at one size) plot without comparing results."""
+    pytest.importorskip("matplotlib")
+    from fastarch.bench.plots import plot_suites
+    from fastarch.bench.runner import ProviderResult, RunResult
+    from fastarch.bench.timing import TimingResult
+
+    def result(case: str, provider: str, ms: float) -> ProviderResult:
+        return ProviderResult(suite="hf", case=case, group="generate", params={}, x_name="hidden", x=256.0,
+                              provider=provider, kind="fastarch" if provider == "fastarch" else "torch",
+                              reference=provider != "fastarch", status="ok",
+                              timing=TimingResult(ms, ms, ms, 3, "wall"))
+
+    results = [result(c, p, ms) for c in ("llama", "gpt2") for p, ms in (("fastarch", 2.0), ("transformers", 3.0))]
+    paths, _ = plot_suites(RunResult(results, {"hf": {}}, None, 0.0), tmp_path)
+    assert [p.name for p in paths] == ["hf.png"] and paths[0].read_bytes()[:4] == b"\x89PNG"

@@ -43,57 +43,66 @@ constexpr int64_t CH = 64;   // chunk length
 constexpr int64_t SUB = 16;  // row block of the per-key products
 
 // -- small fp32 matrix products, row-major with leading dimensions --------------------------------------------
-// c (m, n) = alpha a (m, k) b (k, n) + beta c
+// c (m, n) = alpha a (m, k) b (k, n) + beta c. A register tile of 4 rows x 16 columns accumulates over k (the
+// compiler keeps it in vector registers); edges take the same loop with shorter bounds.
+constexpr int64_t TM = 4, TN = 16;
+
 void mm_nn(int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda, const float* b, int64_t ldb,
            float beta, float* c, int64_t ldc) {
-  for (int64_t i = 0; i < m; ++i) {
-    float* ci = c + i * ldc;
-    if (beta == 0.f) {
-      std::fill(ci, ci + n, 0.f);
-    } else if (beta != 1.f) {
+  for (int64_t i0 = 0; i0 < m; i0 += TM) {
+    const int64_t mi = std::min(TM, m - i0);
+    for (int64_t j0 = 0; j0 < n; j0 += TN) {
+      const int64_t nj = std::min(TN, n - j0);
+      float acc[TM][TN] = {};
+      if (mi == TM && nj == TN) {
+        for (int64_t p = 0; p < k; ++p) {
+          const float* bp = b + p * ldb + j0;
+          for (int64_t r = 0; r < TM; ++r) {
+            const float ar = a[(i0 + r) * lda + p];
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) ci[j] *= beta;
-    }
-    const float* ai = a + i * lda;
-    for (int64_t p = 0; p < k; ++p) {
-      const float s = alpha * ai[p];
-      if (s == 0.f) continue;
-      const float* bp = b + p * ldb;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) ci[j] += s * bp[j];
+            for (int64_t jj = 0; jj < TN; ++jj) acc[r][jj] += ar * bp[jj];
+          }
+        }
+      } else {
+        for (int64_t p = 0; p < k; ++p) {
+          const float* bp = b + p * ldb + j0;
+          for (int64_t r = 0; r < mi; ++r) {
+            const float ar = a[(i0 + r) * lda + p];
+            for (int64_t jj = 0; jj < nj; ++jj) acc[r][jj] += ar * bp[jj];
+          }
+        }
+      }
+      for (int64_t r = 0; r < mi; ++r) {
+        float* cr = c + (i0 + r) * ldc + j0;
+        if (beta == 0.f) {
+          for (int64_t jj = 0; jj < nj; ++jj) cr[jj] = alpha * acc[r][jj];
+        } else {
+          for (int64_t jj = 0; jj < nj; ++jj) cr[jj] = alpha * acc[r][jj] + beta * cr[jj];
+        }
+      }
     }
   }
 }
 
-// c (m, n) = a (m, k) b (n, k)^T
+// x (rows, cols) with leading dimension ldx -> xt (cols, rows), contiguous
+void transpose(int64_t rows, int64_t cols, const float* x, int64_t ldx, float* xt) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) xt[c * rows + r] = x[r * ldx + c];
+  }
+}
+
+// c (m, n) = a (m, k) b (n, k)^T; bt: scratch of k * n floats
 void mm_nt(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
-           int64_t ldc) {
-  for (int64_t i = 0; i < m; ++i) {
-    const float* ai = a + i * lda;
-    for (int64_t j = 0; j < n; ++j) {
-      const float* bj = b + j * ldb;
-      float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t p = 0; p < k; ++p) acc += ai[p] * bj[p];
-      c[i * ldc + j] = acc;
-    }
-  }
+           int64_t ldc, float* bt) {
+  transpose(n, k, b, ldb, bt);
+  mm_nn(m, n, k, 1.f, a, lda, bt, n, 0.f, c, ldc);
 }
 
-// c (m, n) += a (k, m)^T b (k, n)
+// c (m, n) += a (k, m)^T b (k, n); at: scratch of m * k floats
 void mm_tn_acc(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
-               int64_t ldc) {
-  for (int64_t p = 0; p < k; ++p) {
-    const float* ap = a + p * lda;
-    const float* bp = b + p * ldb;
-    for (int64_t i = 0; i < m; ++i) {
-      const float s = ap[i];
-      if (s == 0.f) continue;
-      float* ci = c + i * ldc;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) ci[j] += s * bp[j];
-    }
-  }
+               int64_t ldc, float* at) {
+  transpose(k, m, a, lda, at);
+  mm_nn(m, n, k, 1.f, at, k, b, ldb, 1.f, c, ldc);
 }
 
 float dot(const float* a, const float* b, int64_t n) {
@@ -185,15 +194,15 @@ void step(const Problem& p, const Rows<T>& r, int64_t t, float* S, float* o, Ste
 
 // -- the chunked forward of one (sequence, head) ------------------------------------------------------------------
 struct ChunkScratch {
-  std::vector<float> Q, Kc, Vc, G, A, P, U, W, X, Y, O, beta;
+  std::vector<float> Q, Kc, Vc, G, A, P, U, W, X, Y, O, beta, Tr;
   ChunkScratch(int64_t K, int64_t V, int64_t Kg)
       : Q(CH * K), Kc(CH * K), Vc(CH * V), G(CH * Kg), A(CH * CH), P(CH * CH), U(CH * V), W(CH * K), X(CH * K),
-        Y(CH * K), O(CH * V), beta(CH) {}
+        Y(CH * K), O(CH * V), beta(CH), Tr(CH * K) {}
 };
 
 // out[t, s] = sum_k a[t, k] b[s, k] exp(G[t, k] - G[s, k]) for s < t (strict) or s <= t, else 0; a, b, G (L, K).
 void gated_gram_per_key(int64_t L, int64_t K, const float* a, const float* b, const float* G, bool strict,
-                        float* out, float* xa, float* xb) {
+                        float* out, float* xa, float* xb, float* tr) {
   std::fill(out, out + L * CH, 0.f);
   for (int64_t i0 = 0; i0 < L; i0 += SUB) {
     const int64_t i1 = std::min(L, i0 + SUB);
@@ -217,7 +226,7 @@ void gated_gram_per_key(int64_t L, int64_t K, const float* a, const float* b, co
 #pragma omp simd
       for (int64_t c = 0; c < K; ++c) xb[s * K + c] = b[s * K + c] * fast_exp(Gr[c] - G[s * K + c]);
     }
-    mm_nt(i1 - i0, i0, K, xa, K, xb, K, out + i0 * CH, CH);
+    mm_nt(i1 - i0, i0, K, xa, K, xb, K, out + i0 * CH, CH, tr);
   }
 }
 
@@ -238,8 +247,9 @@ void chunked_forward(const Problem& p, const Rows<T>& r, int64_t L, float* S, fl
     }
     // the within-chunk products A (strict, scaled by beta_t) and P (inclusive)
     if (Kg == 1) {
-      mm_nt(n, n, K, Kc, K, Kc, K, A, CH);
-      mm_nt(n, n, K, Q, K, Kc, K, P, CH);
+      transpose(n, K, Kc, K, w.Tr.data());  // Kc^T, shared by both products
+      mm_nn(n, n, K, 1.f, Kc, K, w.Tr.data(), n, 0.f, A, CH);
+      mm_nn(n, n, K, 1.f, Q, K, w.Tr.data(), n, 0.f, P, CH);
       for (int64_t t = 0; t < n; ++t) {
         for (int64_t s = 0; s < n; ++s) {
           const float e = s <= t ? fast_exp(G[t] - G[s]) : 0.f;
@@ -248,8 +258,8 @@ void chunked_forward(const Problem& p, const Rows<T>& r, int64_t L, float* S, fl
         }
       }
     } else {
-      gated_gram_per_key(n, K, Kc, Kc, G, true, A, X, Y);
-      gated_gram_per_key(n, K, Q, Kc, G, false, P, X, Y);
+      gated_gram_per_key(n, K, Kc, Kc, G, true, A, X, Y, w.Tr.data());
+      gated_gram_per_key(n, K, Q, Kc, G, false, P, X, Y, w.Tr.data());
       for (int64_t t = 0; t < n; ++t) {
         for (int64_t s = 0; s < t; ++s) A[t * CH + s] *= bt[t];
       }
@@ -299,7 +309,7 @@ void chunked_forward(const Problem& p, const Rows<T>& r, int64_t L, float* S, fl
         Kc[t * K + c] *= fast_exp(Gl[gc] - Gt[gc]);
       }
     }
-    mm_tn_acc(K, V, n, Kc, K, U, V, S, V);
+    mm_tn_acc(K, V, n, Kc, K, U, V, S, V, w.Tr.data());
   }
 }
 

@@ -424,7 +424,9 @@ def _ref_dense(q, k, v, kpm, bias, wl, wr, p, seed, scale, softcap, alibi, drop_
 
 
 # -- validation ------------------------------------------------------------------------------------------
-def _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale, layout: str = "bhld") -> None:
+def _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale, layout: str = "bhld",
+              guess_layout: bool = True) -> None:
+    """``guess_layout``: refuse a 'bhld' q that looks like a 'blhd' one; off for views this module made."""
     check_tensor(OP, "q", q, ndim=4)
     check_tensor(OP, "k", k, ndim=4)
     check_tensor(OP, "v", v, ndim=4)
@@ -445,7 +447,7 @@ def _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale, layout: st
         fail(OP, f"argument 'k' has head dim {Dk} but 'q' has head dim {D}")
     if D < 1:
         fail(OP, f"argument 'q' must have head dim >= 1, got shape {names} = {tuple(q.shape)}")
-    if layout == "bhld" and H > MAX_PLAUSIBLE_HEADS and Lq <= MAX_PLAUSIBLE_HEADS:
+    if guess_layout and layout == "bhld" and H > MAX_PLAUSIBLE_HEADS and Lq <= MAX_PLAUSIBLE_HEADS:
         fail(OP, f"argument 'q' of shape {tuple(q.shape)} read as (B, H, Lq, D) has H={H} heads and Lq={Lq}: "
                  "this looks like a (B, L, H, D) FlashAttention-layout tensor; pass layout='blhd'")
     if Hk < 1 or H % Hk != 0:
@@ -463,7 +465,8 @@ def _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale, layout: st
             fail(OP, f"argument 'attn_bias' must be broadcastable to (B, H, Lq, Lk) = {full}, got {shp}")
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= float(dropout_p) < 1.0:
         fail(OP, f"argument 'dropout_p' must be a float in [0, 1), got {dropout_p!r}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                  and math.isfinite(scale)):
         fail(OP, f"argument 'scale' must be a finite float or None, got {scale!r}")
 
 
@@ -855,9 +858,10 @@ def _cached(q, k, v, wl, wr, dropout_p, scale, return_lse, dropout_seed, backend
         # Validated against the shape of the gathered cache, which is only built if the cache kernel is not used.
         Hk, D = k.shape[2], k.shape[3]
         k4 = v4 = torch.empty((), dtype=k.dtype, device=k.device).expand(B, Hk, block_table.shape[1] * k.shape[1], D)
-        _validate(q4, k4, v4, None, None, dropout_p, scale, "bhld")
+        _validate(q4, k4, v4, None, None, dropout_p, scale, "bhld", guess_layout=layout == "bhld")
     else:
-        _validate(q4, _as_bhld(k, layout), _as_bhld(v, layout), None, None, dropout_p, scale, "bhld")
+        _validate(q4, _as_bhld(k, layout), _as_bhld(v, layout), None, None, dropout_p, scale, "bhld",
+                  guess_layout=layout == "bhld")
         k4, v4 = _as_bhld(k, layout), _as_bhld(v, layout)
     Lc = k4.shape[2]
     check_tensor(OP, "seqlens_k", seqlens_k, ndim=1, dtypes=(torch.int32,), shape=(B,))

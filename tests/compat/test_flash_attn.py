@@ -9,9 +9,11 @@ import torch
 
 from fastarch.backend import use_backend
 from fastarch.compat import flash_attn as fa
+from fastarch.compat.flash_attn import flash_attn_interface as fai
 from fastarch.ops.attention import attention_ref
 from fastarch.ops.rotary import rotary_embedding
 from tests._backends import require_backend
+from tests._inplace import assert_bits_equal, bits, nan_poisoned
 
 TOL = {"rtol": 1e-4, "atol": 5e-5}
 _TRAIN = ["dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
@@ -278,3 +280,83 @@ def test_kvcache_rejected_call_leaves_cache_untouched(bad):
     with pytest.raises(ValueError):
         fa.flash_attn_with_kvcache(q, k_cache, v_cache, kn, vn, **kw)
     assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
+
+
+_BAD_KVCACHE = {
+    "softcap_nan": (dict(softcap=float("nan")), ValueError, "softcap"),
+    "softcap_inf": (dict(softcap=float("inf")), ValueError, "softcap"),
+    "softcap_negative": (dict(softcap=-1.0), ValueError, "softcap"),
+    "softcap_bool": (dict(softcap=True), ValueError, "softcap"),
+    "scale_nan": (dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    "scale_inf": (dict(softmax_scale=float("inf")), ValueError, "softmax_scale"),
+    "scale_str": (dict(softmax_scale="0.3"), ValueError, "softmax_scale"),
+    "scale_bool": (dict(softmax_scale=True), ValueError, "softmax_scale"),
+    "window": (dict(window_size=(-2, 0)), ValueError, "window_size"),
+    "int64": ("int64", TypeError, "'q'"),
+    "float64": ("float64", TypeError, "'q'"),
+    "seqlens_int64": (dict(cache_seqlens=torch.tensor([4, 6])), ValueError, "cache_seqlens"),
+    "seqlens_negative": (dict(cache_seqlens=torch.tensor([-1, 6], dtype=torch.int32)), ValueError,
+                         "cache_seqlens"),
+    "seqlens_int_overflow": (dict(cache_seqlens=2**70), ValueError, "cache_seqlens"),
+    "alibi_shape": (dict(alibi_slopes=torch.rand(3)), ValueError, "alibi_slopes"),
+}
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("bad", sorted(_BAD_KVCACHE))
+def test_kvcache_rejected_values_leave_cache_bit_identical(bad, paged):
+    """Each bad value is refused, naming its argument, before a single cache byte (NaN payloads included)
+    changes."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(2, 1, 4, 16, generator=g)
+    kn, vn = torch.randn(2, 1, 2, 16, generator=g), torch.randn(2, 1, 2, 16, generator=g)
+    if paged:
+        k_cache, v_cache = torch.randn(4, 8, 2, 16, generator=g), torch.randn(4, 8, 2, 16, generator=g)
+        kw: dict = dict(block_table=torch.tensor([[0, 1], [3, 2]], dtype=torch.int32))
+    else:
+        k_cache, v_cache = _cache()
+        kw = {}
+    k_cache, v_cache = nan_poisoned(k_cache), nan_poisoned(v_cache, 7)
+    kw["cache_seqlens"] = torch.tensor([4, 6], dtype=torch.int32)
+    change, exc, name = _BAD_KVCACHE[bad]
+    if isinstance(change, str):
+        dt = getattr(torch, change)
+        q, kn, vn = q.to(dt), kn.to(dt), vn.to(dt)
+        k_cache, v_cache = k_cache.nan_to_num().to(dt), v_cache.nan_to_num().to(dt)
+    else:
+        kw.update(change)
+    before_k, before_v = bits(k_cache), bits(v_cache)
+    with pytest.raises(exc, match=name):
+        fa.flash_attn_with_kvcache(q, k_cache, v_cache, kn, vn, **kw)
+    assert_bits_equal(before_k, k_cache, "k_cache")
+    assert_bits_equal(before_v, v_cache, "v_cache")
+
+
+def test_kvcache_failure_after_the_write_restores_the_cache(monkeypatch):
+    """Whatever fails once the new keys are written (here the attention itself), the cache comes back as it
+    was, bit for bit."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("attention failed")
+
+    monkeypatch.setattr(fai, "attention", broken)
+    k_cache, v_cache = (nan_poisoned(t) for t in _cache())
+    before_k, before_v = bits(k_cache), bits(v_cache)
+    kn = vn = torch.randn(2, 3, 2, 16)
+    with pytest.raises(RuntimeError, match="attention failed"):
+        fa.flash_attn_with_kvcache(torch.randn(2, 3, 4, 16), k_cache, v_cache, kn, vn,
+                                   cache_seqlens=torch.tensor([4, 20], dtype=torch.int32))
+    assert_bits_equal(before_k, k_cache, "k_cache")
+    assert_bits_equal(before_v, v_cache, "v_cache")
+
+
+def test_kvcache_many_heads_single_token():
+    """A decode step with more than 256 query heads in flash-attn's (B, L, H, D) layout is a valid call, not
+    a mistaken layout."""
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(1, 1, 300, 8, generator=g)
+    k_cache, v_cache = torch.randn(1, 16, 300, 8, generator=g), torch.randn(1, 16, 300, 8, generator=g)
+    kn, vn = torch.randn(1, 1, 300, 8, generator=g), torch.randn(1, 1, 300, 8, generator=g)
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, kn, vn, cache_seqlens=3)
+    torch.testing.assert_close(k_cache[0, 3], kn[0, 0])
+    want = attention_ref(q, k_cache[:, :4], v_cache[:, :4], layout="blhd")
+    torch.testing.assert_close(out, want, **TOL)

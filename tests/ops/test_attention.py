@@ -303,6 +303,8 @@ def test_bad_inputs():
         attention(q, k, v, attn_bias=torch.zeros(3, 8, 9))
     with pytest.raises(ValueError, match="dropout_p"):
         attention(q, k, v, dropout_p=1.0)
+    with pytest.raises(ValueError, match="'scale'"):
+        attention(q, k, v, scale=True)  # a bool is not a scale
     with pytest.raises(ValueError, match="4 dimensions"):
         attention(q[0], k, v)
     with pytest.raises(TypeError, match="dtype"):

@@ -25,8 +25,11 @@ backward is deterministic.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ...ops._checks import FLOAT_DTYPES
 from ...ops.attention import attention, attention_probs, dropout_keep_mask
 from ...ops.rotary import rotary_embedding
 
@@ -52,6 +55,15 @@ def _window(window_size) -> tuple[int, int]:
             and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
         _fail(f"argument 'window_size' must be a pair of ints (left, right), got {window_size!r}")
     return int(window_size[0]), int(window_size[1])
+
+
+def _finite_real(name: str, value: object, *, minimum: float | None = None) -> float:
+    """A finite int or float (a bool is refused: ``True`` is not a scale), at least ``minimum``."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) \
+            or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum:g}"
+        _fail(f"argument '{name}' must be a finite float{bound}, got {value!r}")
+    return float(value)
 
 
 def _seed(dropout_p: float) -> int:
@@ -251,6 +263,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         _fail(f"arguments 'k_cache' and 'v_cache' must have the same shape, got {tuple(k_cache.shape)} and "
               f"{tuple(v_cache.shape)}")
     dev = q.device
+    if q.dtype not in FLOAT_DTYPES:
+        _fail(f"argument 'q' must be float32, float16 or bfloat16, got {q.dtype}", TypeError)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.device != dev or t.dtype != q.dtype:
             _fail(f"argument '{name}' must be {q.dtype} on {dev} like 'q', got {t.dtype} on {t.device}")
@@ -261,6 +275,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if Hk < 1 or H % Hk:
         _fail(f"the number of query heads {H} must be a multiple of the cache's heads {Hk}")
     wl, wr = _window(window_size)
+    if wl < -1 or wr < -1:
+        _fail(f"argument 'window_size' values must be >= -1 (-1 = unlimited), got {(wl, wr)}")
+    scale = None if softmax_scale is None else _finite_real("softmax_scale", softmax_scale)
+    cap = _finite_real("softcap", softcap, minimum=0.0)
     if not isinstance(num_splits, int):
         _fail(f"argument 'num_splits' must be an int, got {type(num_splits).__name__}")
     paged = block_table is not None
@@ -293,6 +311,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if cache_seqlens is None:
         seqlens = torch.full((B,), 0 if k is not None else capacity, dtype=torch.int64)
     elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity:
+            _fail(f"argument 'cache_seqlens' must lie in [0, {capacity}] (the cache capacity), got {cache_seqlens}")
         seqlens = torch.full((B,), cache_seqlens, dtype=torch.int64)
     else:
         seqlens = _int32_vector("cache_seqlens", cache_seqlens, B, dev)
@@ -340,8 +360,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dtype != torch.float32 \
                 or tuple(alibi_slopes.shape) not in ((H,), (B, H)):
             _fail(f"argument 'alibi_slopes' must be fp32 of shape ({H},) or ({B}, {H})")
-    if not isinstance(softcap, (int, float)) or softcap < 0:
-        _fail(f"argument 'softcap' must be a float >= 0, got {softcap!r}")
+        if alibi_slopes.device != dev:
+            _fail(f"argument 'alibi_slopes' is on {alibi_slopes.device} but 'q' is on {dev}")
 
     with torch.no_grad():
         start = seqlens - leftpad
@@ -350,6 +370,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             q = _rotate(q, rotary_cos, rotary_sin, rotary_interleaved, start, same_position=not (causal or local))
             if k is not None:
                 k = _rotate(k, rotary_cos, rotary_sin, rotary_interleaved, start, same_position=False)
+        idx = saved = None
         if k is not None and L_new:
             pos = (seqlens.view(B, 1) + torch.arange(L_new).view(1, L_new)).reshape(-1)  # (B * L_new,)
             if paged:
@@ -359,18 +380,28 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 idx = (pages.to(dev), (pos % page).to(dev))
             else:
                 idx = (rows.repeat_interleave(L_new).to(dev), pos.to(dev))
-            k_cache.index_put_(idx, k.reshape(B * L_new, Hk, D))
-            v_cache.index_put_(idx, v.reshape(B * L_new, Hk, D))
-        if paged:
-            kc, vc, bt = k_cache, v_cache, block_table
-        else:
-            sel = rows.to(dev)
-            same = bool((rows == torch.arange(B)).all())
-            kc = k_cache[:B] if same else k_cache.index_select(0, sel)
-            vc = v_cache[:B] if same else v_cache.index_select(0, sel)
-            bt = None
-        out, lse = attention(q, kc, vc, layout="blhd", causal=causal, window=(wl, wr), scale=softmax_scale,
-                             softcap=float(softcap), alibi_slopes=alibi_slopes, seqlens_k=total.to(torch.int32).to(dev),
-                             key_leftpad=None if cache_leftpad is None else cache_leftpad, block_table=bt,
-                             return_lse=True)
+            # The slots about to be overwritten, so that a failure past this point (one the checks above
+            # cannot foresee, such as a cache whose elements share memory) still leaves the cache as it was.
+            saved = (k_cache[idx].clone(), v_cache[idx].clone())
+        try:
+            if saved is not None:
+                k_cache.index_put_(idx, k.reshape(B * L_new, Hk, D))
+                v_cache.index_put_(idx, v.reshape(B * L_new, Hk, D))
+            if paged:
+                kc, vc, bt = k_cache, v_cache, block_table
+            else:
+                sel = rows.to(dev)
+                same = bool((rows == torch.arange(B)).all())
+                kc = k_cache[:B] if same else k_cache.index_select(0, sel)
+                vc = v_cache[:B] if same else v_cache.index_select(0, sel)
+                bt = None
+            out, lse = attention(q, kc, vc, layout="blhd", causal=causal, window=(wl, wr), scale=scale,
+                                 softcap=cap, alibi_slopes=alibi_slopes, seqlens_k=total.to(torch.int32).to(dev),
+                                 key_leftpad=None if cache_leftpad is None else cache_leftpad, block_table=bt,
+                                 return_lse=True)
+        except BaseException:
+            if saved is not None:
+                k_cache.index_put_(idx, saved[0])
+                v_cache.index_put_(idx, saved[1])
+            raise
     return (out, lse) if return_softmax_lse else out

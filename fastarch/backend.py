@@ -427,9 +427,13 @@ def decision_stats() -> dict[str, int]:
     return {**_STATS, "cached": len(_DECISIONS)}
 
 
+def _key(op: str, call: Call, want: str) -> tuple:
+    return (op, call.device, call.dtype, tuple(call.features.items()), want,
+            torch.are_deterministic_algorithms_enabled(), _env("TRITON_INTERPRET"))
+
+
 def _decision_key(op: str, call: Call, want: str) -> tuple | None:
-    key = (op, call.device, call.dtype, tuple(call.features.items()), want,
-           torch.are_deterministic_algorithms_enabled(), _env("TRITON_INTERPRET"))
+    key = _key(op, call, want)
     try:
         hash(key)
     except TypeError:
@@ -480,8 +484,11 @@ def choose(op: str, call: Call, want: str = AUTO) -> Implementation:
     implementation. A named backend that cannot take the call raises with every backend's reasons. The
     decision is cached (see :func:`clear_decisions`); a refused call is decided anew each time.
     """
-    key = _decision_key(op, call, want)
-    impl = _DECISIONS.get(key) if key is not None else None
+    key: tuple | None = _key(op, call, want)
+    try:  # one hash: the lookup itself tells whether the features are hashable
+        impl = _DECISIONS.get(key)
+    except TypeError:
+        key, impl = None, None
     hit = impl is not None
     if hit:
         _STATS["hits"] += 1

@@ -17,7 +17,7 @@ import torch
 
 from ..backend import Call, choose, register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
-from ._checks import check_same_device, check_same_dtype, check_tensor, fail
+from ._checks import FLOAT_DTYPES, check_same_device, check_same_dtype, check_tensor, fail
 from ._dispatch import call_of, dispatch, run_backward
 
 __all__ = ["layer_norm", "layer_norm_ref"]
@@ -48,6 +48,8 @@ def layer_norm_ref(
 
 
 def _validate(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> None:
+    if _plainly_valid(x, weight, bias, eps):
+        return
     check_tensor(OP, "x", x)
     if x.dim() < 1:
         fail(OP, "argument 'x' must have at least 1 dimension")
@@ -61,6 +63,17 @@ def _validate(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor |
     check_same_dtype(OP, "x", x, weight=weight, bias=bias)
     if not eps >= 0:
         fail(OP, f"argument 'eps' must be >= 0, got {eps}")
+
+
+def _plainly_valid(x, weight, bias, eps) -> bool:
+    """The usual call, accepted in a few attribute reads; anything else goes through the checks that name
+    what is wrong."""
+    if not (isinstance(x, torch.Tensor) and x.dim() >= 1 and x.dtype in FLOAT_DTYPES
+            and isinstance(eps, (int, float)) and eps >= 0):
+        return False
+    n, dt, dev = x.shape[-1], x.dtype, x.device
+    return all(t is None or (isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] == n and t.dtype == dt
+                             and t.device == dev) for t in (weight, bias))
 
 
 def _mode(unbiased: bool, eps_inside_sqrt: bool) -> int:
@@ -168,7 +181,7 @@ def layer_norm(
     mode = _mode(unbiased, eps_inside_sqrt)
     impl, name = dispatch(OP, lambda: _call(x, mode), backend, x, weight, bias)
     if impl is not None:
-        return _forward(impl, x, weight, bias, float(eps), mode)[0]
+        return impl.infer(x, weight, bias, float(eps), mode)
     y, _, _ = _layer_norm_fwd(x, weight, bias, float(eps), mode, name)
     return y
 
@@ -192,7 +205,14 @@ def _row_stats(xf: torch.Tensor, eps: float, mode: int) -> tuple[torch.Tensor, t
     return mean, rstd, drstd
 
 
-class TorchLayerNorm(TorchImplementation):
+class _OutputOnly:
+    """``infer``: the output alone (no statistics), for calls that record no gradient."""
+
+    def infer(self, x, weight, bias, eps, mode):
+        return _forward(self, x, weight, bias, eps, mode)[0]
+
+
+class TorchLayerNorm(_OutputOnly, TorchImplementation):
     op = OP
     description = "composed PyTorch in fp32"
 
@@ -223,13 +243,16 @@ class TorchLayerNorm(TorchImplementation):
         return dx.to(x.dtype), dw, db
 
 
-class AtenLayerNorm(AtenImplementation):
+class AtenLayerNorm(_OutputOnly, AtenImplementation):
     op = OP
     description = "PyTorch's native_layer_norm and its backward (the torch.nn.LayerNorm mode only)"
 
     def check(self, call):
         return [] if call.get("mode", 0) == 0 else ["only the torch.nn.LayerNorm mode (biased variance, "
                                                     "eps inside the root)"]
+
+    def infer(self, x, weight, bias, eps, mode):
+        return torch.layer_norm(x, [x.shape[-1]], weight, bias, eps, False)
 
     def forward(self, x, weight, bias, eps, mode):
         y, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)
@@ -246,7 +269,7 @@ class AtenLayerNorm(AtenImplementation):
         return dx, dw.float(), db.float()
 
 
-class CppLayerNorm(CppImplementation):
+class CppLayerNorm(_OutputOnly, CppImplementation):
     op, extension = OP, "norms"
     description = "fused C++ kernel, OpenMP over rows, fp32 accumulation"
 
@@ -257,7 +280,7 @@ class CppLayerNorm(CppImplementation):
         return tuple(self.lib.layer_norm_bwd(dy, x, weight, mean, eps, mode))
 
 
-class TritonLayerNorm(TritonImplementation):
+class TritonLayerNorm(_OutputOnly, TritonImplementation):
     op, kernel_module = OP, "norms"
     limits = {"n": 65536}
     description = "Triton row kernels, one row per program"

@@ -40,6 +40,8 @@ def test_layer_norm_fp32(backend, n, mode):
     gref = _grads(ref, (x, w, b), dy)
     y = ops.layer_norm(x, w, b, 1e-5, backend=backend, **kw)
     torch.testing.assert_close(y, ref, atol=2e-5, rtol=1e-5)
+    with torch.no_grad():  # no gradient recorded: the implementation's output-only path
+        torch.testing.assert_close(ops.layer_norm(x, w, b, 1e-5, backend=backend, **kw), ref, atol=2e-5, rtol=1e-5)
     # n == 1: dx is exactly 0, but rstd = 1/sqrt(eps) ~ 316 amplifies the rounding of g - mean(g)
     atol = 5e-4 if n > 1000 else 2e-4 if n == 1 else 5e-5
     for g, r in zip(_grads(y, (x, w, b), dy), gref):
@@ -73,6 +75,10 @@ def test_layer_norm_no_affine_and_nd(backend):
     (g,) = torch.autograd.grad(y.pow(2).sum(), x)
     (gr,) = torch.autograd.grad(torch.nn.functional.layer_norm(x, (33,), eps=1e-5).pow(2).sum(), x)
     torch.testing.assert_close(g, gr, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # the output-only path keeps the N-d shape too
+        y0 = ops.layer_norm(x, None, None, 1e-5, backend=backend)
+    assert y0.shape == x.shape
+    torch.testing.assert_close(y0, y.detach(), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.op("rms_norm")

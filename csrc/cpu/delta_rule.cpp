@@ -121,6 +121,12 @@ struct Problem {
   int64_t start(int64_t n) const { return cu ? cu[n] : n * T; }
   int64_t length(int64_t n) const { return cu ? cu[n + 1] - cu[n] : T; }
   int64_t qk_head(int64_t h) const { return h / (Hv / Hk); }
+  // (sequence, head) items per task: enough state work that a task outweighs handing it to another thread (a
+  // decode step's heads run on the calling thread)
+  int64_t grain() const {
+    const int64_t steps = cu ? std::max<int64_t>(1, cu[N] / std::max<int64_t>(N, 1)) : std::max<int64_t>(T, 1);
+    return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, steps * K * V));
+  }
 };
 
 template <typename T>
@@ -363,7 +369,7 @@ std::vector<torch::Tensor> delta_rule_fwd(const torch::Tensor& q, const torch::T
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "delta_rule_fwd", [&] {
     const scalar_t *qp = q.data_ptr<scalar_t>(), *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
     const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
-    fastarch::parallel_for(0, p.N * p.Hv, 1, [&](int64_t begin, int64_t end) {
+    fastarch::parallel_for(0, p.N * p.Hv, p.grain(), [&](int64_t begin, int64_t end) {
       StepScratch sw(p.K, p.V);
       ChunkScratch cw(recurrent ? 0 : p.K, recurrent ? 0 : p.V, recurrent ? 0 : p.Kg);
       for (int64_t item = begin; item < end; ++item) {
@@ -528,7 +534,7 @@ std::vector<torch::Tensor> delta_rule_bwd(const torch::Tensor& dout, const c10::
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "delta_rule_bwd", [&] {
     const scalar_t *qp = q.data_ptr<scalar_t>(), *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
     const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
-    fastarch::parallel_for(0, p.N * p.Hv, 1, [&](int64_t begin, int64_t end) {
+    fastarch::parallel_for(0, p.N * p.Hv, p.grain(), [&](int64_t begin, int64_t end) {
       StepScratch sw(K, V);
       BackScratch w(K, V);
       for (int64_t item = begin; item < end; ++item) {

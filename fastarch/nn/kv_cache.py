@@ -22,6 +22,7 @@ along heads, and whose ``seq_len`` is the head count after a second update): ent
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -175,9 +176,14 @@ class KVCache:
                 raise _err("argument 'lengths' (per-sequence advance) is not supported in ring-buffer mode "
                            "(window set); use 'valid' to mark padding instead")
             if isinstance(lengths, torch.Tensor):
+                if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
+                    raise _err(f"argument 'lengths' must be an integer tensor, got {lengths.dtype}", TypeError)
                 lengths = lengths.tolist()
             if not isinstance(lengths, Sequence) or len(lengths) != B:
                 raise _err(f"argument 'lengths' must hold {B} ints (one per sequence), got {lengths!r}")
+            if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in lengths):
+                # int(1.5) would silently advance a sequence by 1.
+                raise _err(f"argument 'lengths' entries must be ints, got {list(lengths)!r}", TypeError)
             new = [int(x) for x in lengths]
             if any(x < 0 or x > T for x in new):
                 raise _err(f"argument 'lengths' entries must be in [0, T={T}], got {new}")

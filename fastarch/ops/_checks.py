@@ -8,7 +8,7 @@ import torch
 
 from ..backend import FLOAT_DTYPES
 
-__all__ = ["FLOAT_DTYPES", "check_same_device", "check_same_dtype", "check_tensor", "fail"]
+__all__ = ["FLOAT_DTYPES", "check_same_device", "check_same_dtype", "check_tensor", "check_writable", "fail"]
 
 
 def _dt(d: torch.dtype) -> str:
@@ -61,3 +61,11 @@ def check_same_device(op: str, ref_name: str, ref: torch.Tensor, **others: torch
     for name, t in others.items():
         if t is not None and t.device != ref.device:
             fail(op, f"argument '{name}' is on {t.device} but '{ref_name}' is on {ref.device}")
+
+
+def check_writable(op: str, name: str, t: torch.Tensor) -> None:
+    """Refuse an in-place argument whose elements share memory (an ``expand``ed view): writing one row would
+    write the others, and some kernels refuse it only once they have started writing."""
+    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        fail(op, f"argument '{name}' is updated in place and must not share memory between its elements "
+                 f"(an expanded view), got shape {tuple(t.shape)} with strides {t.stride()}; pass a .clone()")

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from ..backend import register
 from ._backends import AtenImplementation, CppImplementation, TorchImplementation, TritonImplementation
-from ._checks import check_same_device, check_tensor, fail
+from ._checks import check_same_device, check_tensor, check_writable, fail
 from ._dispatch import call_of, dispatch, in_layout_of, resolve, run, run_backward
 
 __all__ = ["causal_conv1d", "causal_conv1d_fn", "causal_conv1d_ref", "causal_conv1d_update",
@@ -54,6 +54,7 @@ OP = "causal_conv1d"
 OP_UPDATE = "causal_conv1d_update"
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_WIDTH = 64
+_INT32_MAX = 2**31 - 1
 
 
 def _check_activation(op: str, activation: str | None) -> bool:
@@ -351,12 +352,16 @@ def _validate_update(x, conv_state, weight, bias, cache_seqlens, conv_state_indi
                  f"got {conv_state.shape[-1]}")
     if cache_seqlens is not None:
         check_tensor(op, "cache_seqlens", cache_seqlens, dtypes=INDEX_DTYPES, shape=(batch,))
-        if batch and int(cache_seqlens.min()) < 0:
-            fail(op, f"argument 'cache_seqlens' must be >= 0, got {int(cache_seqlens.min())}")
+        if batch:
+            lo, hi = (int(c) for c in torch.aminmax(cache_seqlens))
+            if lo < 0 or hi > _INT32_MAX:
+                # The kernels take int32 positions: a larger count would silently wrap.
+                fail(op, f"argument 'cache_seqlens' must lie in [0, {_INT32_MAX}], got values in [{lo}, {hi}]")
     if bias is not None:
         check_tensor(op, "bias", bias, shape=(dim,))
     check_same_device(op, "x", x, conv_state=conv_state, weight=weight, bias=bias, cache_seqlens=cache_seqlens,
                       conv_state_indices=conv_state_indices)
+    check_writable(op, "conv_state", conv_state)
 
 
 def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..backend import Call, register
 from ._backends import CppImplementation, TorchImplementation, TritonImplementation
-from ._checks import check_same_device, check_tensor, fail
+from ._checks import check_same_device, check_tensor, check_writable, fail
 from ._dispatch import call_of, dispatch, run
 
 __all__ = ["selective_state_update", "selective_state_update_ref"]
@@ -124,6 +124,7 @@ def _validate(state, x, dt, A, B, C, D, z, dt_bias, state_batch_indices) -> None
             fail(OP, "argument 'state_batch_indices' must not repeat a row (two rows would write one state)")
     check_same_device(OP, "state", state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                       state_batch_indices=state_batch_indices)
+    check_writable(OP, "state", state)
 
 
 def _call(x: torch.Tensor, state: torch.Tensor, state_batch_indices: torch.Tensor | None) -> Call:

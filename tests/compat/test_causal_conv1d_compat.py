@@ -9,6 +9,8 @@ import torch
 from fastarch.backend import use_backend
 from fastarch.compat import causal_conv1d as pkg
 from fastarch.compat.causal_conv1d import causal_conv1d_interface as iface
+from tests._backends import require_backend
+from tests._inplace import assert_bits_equal, bits, nan_poisoned
 
 BACKENDS = ["torch", "cpp", "triton"]
 
@@ -81,3 +83,30 @@ def test_update_positional_and_circular(backend):
     # The new input landed at cache_seqlens % S of each row.
     for row, c in enumerate(seqlens.tolist()):
         torch.testing.assert_close(state[row, :, c % S], x[row])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", ["seqlens_negative", "seqlens_past_int32", "indices_repeat", "expanded_state",
+                                 "activation"])
+def test_update_rejection_keeps_conv_state_bits(backend, bad):
+    """A refused causal_conv1d_update leaves conv_state bit-identical (NaN payloads included)."""
+    require_backend("causal_conv1d_update", backend)
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(2, 6, generator=g), torch.randn(6, 4, generator=g)
+    state = nan_poisoned(torch.randn(2, 6, 5, generator=g))
+    target = state
+    args: list = [x, state, w, None, None, None, None]
+    if bad == "seqlens_negative":
+        args[5] = torch.tensor([-1, 0], dtype=torch.int32)
+    elif bad == "seqlens_past_int32":
+        args[5] = torch.tensor([2**40, 0])
+    elif bad == "indices_repeat":
+        args[6] = torch.tensor([1, 1], dtype=torch.int32)
+    elif bad == "expanded_state":
+        args[1] = state[:1].expand(2, 6, 5)
+    else:
+        args[4] = "gelu"
+    before = bits(target)
+    with use_backend(backend), pytest.raises((ValueError, NotImplementedError, IndexError)):
+        pkg.causal_conv1d_update(*args)
+    assert_bits_equal(before, target, "conv_state")

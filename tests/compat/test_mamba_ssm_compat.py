@@ -15,6 +15,8 @@ from fastarch.backend import use_backend
 from fastarch.compat import mamba_ssm
 from fastarch.compat.mamba_ssm.ops import selective_scan_interface as iface
 from fastarch.compat.mamba_ssm.ops.triton import selective_state_update as ssu
+from tests._backends import require_backend
+from tests._inplace import assert_bits_equal, bits, nan_poisoned
 
 BACKENDS = ["torch", "cpp", "triton"]
 E = inspect.Parameter.empty
@@ -159,3 +161,31 @@ def test_mamba_inner_rejects_bad_checkpoint_lvl():
     with pytest.raises(ValueError, match="checkpoint_lvl"):
         iface.mamba_inner_fn(torch.randn(1, 4, 3), torch.randn(2, 1, 4), None, torch.randn(5, 2), torch.randn(2, 1),
                              torch.randn(3, 2), None, -torch.rand(2, 2), checkpoint_lvl=2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", ["x_float64", "indices_repeat", "indices_range", "groups", "expanded_state"])
+def test_selective_state_update_rejection_keeps_state_bits(backend, bad):
+    """A refused mamba_ssm selective_state_update leaves the state bit-identical (NaN payloads included)."""
+    require_backend("selective_state_update", backend)
+    g = torch.Generator().manual_seed(12)
+    B, H, P, N = 2, 4, 8, 16
+    state = nan_poisoned(torch.randn(B, H, P, N, generator=g))
+    kw = dict(x=torch.randn(B, H, P, generator=g), dt=torch.rand(B, H, P, generator=g),
+              A=-torch.rand(H, P, N, generator=g), B=torch.randn(B, 1, N, generator=g),
+              C=torch.randn(B, 1, N, generator=g), dt_softplus=True)
+    target = state
+    if bad == "x_float64":
+        kw["x"] = kw["x"].double()
+    elif bad == "indices_repeat":
+        kw["state_batch_indices"] = torch.tensor([0, 0])
+    elif bad == "indices_range":
+        kw["state_batch_indices"] = torch.tensor([0, 2])
+    elif bad == "groups":
+        kw["B"] = torch.randn(B, 3, N)
+    else:
+        state = state[:1].expand(B, H, P, N)
+    before = bits(target)
+    with use_backend(backend), pytest.raises((ValueError, TypeError, IndexError)):
+        ssu.selective_state_update(state, **kw)
+    assert_bits_equal(before, target, "state")

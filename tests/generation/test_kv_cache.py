@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from fastarch.generation import KVCache
+from tests._inplace import assert_bits_equal, bits, nan_poisoned
 
 from ._models import ref_attention
 
@@ -277,3 +278,36 @@ def test_window_with_per_sequence_lengths():
     ring.update(0, *_kv(1, Hk, 1, D))
     with pytest.raises(ValueError, match="wider than the ring"):
         ring.attention_kwargs(0, window=3)
+
+
+@pytest.mark.parametrize("bad", ["lengths_float", "lengths_bool", "lengths_float_tensor", "overflow", "dtype"])
+def test_rejected_update_keeps_buffer_bits(bad):
+    """A refused update leaves every buffer bit-identical (NaN payloads in unused slots included) and the
+    lengths as they were."""
+    cache = KVCache(6, 2, 4, 2, batch_size=2, dtype=torch.float32, device="cpu")
+    for layer in range(2):
+        cache.update(layer, *_kv(2, 2, 2, 4))
+    for t in cache._k + cache._v:
+        t.copy_(nan_poisoned(t, 3))
+    before = [bits(t) for t in cache._k + cache._v]
+    lens = [list(x) for x in cache._lens]
+    k, v = _kv(2, 2, 2, 4)
+    kwargs: dict = {}
+    exc: type[Exception] = TypeError
+    if bad == "lengths_float":
+        kwargs["lengths"] = [1.5, 2]  # int(1.5) would silently advance the sequence by 1
+    elif bad == "lengths_bool":
+        kwargs["lengths"] = [True, 2]
+    elif bad == "lengths_float_tensor":
+        kwargs["lengths"] = torch.tensor([1.0, 2.0])
+    elif bad == "overflow":
+        k, v, exc = *_kv(2, 2, 5, 4), ValueError
+    else:
+        k = k.double()
+    with pytest.raises(exc, match="KVCache"):
+        cache.update(1, k, v, **kwargs)
+    for b, t in zip(before, cache._k + cache._v):
+        assert_bits_equal(b, t, "KV buffer")
+    assert cache._lens == lens
+    cache.update(1, *_kv(2, 2, 2, 4), lengths=torch.tensor([1, 2]))  # integer lengths are still accepted
+    assert cache.lengths(1) == [3, 4]

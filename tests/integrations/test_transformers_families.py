@@ -39,6 +39,20 @@ def _configs() -> dict[str, tuple[str, dict]]:
         "lfm2": ("Lfm2ForCausalLM", dict(SMALL, **attn, layer_types=["conv", "full_attention"], conv_L_cache=3)),
         "falcon_mamba": ("FalconMambaForCausalLM", dict(SMALL, state_size=8, expand=2, conv_kernel=4,
                                                         time_step_rank=4)),
+        # Zamba ties its shared transformer blocks across hybrid layers: two of them, so three layers.
+        "zamba": ("ZambaForCausalLM", dict(SMALL, **attn, num_hidden_layers=3,
+                                           layers_block_type=["hybrid", "mamba", "hybrid"], attention_head_dim=8,
+                                           attention_hidden_size=64, n_mamba_heads=2, mamba_d_state=8,
+                                           mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4)),
+        "zamba2": ("Zamba2ForCausalLM", dict(SMALL, **attn, layers_block_type=["mamba", "hybrid"], mamba_d_state=8,
+                                             mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, n_mamba_heads=4,
+                                             chunk_size=8, num_mem_blocks=1, adapter_rank=4)),
+        "nemotron_h": ("NemotronHForCausalLM", dict(SMALL, **attn, head_dim=8, layers_block_type=["mamba", "attention"],
+                                                    ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16,
+                                                    n_groups=1, conv_kernel=4, expand=2, chunk_size=8)),
+        "lfm2_moe": ("Lfm2MoeForCausalLM", dict(SMALL, **attn, moe_intermediate_size=16, num_experts=2,
+                                                num_experts_per_tok=1, num_dense_layers=1,
+                                                layer_types=["conv", "full_attention"], conv_L_cache=3)),
     }
 
 

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -1116,19 +1117,39 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
   TORCH_CHECK(k.size(3) == D && Hk > 0 && H % Hk == 0, "attention cpp cache: head counts or head dims differ");
   const auto given = [](const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
   TORCH_CHECK(given(table_opt) || k.size(0) == B, "attention cpp cache: without a block table k/v are (B, L, Hk, D)");
-  const auto int_opts = at::TensorOptions().dtype(at::kInt);
-  const at::Tensor table = given(table_opt) ? *table_opt : at::arange(B, int_opts).view({B, 1});
-  const at::Tensor seqlens = given(seqlens_opt) ? *seqlens_opt : at::full({B}, k.size(1) * table.size(1), int_opts);
-  const at::Tensor leftpad = given(leftpad_opt) ? *leftpad_opt : at::zeros({B}, int_opts);
-  TORCH_CHECK(table.dtype() == at::kInt && table.is_contiguous() && table.dim() == 2 && table.size(0) == B,
-              "attention cpp cache: block table must be contiguous int32 (B, n)");
-  TORCH_CHECK(seqlens.dtype() == at::kInt && seqlens.is_contiguous() && seqlens.numel() == B &&
-                  leftpad.dtype() == at::kInt && leftpad.is_contiguous() && leftpad.numel() == B,
-              "attention cpp cache: seqlens and leftpad must be contiguous int32 (B,)");
-  const int64_t npb = table.size(1), Lc = npb * page;
-  const int32_t* tb = table.data_ptr<int32_t>();
-  const int32_t* sl = seqlens.data_ptr<int32_t>();
-  const int32_t* lpd = leftpad.data_ptr<int32_t>();
+  // Absent arguments are filled on the stack side (plain vectors, not tensors): a decode step's fixed cost.
+  const auto int32_vec = [](const c10::optional<at::Tensor>& t, int64_t n, const char* what) -> const int32_t* {
+    TORCH_CHECK(t->dtype() == at::kInt && t->is_contiguous() && t->numel() == n, "attention cpp cache: ", what,
+                " must be contiguous int32 with ", n, " entries");
+    return t->data_ptr<int32_t>();
+  };
+  std::vector<int32_t> own_table, own_seqlens, own_leftpad;
+  int64_t npb = 1;
+  const int32_t* tb;
+  if (given(table_opt)) {
+    TORCH_CHECK(table_opt->dim() == 2 && table_opt->size(0) == B, "attention cpp cache: block table must be (B, n)");
+    npb = table_opt->size(1);
+    tb = int32_vec(table_opt, B * npb, "the block table");
+  } else {
+    own_table.resize(static_cast<size_t>(B));
+    for (int64_t b = 0; b < B; ++b) own_table[static_cast<size_t>(b)] = static_cast<int32_t>(b);
+    tb = own_table.data();
+  }
+  const int64_t Lc = npb * page;
+  const int32_t* sl;
+  if (given(seqlens_opt)) {
+    sl = int32_vec(seqlens_opt, B, "seqlens");
+  } else {
+    own_seqlens.assign(static_cast<size_t>(B), static_cast<int32_t>(Lc));
+    sl = own_seqlens.data();
+  }
+  const int32_t* lpd;
+  if (given(leftpad_opt)) {
+    lpd = int32_vec(leftpad_opt, B, "leftpad");
+  } else {
+    own_leftpad.assign(static_cast<size_t>(B), 0);
+    lpd = own_leftpad.data();
+  }
   const float* al = nullptr;
   if (alibi.has_value() && alibi->defined()) {
     TORCH_CHECK(alibi->dtype() == at::kFloat && alibi->is_contiguous() && alibi->dim() == 2 &&
@@ -1168,14 +1189,13 @@ std::vector<at::Tensor> cache_fwd(const at::Tensor& q, const at::Tensor& k, cons
 
   auto o = at::empty({B, Lq, H, D}, q.options());
   auto lse = at::empty({B, H, Lq}, q.options());
-  // Per split partial results: running max (log2), sum, accumulator and the non-finite flag per row.
-  auto part_m = at::empty({B, S, R}, q.options());
-  auto part_l = at::empty({B, S, R}, q.options());
-  auto part_acc = at::empty({B, S, R, D}, q.options());
-  std::vector<uint8_t> part_bad(static_cast<size_t>(B * S * R), 0);
-  float* pm = part_m.data_ptr<float>();
-  float* pl = part_l.data_ptr<float>();
-  float* pa = part_acc.data_ptr<float>();
+  // Per split partial results, in one uninitialised buffer (every entry is written before it is read).
+  const int64_t nparts = B * S * R;
+  std::unique_ptr<float[]> parts(new float[static_cast<size_t>(nparts * (D + 2))]);
+  std::vector<uint8_t> part_bad(static_cast<size_t>(nparts), 0);
+  float* pm = parts.get();
+  float* pl = pm + nparts;
+  float* pa = pl + nparts;
 
   // Merges the splits of batch row b: run by the task that finishes the row's last split, so that the call
   // is one parallel region (each region costs a scheduling quantum on a busy host).

@@ -154,3 +154,46 @@ def test_kda_shaped_gate_is_refused():
     x = make(case, per_key=True)
     with pytest.raises(ValueError, match="'g'"):
         gated_delta_rule(*(x[k] for k in ("q", "k", "v", "g", "beta")))
+
+
+def test_gradients_without_the_final_state(backend):
+    """output_final_state=False: the backward gets no final-state gradient (None), only the output's."""
+    case = dict(B=2, T=70, K=16, V=8, gate="mid", Hk=1, Hv=2, l2=True, init=True)
+    x = make(case, per_key=False)
+    grads = []
+    for fn, kw in ((gated_delta_rule, dict(backend=backend)), (gated_delta_rule_ref, {})):
+        leaves = {k: t.clone().requires_grad_() for k, t in x.items()}
+        o, S = fn(*(leaves[k] for k in ("q", "k", "v", "g", "beta")), initial_state=leaves["initial_state"], **kw)
+        assert S is None
+        (o * torch.linspace(-1, 1, o.shape[-1])).sum().backward()
+        grads.append({k: t.grad for k, t in leaves.items()})
+    for name in grads[1]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-3, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("per_key", [False, True], ids=["gdn", "kda"])
+def test_cpp_results_do_not_depend_on_the_thread_count(per_key):
+    """Each (sequence, head) is one task's alone: the same bits at any thread count, forward and backward."""
+    from tests._backends import require_backend
+
+    op = "kda" if per_key else "gated_delta_rule"
+    require_backend(op, "cpp")
+    from fastarch.ops import kda
+
+    fn = kda if per_key else gated_delta_rule
+    case = dict(B=2, T=150, K=16, V=16, gate="mid", Hk=2, Hv=4, l2=True, init=True)
+    x = make(case, per_key=per_key)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            for mode in ("chunk", "recurrent"):
+                o, S, grads = run(fn, x, mode=mode, backend="cpp")
+                results.append((mode, o, S, grads))
+        for mode, o, S, grads in results[2:]:
+            ref = results[0] if mode == "chunk" else results[1]
+            assert torch.equal(o, ref[1]) and torch.equal(S, ref[2])
+            assert all(torch.equal(grads[k], ref[3][k]) for k in grads)
+    finally:
+        torch.set_num_threads(before)

@@ -370,6 +370,112 @@ def generate_small_cases(cfg: BenchConfig) -> list[Case]:
             for family in ("llama", "qwen2", "mistral", "phi3", "gpt2", "mamba", "mamba2")]
 
 
+# Hybrid families (attention beside Mamba-2 mixers), FalconMamba and gpt-oss: hidden 768, 4 layers, each family's
+# own layer pattern; fastarch (register() and its attention) against plain transformers.
+def _hybrid_config(tf, family: str, toy: bool):
+    """(config, model class) of a ``family``-style model: hidden 768 (64 when ``toy``), 4 layers."""
+    d = 64 if toy else 768
+    heads, hd = (4, 16) if toy else (12, 64)
+    mh, mhd, ns = (4, 32, 16) if toy else (24, 64, 128)  # Mamba-2 heads (d_inner = 2 d), head dim, state
+    base = dict(vocab_size=VOCAB, hidden_size=d, num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    attn = dict(num_attention_heads=heads, num_key_value_heads=heads // 4 or 1, intermediate_size=2 * d)
+    chunk = 64 if toy else 256
+    if family == "bamba":
+        return tf.BambaConfig(**base, **attn, attn_layer_indices=[2], mamba_n_heads=mh, mamba_d_head=mhd,
+                              mamba_n_groups=1, mamba_d_state=ns, mamba_d_conv=4, mamba_expand=2,
+                              mamba_chunk_size=chunk), tf.BambaForCausalLM
+    if family == "jamba":  # Mamba-1 mixers, attention at layer 2, experts every other layer
+        return tf.JambaConfig(**base, **attn, attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2,
+                              expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=16,
+                              mamba_d_conv=4, mamba_expand=2), tf.JambaForCausalLM
+    if family == "falcon_h1":  # attention and a Mamba-2 mixer side by side in every layer
+        return tf.FalconH1Config(**base, **attn, head_dim=hd, mamba_d_ssm=2 * d, mamba_n_heads=mh, mamba_d_head=mhd,
+                                 mamba_n_groups=1, mamba_d_state=ns, mamba_d_conv=4, mamba_expand=2,
+                                 mamba_chunk_size=chunk), tf.FalconH1ForCausalLM
+    if family == "granitemoehybrid":
+        return tf.GraniteMoeHybridConfig(**base, **attn, layer_types=["mamba", "mamba", "attention", "mamba"],
+                                         num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=2 * d,
+                                         mamba_n_heads=mh, mamba_n_groups=1, mamba_d_state=ns, mamba_d_head=mhd,
+                                         mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=chunk), \
+            tf.GraniteMoeHybridForCausalLM
+    if family == "zamba2":
+        return tf.Zamba2Config(**base, **attn, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+                               mamba_d_state=ns, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, n_mamba_heads=mh,
+                               chunk_size=chunk, num_mem_blocks=1), tf.Zamba2ForCausalLM
+    if family == "nemotron_h":
+        return tf.NemotronHConfig(**base, **attn, head_dim=hd, layers_block_type=["mamba", "attention", "mamba", "mlp"],
+                                  ssm_state_size=ns, mamba_num_heads=mh, mamba_head_dim=mhd, n_groups=1,
+                                  conv_kernel=4, expand=2, chunk_size=chunk), tf.NemotronHForCausalLM
+    if family == "falcon_mamba":
+        return tf.FalconMambaConfig(**base, state_size=16, expand=2, conv_kernel=4), tf.FalconMambaForCausalLM
+    if family == "gpt_oss":  # attention sinks, sliding window 128 on every other layer
+        return tf.GptOssConfig(**base, **attn, head_dim=hd, num_local_experts=4, num_experts_per_tok=2,
+                               sliding_window=16 if toy else 128,
+                               layer_types=["sliding_attention", "full_attention"] * 2), tf.GptOssForCausalLM
+    raise ValueError(f"unknown family {family!r}")
+
+
+def _hybrid_case(cfg: BenchConfig, family: str, mode: str, L: int, new: int, target: float) -> Case:
+    """``mode`` 'fwd': one forward over ``L`` tokens; 'generate': greedy generation of ``new`` tokens after an
+    ``L``-token prompt. Plain transformers runs its CPU path: sdpa, or eager where sdpa cannot (sinks)."""
+    plain_impl = "eager" if family == "gpt_oss" else "sdpa"
+
+    def provider(fastarch: bool) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            tf, fh = _hf()
+            if not hasattr(tf, _hybrid_class_name(family)):
+                raise Skip(f"transformers {tf.__version__} has no {_hybrid_class_name(family)}")
+            conf, cls = _hybrid_config(tf, family, cfg.toy)
+            torch.manual_seed(cfg.seed)
+            model = cls(conf).to(device=cfg.device, dtype=cfg.dtype).eval()
+            ids = _tokens(cfg, L)
+            has_attention = family != "falcon_mamba"
+
+            def run() -> Any:
+                if fastarch:
+                    fh.register()
+                else:
+                    fh.unregister()
+                impl = "fastarch" if fastarch else plain_impl
+                if has_attention and model.config._attn_implementation != impl:
+                    model.set_attn_implementation(impl)
+                with torch.no_grad():
+                    if mode == "fwd":
+                        return model(input_ids=ids, logits_to_keep=1).logits
+                    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                          min_new_tokens=new, do_sample=False, pad_token_id=0)
+            return run
+        return setup
+
+    what = f"fwd L={L}" if mode == "fwd" else f"generate prompt={L},new={new}"
+    return Case(name=f"{family} {what}", params={"L": L, "new_tokens": new, "model": family}, flops=None,
+                providers=[Provider("fastarch", "fastarch", provider(True)),
+                           Provider("transformers", "reference", provider(False))],
+                reference="transformers", group=f"hybrid {mode}", x="L",
+                ratios=(Ratio("fastarch", "transformers", target=target),))
+
+
+def _hybrid_class_name(family: str) -> str:
+    return {"bamba": "BambaForCausalLM", "jamba": "JambaForCausalLM", "falcon_h1": "FalconH1ForCausalLM",
+            "granitemoehybrid": "GraniteMoeHybridForCausalLM", "zamba2": "Zamba2ForCausalLM",
+            "nemotron_h": "NemotronHForCausalLM", "falcon_mamba": "FalconMambaForCausalLM",
+            "gpt_oss": "GptOssForCausalLM"}[family]
+
+
+HYBRIDS = ("bamba", "jamba", "falcon_h1", "granitemoehybrid", "zamba2", "nemotron_h")
+
+
+def hybrid_cases(cfg: BenchConfig) -> list[Case]:
+    """Forward at L=2048 (bar 3x) and greedy generation of 64 tokens after 512 (bar 2x) for each hybrid family;
+    FalconMamba's generation (bar 2x); gpt-oss-style forward at L=4096 (bar 3x)."""
+    L, prompt, new, L_oss = (64, 16, 4, 64) if cfg.toy else (2048, 512, 64, 4096)
+    out = [_hybrid_case(cfg, f, "fwd", L, 0, 3.0) for f in HYBRIDS]
+    out += [_hybrid_case(cfg, f, "generate", prompt, new, 2.0) for f in HYBRIDS]
+    out.append(_hybrid_case(cfg, "falcon_mamba", "generate", prompt, new, 2.0))
+    out.append(_hybrid_case(cfg, "gpt_oss", "fwd", L_oss, 0, 3.0))
+    return out
+
+
 def mamba2_cases(cfg: BenchConfig) -> list[Case]:
     return [_mamba2_forward_case(cfg, 64 if cfg.toy else 2048)]
 
@@ -392,5 +498,5 @@ SUITE = Suite(
     description="Hugging Face models with fastarch registered (attn_implementation='fastarch', Mamba and Mamba-2 "
                 "kernels) vs sdpa and HF's PyTorch Mamba paths",
     cases=cases,
-    case_sets={"hf-mamba2": mamba2_cases, "hf-generate-small": generate_small_cases},
+    case_sets={"hf-mamba2": mamba2_cases, "hf-generate-small": generate_small_cases, "hf-hybrids": hybrid_cases},
 )

@@ -35,6 +35,14 @@ Cases and providers:
   ``attn_implementation="fastarch"``) against plain transformers (``transformers``: nothing registered,
   ``sdpa``); the bar is 1.3x. Decode steps of this size are dozens of tiny calls, so this is the per-call cost
   benchmark at the model level. ``--dtype bfloat16`` runs it in bf16.
+- ``hybrids`` (case set ``hf-hybrids``, ``fastarch bench --case hf-hybrids``): Bamba-, Jamba-, FalconH1-,
+  GraniteMoeHybrid-, Zamba2- and NemotronH-style models (hidden 768, 4 layers, each family's own layer pattern:
+  Mamba-2 mixers of 24 heads of 64 with d_state 128, attention of 12 heads of 64 with 3 key/value heads, the
+  family's experts or MLPs), one forward over 2048 tokens (bar 3x) and greedy generation of 64 tokens after a
+  512-token prompt (bar 2x); FalconMamba's generation (bar 2x); and a gpt-oss-style model (attention sinks, a
+  128-token window on every other layer, 4 experts) forward over 4096 tokens (bar 3x). ``fastarch``
+  (``register()`` and its attention) against plain transformers (``transformers``: nothing registered, ``sdpa``,
+  or ``eager`` for gpt-oss, whose sinks sdpa cannot take).
 
 Thread counts are the run's (``--threads``).
 

@@ -135,6 +135,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x: ``(..., in_features)``; output: ``(..., out_features)``.
     """
     _validate(x, weight, bias)
+    if bias is not None and not bias.is_contiguous():
+        # A strided bias is valid input; the kernels (cpp, oneDNN) read it as contiguous memory.
+        bias = bias.contiguous()
     if x.numel() == 0 or weight.shape[0] == 0:
         return linear_ref(x, weight, bias)
     impl, name = dispatch(OP, lambda: _call(x, weight), backend, x, weight, bias)

@@ -41,6 +41,16 @@ _NORM_EPS = 1e-12  # as F.normalize
 
 
 # -- hashing and sorting (shared by every backend; not differentiable) ------------------------------------
+# The most hashing rounds a call takes: memory and time grow with n_hashes * L; Reformer uses 1 to 8.
+MAX_N_HASHES = 1024
+
+
+def effective_bucket_size(seq_len: int, bucket_size: int) -> int:
+    """``bucket_size`` clamped to ``[1, seq_len]``: every bucket size >= L gives the same two buckets and one
+    chunk per round (the same result), and a larger one would only pad L up to it (2**40 asked for terabytes)."""
+    return max(1, min(bucket_size, seq_len))
+
+
 def lsh_n_buckets(seq_len: int, bucket_size: int) -> int:
     """``max(2, ceil(L / bucket_size))`` rounded up to an even number."""
     nb = max(2, -(-seq_len // bucket_size))
@@ -208,6 +218,7 @@ def lsh_attention_ref(
     the baseline of the FlashAttention test criterion (the buckets are the same either way).
     """
     _validate(qk, v, n_hashes, bucket_size, key_padding_mask, rotations)
+    bucket_size = effective_bucket_size(qk.shape[-2], bucket_size)
     rotations, buckets, perm, inv = _prepare(qk, n_hashes, bucket_size, seed, rotations)
     dtype = torch.float32 if upcast else qk.dtype
     out, _ = _chunked_ref(qk, v, perm, inv, key_padding_mask, causal, bucket_size, n_hashes, dtype)
@@ -233,8 +244,8 @@ def _validate(
             OP,
             f"argument 'v' must have the shape of 'qk' {tuple(qk.shape)} (B, H, L, D), got {tuple(v.shape)}",
         )
-    if isinstance(n_hashes, bool) or not isinstance(n_hashes, int) or n_hashes < 1:
-        fail(OP, f"argument 'n_hashes' must be an integer >= 1, got {n_hashes!r}")
+    if isinstance(n_hashes, bool) or not isinstance(n_hashes, int) or not 1 <= n_hashes <= MAX_N_HASHES:
+        fail(OP, f"argument 'n_hashes' must be an integer in [1, {MAX_N_HASHES}], got {n_hashes!r}")
     if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
         fail(OP, f"argument 'bucket_size' must be an integer >= 1, got {bucket_size!r}")
     B, H, L, D = qk.shape
@@ -381,7 +392,8 @@ def lsh_attention(
     Args:
         qk: ``(B, H, L, D)`` shared queries/keys (keys are ``qk`` normalised to unit length).
         v: ``(B, H, L, D)`` values.
-        n_hashes: hashing rounds (>= 1). bucket_size: chunk length (>= 1).
+        n_hashes: hashing rounds (1 to :data:`MAX_N_HASHES`). bucket_size: chunk length (>= 1; clamped to L,
+            which leaves the result unchanged).
         causal: mask keys at later positions. key_padding_mask: ``(B, L)`` bool, True = real key.
         seed: draws the rotations ``(D, n_hashes, n_buckets/2)``; ``rotations`` passes them instead.
         return_buckets: also return the buckets ``(B, H, n_hashes, L)`` int64 of the real positions.
@@ -395,6 +407,7 @@ def lsh_attention(
         rotations: ``(D, n_hashes, n_buckets // 2)``; buckets: ``(B, H, n_hashes, L)``.
     """
     _validate(qk, v, n_hashes, bucket_size, key_padding_mask, rotations)
+    bucket_size = effective_bucket_size(qk.shape[-2], bucket_size)
     name = resolve(OP, lambda: _call(qk, bucket_size, bool(causal)), backend)
     _, buckets, perm, inv = _prepare(qk, n_hashes, bucket_size, seed, rotations, name)
     if qk.numel() == 0:

@@ -9,6 +9,7 @@ token's position (``seqlen_offset + l``), the rest pass through, as in FlashAtte
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
@@ -61,6 +62,10 @@ def _validate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlen_offs
     R = cos.shape[1]
     if R < 1 or 2 * R > D:
         fail(OP, f"'cos' has {R} frequencies, so 2*{R} rotated features, but the head dim of 'x' is {D}")
+    if isinstance(seqlen_offset, bool) or not isinstance(seqlen_offset, (numbers.Integral, torch.SymInt)):
+        # A float offset would slice the tables at a truncated position.
+        fail(OP, f"argument 'seqlen_offset' must be an int, got {type(seqlen_offset).__name__} {seqlen_offset!r}",
+             TypeError)
     if seqlen_offset < 0:
         fail(OP, f"argument 'seqlen_offset' must be >= 0, got {seqlen_offset}")
     if cos.shape[0] < seqlen_offset + x.shape[1]:

@@ -197,6 +197,18 @@ def _call(x: torch.Tensor, B: torch.Tensor, chunk_size: int) -> Call:
     return call_of(x, headdim=x.shape[3], dstate=B.shape[3], chunk_size=chunk_size)
 
 
+# The largest chunk a call runs with: the intra-chunk terms are chunk x chunk per head, so the chunk bounds the
+# memory and time of a call. Any larger chunk_size (and any chunk_size past the sequence length) is clamped:
+# the result does not depend on the chunk size beyond rounding.
+MAX_CHUNK_SIZE = 2048
+
+
+def effective_chunk_size(chunk_size: int, seqlen: int) -> int:
+    """The chunk a call of length ``seqlen`` runs with: ``chunk_size`` clamped to ``[1, min(seqlen,
+    MAX_CHUNK_SIZE)]`` (a chunk past the sequence would only add padding)."""
+    return max(1, min(chunk_size, seqlen, MAX_CHUNK_SIZE))
+
+
 def n_chunks(seqlen: int, chunk_size: int) -> int:
     return (seqlen + chunk_size - 1) // chunk_size
 
@@ -374,7 +386,8 @@ def ssd_scan(
         dt: the time steps ``(batch, L, H)``, before ``dt_bias``, softplus and the clamp.
         A: ``(H,)``, real (negative for a decaying state).
         B, C: ``(batch, L, G, N)``, ``G`` dividing ``H``.
-        chunk_size: steps per chunk; the result does not depend on it beyond rounding.
+        chunk_size: steps per chunk; the result does not depend on it beyond rounding. Clamped to the
+            sequence length and to :data:`MAX_CHUNK_SIZE` (2048), which bound each call's work.
         D: optional skip weight, ``(H,)`` or ``(H, P)``.
         z: optional gate ``(batch, L, H, P)``: the output is multiplied by ``silu(z)``.
         dt_bias: optional ``(H,)`` added to ``dt``.
@@ -396,6 +409,7 @@ def ssd_scan(
     """
     _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, cu_seqlens, dt_limit,
               return_varlen_states)
+    chunk_size = effective_chunk_size(chunk_size, x.shape[1])
     if cu_seqlens is not None and seq_idx is None:
         seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, x.shape[1])
     if x.numel() == 0 or B.shape[3] == 0:

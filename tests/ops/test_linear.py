@@ -139,3 +139,25 @@ def test_linear_module_is_nn_linear_on_the_op():
     mod(x).sum().backward()
     ref(x).sum().backward()
     torch.testing.assert_close(mod.weight.grad, ref.weight.grad)
+
+
+@pytest.mark.op("linear")
+@pytest.mark.parametrize("grad", [False, True])
+def test_linear_strided_bias(backend, grad):
+    """A strided bias (every other element of a buffer) is valid input: the cpp kernel refused it and oneDNN
+    read it as contiguous memory (wrong values)."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(3, 16, generator=g).requires_grad_(grad)
+    w = torch.randn(5, 16, generator=g).requires_grad_(grad)
+    buf = torch.randn(10, generator=g).requires_grad_(grad)
+    b = buf[::2]
+    assert not b.is_contiguous()
+    ref = ops.linear_ref(x, w, b.contiguous())
+    out = ops.linear(x, w, b, backend=backend)
+    torch.testing.assert_close(out, ref)
+    if grad:
+        dy = torch.randn(out.shape, generator=g)
+        got = torch.autograd.grad(out, (x, w, buf), dy)
+        want = torch.autograd.grad(ref, (x, w, buf), dy)
+        for a, e in zip(got, want):
+            torch.testing.assert_close(a, e)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fastarch.ops.lsh_attention import (
+    MAX_N_HASHES,
     lsh_attention,
     lsh_attention_ref,
     lsh_hash,
@@ -473,3 +474,30 @@ def test_gpu_triton(dtype, L, D, bs, causal):
     assert_fa_close(out, ref, tor, 2.0)
     assert_fa_close(dqk, dqk_r, dqk_t, 3.0, atol=1e-3, what="dqk")
     assert_fa_close(dv, dv_r, dv_t, 3.0, atol=1e-3, what="dv")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bucket_size_past_the_length_is_clamped_with_the_same_result(causal, backend):
+    """bucket_size=2**40 on L=12 padded L to 2**40 (terabytes); any bucket size >= L is the same rule, so it
+    runs as bucket_size=L, with the same output and gradients."""
+    qk, v = _inputs(2, 2, 12, 8)
+    kpm = torch.ones(2, 12, dtype=torch.bool)
+    kpm[1, 9:] = False
+
+    def call(bs):
+        a, b = qk.clone().requires_grad_(), v.clone().requires_grad_()
+        out = lsh_attention(a, b, n_hashes=2, bucket_size=bs, causal=causal, key_padding_mask=kpm, seed=4,
+                            backend=backend)
+        out.backward(torch.ones_like(out))
+        return out, a.grad, b.grad
+
+    for got, want in zip(call(2**40), call(12)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ref = lsh_attention_ref(qk, v, n_hashes=2, bucket_size=2**40, causal=causal, key_padding_mask=kpm, seed=4)
+    torch.testing.assert_close(ref, call(12)[0], rtol=1e-4, atol=2e-5)
+
+
+def test_n_hashes_is_bounded():
+    qk, v = _inputs(1, 1, 4, 8)
+    with pytest.raises(ValueError, match=f"'n_hashes' must be an integer in \\[1, {MAX_N_HASHES}\\]"):
+        lsh_attention(qk, v, n_hashes=MAX_N_HASHES + 1)

@@ -54,3 +54,6 @@ def test_rotary_rejects_bad_input():
         ops.rotary_embedding(torch.randn(1, 4, 2, 4), cos, sin)
     with pytest.raises(ValueError, match="same shape"):
         ops.rotary_embedding(torch.randn(1, 4, 2, 8), cos, sin[:, :2])
+    for offset in (1.5, 1.0, True, "1"):  # an offset is a position: an int, never truncated
+        with pytest.raises(TypeError, match="'seqlen_offset' must be an int"):
+            ops.rotary_embedding(torch.randn(1, 4, 2, 8), cos, sin, seqlen_offset=offset)

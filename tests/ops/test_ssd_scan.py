@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
+from fastarch import backend as registry
 from fastarch.compat.mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 from fastarch.ops import selective_state_update
-from fastarch.ops.ssd_scan import ssd_scan, ssd_scan_ref
+from fastarch.ops.ssd_scan import MAX_CHUNK_SIZE, effective_chunk_size, ssd_scan, ssd_scan_ref
 
 pytestmark = pytest.mark.op("ssd_scan")
 GRAD_NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
@@ -296,3 +297,34 @@ def test_cu_seqlens_needs_batch_one():
     with pytest.raises(ValueError, match="batch 1"):
         ssd_scan(*[inputs[k] for k in ("x", "dt", "A", "B", "C")], 4,
                  cu_seqlens=torch.tensor([0, 10], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("chunk", [13, 16384, 2**61 - 1])
+def test_chunk_past_the_length_is_clamped_with_the_same_result(backend, chunk, monkeypatch):
+    """A chunk longer than the sequence runs as one chunk of L steps: same result as chunk_size=L, and the
+    backend never sees the caller's value (2**61 - 1 looped forever, 16384 allocated 4 GiB for L=12)."""
+    seen: list[int] = []
+    impl = registry.get_implementation("ssd_scan", backend)
+    forward = impl.forward
+
+    def spy(*args, **kwargs):
+        seen.append(args[7])  # (x, dt, A, B, C, initial_states, seq_idx, chunk_size, ...)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(impl, "forward", spy)
+    inputs = make(2, 12, H, 8, 2, 16, seed=5)
+    got = run(ssd_scan, inputs, chunk, backend=backend)
+    want = run(ssd_scan, inputs, 12, backend=backend)
+    assert seen and set(seen) == {12}
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    for name in GRAD_NAMES:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=0, atol=0)
+
+
+def test_chunk_is_bounded_by_max_chunk_size():
+    assert effective_chunk_size(2**61 - 1, 12) == 12
+    assert effective_chunk_size(64, 12) == 12
+    assert effective_chunk_size(64, 1000) == 64
+    assert effective_chunk_size(10**9, 10**6) == MAX_CHUNK_SIZE
+    assert effective_chunk_size(5, 0) == 1

@@ -9,9 +9,11 @@ resumes reaches the same final weights as an uninterrupted one.
 
 from __future__ import annotations
 
+import copy
 import csv
 import json
 import math
+import random
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -24,7 +26,7 @@ from torch.utils.data import Dataset, default_collate
 
 from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
-__all__ = ["Trainer", "TransformerTrainer", "ArchitectureTrainer", "epoch_permutation"]
+__all__ = ["Trainer", "TransformerTrainer", "ArchitectureTrainer", "epoch_permutation", "validate_trainer_state"]
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -44,6 +46,129 @@ def progress_bar(total: int | None, enabled: bool | None, desc: str, initial: in
     except ImportError:
         return None
     return tqdm(total=total, initial=initial, desc=desc, leave=False, dynamic_ncols=True)
+
+
+_STATE_KEYS = {"model", "optimizer", "scheduler", "scaler", "rng", "position"}
+_REQUIRED_KEYS = ("model", "optimizer", "rng", "position")
+# Optimizer state entries that torch.optim and fastarch.optim keep in the shape of their parameter.
+_PARAM_SHAPED = {"m", "v", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "sum",
+                 "ax", "prev", "mu_product"}
+
+
+def _bad(field: str, expected: str, got: Any, exc: type[Exception] = ValueError) -> Exception:
+    shown = repr(got) if isinstance(got, (int, float, str, bool, type(None))) else type(got).__name__
+    return exc(f"Trainer.load_checkpoint: field '{field}' must be {expected}, got {shown}")
+
+
+def _check_model_state(state: Any, model: nn.Module) -> None:
+    if not isinstance(state, dict):
+        raise _bad("model", "a state_dict (dict)", state, TypeError)
+    want = model.state_dict()
+    missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    if missing or extra:
+        raise ValueError(f"Trainer.load_checkpoint: field 'model' does not match the model: missing keys "
+                         f"{missing[:8]}, unexpected keys {extra[:8]}")
+    for key, ref in want.items():
+        got = state[key]
+        if isinstance(ref, torch.Tensor):
+            if not isinstance(got, torch.Tensor):
+                raise _bad(f"model.{key}", f"a tensor of shape {tuple(ref.shape)}", got, TypeError)
+            if got.shape != ref.shape:
+                raise ValueError(f"Trainer.load_checkpoint: field 'model.{key}' must have shape "
+                                 f"{tuple(ref.shape)}, got {tuple(got.shape)}")
+            if got.is_complex() != ref.is_complex():  # copy_ would fail (or drop the imaginary part)
+                raise _bad(f"model.{key}", f"a tensor of a dtype convertible to {ref.dtype}", str(got.dtype),
+                           TypeError)
+
+
+def _check_optimizer_state(state: Any, optimizer: torch.optim.Optimizer) -> None:
+    if not isinstance(state, dict) or not isinstance(state.get("param_groups"), list) \
+            or not isinstance(state.get("state"), dict):
+        raise _bad("optimizer", "an optimizer state_dict (a dict with 'state' and 'param_groups')", state,
+                   TypeError)
+    groups, saved = optimizer.param_groups, state["param_groups"]
+    if len(saved) != len(groups):
+        raise ValueError(f"Trainer.load_checkpoint: field 'optimizer.param_groups' has {len(saved)} groups but "
+                         f"the optimizer has {len(groups)}")
+    params: dict[Any, torch.Tensor] = {}
+    for i, (g, ref) in enumerate(zip(saved, groups)):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
+            raise _bad(f"optimizer.param_groups[{i}]", "a dict with a 'params' list", g, TypeError)
+        if len(g["params"]) != len(ref["params"]):
+            raise ValueError(f"Trainer.load_checkpoint: field 'optimizer.param_groups[{i}].params' has "
+                             f"{len(g['params'])} parameters but the optimizer's group has {len(ref['params'])}")
+        params.update(zip(g["params"], ref["params"]))
+    for pid, entry in state["state"].items():
+        if pid not in params:
+            raise ValueError(f"Trainer.load_checkpoint: field 'optimizer.state' holds an entry for parameter "
+                             f"{pid!r}, which no param group lists")
+        if not isinstance(entry, dict):
+            raise _bad(f"optimizer.state[{pid!r}]", "a dict", entry, TypeError)
+        p = params[pid]
+        current = optimizer.state.get(p, {})
+        for name, value in entry.items():
+            # The shape this entry has now, else the parameter's for the entries known to take it.
+            now = current.get(name)
+            want = tuple(now.shape) if isinstance(now, torch.Tensor) and now.dim() > 0 else (
+                tuple(p.shape) if name in _PARAM_SHAPED else None)
+            if want is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != want):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"Trainer.load_checkpoint: field 'optimizer.state[{pid!r}].{name}' must have "
+                                 f"shape {want}, got {got}")
+
+
+def _check_rng_state(st: Any) -> None:
+    if not isinstance(st, dict) or "torch" not in st or "python" not in st:
+        raise _bad("rng", "a dict with 'torch' and 'python' states", st, TypeError)
+    t = st["torch"]
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
+        raise _bad("rng.torch", "a 1-D uint8 tensor (torch.get_rng_state())", t, TypeError)
+    try:  # on a private generator and a private Random: the global states stay as they are
+        torch.Generator().set_state(t.cpu())
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"Trainer.load_checkpoint: field 'rng.torch' is not a CPU generator state: {e}") from None
+    py = st["python"]
+    try:
+        random.Random().setstate((py[0], tuple(py[1]), py[2]))
+    except (TypeError, ValueError, IndexError, KeyError, OverflowError) as e:
+        raise ValueError(f"Trainer.load_checkpoint: field 'rng.python' is not a random.getstate() value: "
+                         f"{e}") from None
+    if "cuda" in st and torch.cuda.is_available():
+        cuda = st["cuda"]
+        if not isinstance(cuda, (list, tuple)) or len(cuda) != torch.cuda.device_count() or not all(
+                isinstance(c, torch.Tensor) and c.dtype == torch.uint8 for c in cuda):
+            raise _bad("rng.cuda", f"a list of {torch.cuda.device_count()} uint8 tensors", cuda, TypeError)
+
+
+def validate_trainer_state(state: Any, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any = None,
+                           scaler: Any = None) -> None:
+    """Check a :meth:`Trainer.state_dict` against the objects it would be loaded into, changing nothing."""
+    if not isinstance(state, dict):
+        raise _bad("<checkpoint>", "a dict", state, TypeError)
+    missing = [k for k in _REQUIRED_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"Trainer.load_checkpoint: the checkpoint lacks the fields {missing}")
+    extra = sorted(str(k) for k in set(state) - _STATE_KEYS)
+    if extra:
+        raise ValueError(f"Trainer.load_checkpoint: the checkpoint has unknown fields {extra}")
+    _check_model_state(state["model"], model)
+    _check_optimizer_state(state["optimizer"], optimizer)
+    for name, obj in (("scheduler", scheduler), ("scaler", scaler)):
+        if obj is not None and state.get(name) is not None and not isinstance(state[name], dict):
+            raise _bad(name, "a state_dict (dict) or None", state[name], TypeError)
+    _check_rng_state(state["rng"])
+    pos = state["position"]
+    if not isinstance(pos, dict):
+        raise _bad("position", "a dict with 'step', 'epoch' and 'batch_in_epoch'", pos, TypeError)
+    for key in ("step", "epoch", "batch_in_epoch"):
+        if key not in pos:
+            raise ValueError(f"Trainer.load_checkpoint: field 'position.{key}' is missing")
+        v = pos[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise _bad(f"position.{key}", "an int >= 0", v, TypeError if not isinstance(v, int) else ValueError)
+    extra = sorted(str(k) for k in set(pos) - {"step", "epoch", "batch_in_epoch"})
+    if extra:
+        raise ValueError(f"Trainer.load_checkpoint: field 'position' has unknown keys {extra}")
 
 
 class MetricsLogger:
@@ -170,12 +295,28 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state.get("scaler") is not None:
-            self.scaler.load_state_dict(state["scaler"])
+        """Restore a :meth:`state_dict`. All or nothing: the whole state is checked against the model,
+        optimizer, scheduler, scaler, RNG and position first (a ``ValueError`` or ``TypeError`` naming the
+        field), and should applying still fail, the optimizer, scheduler and scaler are put back as they were
+        (the model is loaded last of them, and RNG and position only after it)."""
+        validate_trainer_state(state, self.model, self.optimizer, self.scheduler, self.scaler)
+        saved = (self.optimizer.state_dict(),
+                 None if self.scheduler is None else copy.deepcopy(self.scheduler.state_dict()),
+                 None if self.scaler is None else self.scaler.state_dict())
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scheduler is not None and state.get("scheduler") is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+            if self.scaler is not None and state.get("scaler") is not None:
+                self.scaler.load_state_dict(state["scaler"])
+            self.model.load_state_dict(state["model"])
+        except BaseException:
+            self.optimizer.load_state_dict(saved[0])
+            if self.scheduler is not None:
+                self.scheduler.load_state_dict(saved[1])
+            if self.scaler is not None:
+                self.scaler.load_state_dict(saved[2])
+            raise
         set_rng_state(state["rng"])
         pos = state["position"]
         self.step, self.epoch, self.batch_in_epoch = pos["step"], pos["epoch"], pos["batch_in_epoch"]

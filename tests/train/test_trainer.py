@@ -1,6 +1,9 @@
 """Trainer: exact resume, accumulation, atomic checkpoints that survive a kill, guide trainer APIs."""
 
+import copy
 import os
+import pickle
+import random
 import subprocess
 import sys
 import textwrap
@@ -136,3 +139,114 @@ def test_trainer_rejects_bad_config(tmp_path):
         tr.fit(TensorDataset(torch.randn(3, 2), torch.zeros(3, dtype=torch.long)), batch_size=8)
     with pytest.raises(ValueError, match="checkpoint_dir"):
         tr.save_checkpoint()
+
+
+def _everything(tr):
+    """Every piece of state a load could change, copied."""
+    return (copy.deepcopy(tr.model.state_dict()), copy.deepcopy(tr.optimizer.state_dict()),
+            copy.deepcopy(tr.scheduler.state_dict()), torch.get_rng_state().clone(), random.getstate(),
+            (tr.step, tr.epoch, tr.batch_in_epoch))
+
+
+def _assert_same(a, b, path="state"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+def _tamper(state, bad):
+    if bad == "param_groups":
+        state["optimizer"]["param_groups"].append(dict(state["optimizer"]["param_groups"][0], params=[]))
+    elif bad == "rng_torch":
+        state["rng"]["torch"] = state["rng"]["torch"][:100]
+    elif bad == "rng_python":
+        state["rng"]["python"] = (3, (1, 2, 3), None)
+    elif bad == "extra_key":
+        state["model"]["9.weight"] = torch.zeros(3)
+    elif bad == "missing_key":
+        del state["model"]["3.bias"]
+    elif bad == "shape":
+        state["model"]["3.weight"] = torch.zeros(3, 15)
+    elif bad == "optimizer_shape":
+        st = state["optimizer"]["state"]
+        first = next(iter(st))
+        st[first] = {k: (v[:1] if v.dim() else v) for k, v in st[first].items()}
+    elif bad == "missing_position":
+        del state["position"]
+    elif bad == "step_str":
+        state["position"]["step"] = "abc"
+    elif bad == "step_negative":
+        state["position"]["step"] = -1
+    elif bad == "unknown_field":
+        state["extra"] = 1
+
+
+@pytest.mark.parametrize("bad", ["param_groups", "rng_torch", "rng_python", "extra_key", "missing_key", "shape",
+                                 "optimizer_shape", "missing_position", "step_str", "step_negative",
+                                 "unknown_field"])
+def test_rejected_checkpoint_changes_nothing(tmp_path, bad):
+    """A checkpoint that does not fit is refused, naming the field, before the model, optimizer, scheduler,
+    RNG or position change."""
+    src = _setup(tmp_path / "a")
+    src.fit(_data(), batch_size=16, max_steps=3)
+    state = src.state_dict()
+    _tamper(state, bad)
+    path = T.save_checkpoint(state, tmp_path / "bad.pt")
+    tr = _setup(tmp_path / "b", seed=1)
+    tr.fit(_data(), batch_size=16, max_steps=1)
+    before = _everything(tr)
+    with pytest.raises((ValueError, TypeError), match="Trainer.load_checkpoint"):
+        tr.load_checkpoint(path)
+    _assert_same(before, _everything(tr))
+
+
+def test_failure_while_applying_restores_optimizer_and_scheduler(tmp_path, monkeypatch):
+    """Should loading still fail once applying has begun, the objects already loaded are put back."""
+    src = _setup(tmp_path / "a")
+    src.fit(_data(), batch_size=16, max_steps=3)
+    tr = _setup(tmp_path / "b", seed=1)
+    tr.fit(_data(), batch_size=16, max_steps=1)
+    before = _everything(tr)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("load failed")
+
+    monkeypatch.setattr(tr.model, "load_state_dict", broken)
+    with pytest.raises(RuntimeError, match="load failed"):
+        tr.load_state_dict(src.state_dict())
+    _assert_same(before, _everything(tr))
+
+
+def test_checkpoint_with_pickled_code_is_never_unpickled(tmp_path):
+    """Checkpoints load with weights_only: an object that would run code when unpickled is refused."""
+    src = _setup(tmp_path / "a")
+    state = src.state_dict()
+    state["position"] = {"step": 0, "epoch": 0, "batch_in_epoch": 0, "hook": _Exploding()}
+    torch.save(state, tmp_path / "evil.pt")
+    tr = _setup(tmp_path / "b", seed=1)
+    before = _everything(tr)
+    with pytest.raises(pickle.UnpicklingError):
+        tr.load_checkpoint(tmp_path / "evil.pt")
+    assert not _Exploding.ran
+    _assert_same(before, _everything(tr))
+
+
+class _Exploding:
+    ran = False
+
+    def __reduce__(self):
+        return (_Exploding._run, ())
+
+    @staticmethod
+    def _run():
+        _Exploding.ran = True
+        return None

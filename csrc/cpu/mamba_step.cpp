@@ -1,4 +1,4 @@
-// One decode step of a Mamba-1 mixer on CPU, fused: (optional RMS norm) -> in_proj -> causal conv update + SiLU
+// One decode step of a Mamba-1 (and below, Mamba-2) mixer on CPU, fused: (optional RMS norm) -> in_proj -> causal conv update + SiLU
 // -> x_proj -> dt_proj (+ bias, softplus) -> selective state update (D skip, silu(z) gate) -> out_proj
 // (-> optional residual), in one call.
 // A decode step reads every weight once and does little arithmetic, so its time is the time to stream the
@@ -223,9 +223,134 @@ torch::Tensor mamba_step(const torch::Tensor& x, const torch::Tensor& in_w, cons
   return out;
 }
 
+// One decode step of a Mamba-2 mixer. x (Bsz, Dm); in_w (2 H P + 2 G N + H, Dm): rows [z | x B C | dt];
+// conv_state (Bsz, Cd, S >= W - 1) with Cd = H P + 2 G N; conv_w (Cd, W); A_log (H) (A = -exp(A_log));
+// ssm_state (Bsz, H, P, N); out_w (Dout, H P). Optional: in_b, conv_b (Cd), dt_bias (H), D (H or H P),
+// out_b (Dout); norm_w (H P): the gated RMS norm over groups of norm_group channels (norm_before_gate: norm(y) *
+// silu(z), else norm(y * silu(z))), without it y * silu(z). dt = clamp(softplus(dt + dt_bias), dt_lo, dt_hi).
+torch::Tensor mamba2_step(const torch::Tensor& x, const torch::Tensor& in_w, const c10::optional<torch::Tensor>& in_b,
+                          torch::Tensor conv_state, const torch::Tensor& conv_w,
+                          const c10::optional<torch::Tensor>& conv_b, const c10::optional<torch::Tensor>& dt_bias,
+                          const torch::Tensor& A_log, const c10::optional<torch::Tensor>& D, torch::Tensor ssm_state,
+                          const c10::optional<torch::Tensor>& norm_w, double norm_eps, int64_t norm_group,
+                          bool norm_before_gate, const torch::Tensor& out_w, const c10::optional<torch::Tensor>& out_b,
+                          int64_t G, double dt_lo, double dt_hi, bool parallel) {
+  TORCH_CHECK(x.dim() == 2 && in_w.dim() == 2 && conv_w.dim() == 2 && A_log.dim() == 1 && ssm_state.dim() == 4 &&
+                  conv_state.dim() == 3 && out_w.dim() == 2,
+              "mamba2_step: x (B, d_model), in_w (d_in_proj, d_model), conv_w (Cd, W), A_log (H), "
+              "ssm_state (B, H, P, N), conv_state (B, Cd, S), out_w (d_out, H P)");
+  const int64_t Bsz = x.size(0), Dm = x.size(1), H = ssm_state.size(1), P = ssm_state.size(2),
+                N = ssm_state.size(3), E = H * P, W = conv_w.size(1), S = conv_state.size(2);
+  TORCH_CHECK(G >= 1 && H % G == 0, "mamba2_step: the heads must split evenly into ", G, " groups");
+  const int64_t Cd = E + 2 * G * N, Din = 2 * E + 2 * G * N + H, Dout = out_w.size(0);
+  TORCH_CHECK(S >= W - 1 && W >= 1, "mamba2_step: conv_state must hold at least W - 1 steps");
+  check_f32(x, "x", {Bsz, Dm});
+  check_f32(in_w, "in_w", {Din, Dm});
+  check_f32(conv_state, "conv_state", {Bsz, Cd, S});
+  check_f32(conv_w, "conv_w", {Cd, W});
+  check_f32(A_log, "A_log", {H});
+  check_f32(ssm_state, "ssm_state", {Bsz, H, P, N});
+  check_f32(out_w, "out_w", {Dout, E});
+  const float* pin_b = opt_ptr(in_b, Din, "in_b");
+  const float* pconv_b = opt_ptr(conv_b, Cd, "conv_b");
+  const float* pdt_b = opt_ptr(dt_bias, H, "dt_bias");
+  const bool d_per_channel = D.has_value() && D->defined() && D->numel() == E && E != H;
+  const float* pD = opt_ptr(D, d_per_channel ? E : H, "D");
+  const float* pout_b = opt_ptr(out_b, Dout, "out_b");
+  const float* pnorm_w = opt_ptr(norm_w, E, "norm_w");
+  TORCH_CHECK(!pnorm_w || (norm_group >= 1 && E % norm_group == 0), "mamba2_step: norm_group must divide ", E);
+
+  auto opts = x.options();
+  auto proj = torch::empty({Bsz, Din}, opts);  // in_proj: [z | x B C | dt]
+  auto xbc = torch::empty({Bsz, Cd}, opts);    // conv + SiLU
+  auto y = torch::empty({Bsz, E}, opts);       // gated, normalised scan output
+  auto out = torch::empty({Bsz, Dout}, opts);
+  float* pp = proj.data_ptr<float>();
+  float* pc = xbc.data_ptr<float>();
+  float* py = y.data_ptr<float>();
+  matvec(in_w.data_ptr<float>(), pin_b, Din, Dm, x.data_ptr<float>(), Bsz, pp, parallel);
+
+  // Conv: the window is the last W - 1 states and the new input; the state shifts by one.
+  const float* pcw = conv_w.data_ptr<float>();
+  float* pcs = conv_state.data_ptr<float>();
+  for (int64_t b = 0; b < Bsz; ++b) {
+    for (int64_t c = 0; c < Cd; ++c) {
+      float* st = pcs + (b * Cd + c) * S;
+      const float* w = pcw + c * W;
+      const float xin = pp[b * Din + E + c];
+      float acc = pconv_b ? pconv_b[c] : 0.f;
+      for (int64_t k = 0; k < W - 1; ++k) acc += w[k] * st[S - (W - 1) + k];
+      acc += w[W - 1] * xin;
+      for (int64_t k = 0; k + 1 < S; ++k) st[k] = st[k + 1];
+      if (S > 0) st[S - 1] = xin;
+      pc[b * Cd + c] = acc * sigmoid_f(acc);
+    }
+  }
+
+  // The state update, one head at a time: dt and exp(dt A) per head, B and C of the head's group.
+  const float* pAl = A_log.data_ptr<float>();
+  float* pss = ssm_state.data_ptr<float>();
+  const float lo = static_cast<float>(dt_lo), hi = static_cast<float>(dt_hi);
+  const int64_t heads_per_group = H / G;
+  const int64_t head_grain = parallel ? std::max<int64_t>(1, GRAIN / std::max<int64_t>(4 * P * N, 1))
+                                        : std::max<int64_t>(H, 1);
+  fastarch::parallel_for(0, H, head_grain, [&](int64_t h0, int64_t h1) {
+    for (int64_t b = 0; b < Bsz; ++b) {
+      const float* xr = pc + b * Cd;
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t g = h / heads_per_group;
+        const float* Bv = xr + E + g * N;
+        const float* Cv = xr + E + G * N + g * N;
+        float d = softplus_f(pp[b * Din + 2 * E + 2 * G * N + h] + (pdt_b ? pdt_b[h] : 0.f));
+        d = std::min(std::max(d, lo), hi);
+        const float dA = std::exp(-d * std::exp(pAl[h]));
+        for (int64_t p = 0; p < P; ++p) {
+          const float u = xr[h * P + p];
+          const float du = d * u;
+          float* st = pss + ((b * H + h) * P + p) * N;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t n = 0; n < N; ++n) {
+            const float v = st[n] * dA + du * Bv[n];
+            st[n] = v;
+            acc += v * Cv[n];
+          }
+          if (pD) acc += u * pD[d_per_channel ? h * P + p : h];
+          py[b * E + h * P + p] = acc;
+        }
+      }
+    }
+  });
+
+  // The gate and the grouped RMS norm.
+  for (int64_t b = 0; b < Bsz; ++b) {
+    float* yr = py + b * E;
+    const float* z = pp + b * Din;
+    if (!pnorm_w) {
+      for (int64_t e = 0; e < E; ++e) yr[e] *= z[e] * sigmoid_f(z[e]);
+      continue;
+    }
+    if (!norm_before_gate)
+      for (int64_t e = 0; e < E; ++e) yr[e] *= z[e] * sigmoid_f(z[e]);
+    for (int64_t g0 = 0; g0 < E; g0 += norm_group) {
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t e = g0; e < g0 + norm_group; ++e) ss += yr[e] * yr[e];
+      const float rstd = 1.f / std::sqrt(ss / static_cast<float>(norm_group) + static_cast<float>(norm_eps));
+      for (int64_t e = g0; e < g0 + norm_group; ++e) yr[e] *= rstd * pnorm_w[e];
+    }
+    if (norm_before_gate)
+      for (int64_t e = 0; e < E; ++e) yr[e] *= z[e] * sigmoid_f(z[e]);
+  }
+
+  matvec(out_w.data_ptr<float>(), pout_b, Dout, E, py, Bsz, out.data_ptr<float>(), parallel);
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fastarch: one fused decode step of a Mamba-1 mixer on CPU";
+  m.doc() = "fastarch: one fused decode step of a Mamba-1 or Mamba-2 mixer on CPU";
   m.def("mamba_step", &mamba_step, "Mamba-1 mixer decode step (conv and SSM states in place) -> out");
+  m.def("mamba2_step", &mamba2_step, "Mamba-2 mixer decode step (conv and SSM states in place) -> out");
 }

@@ -4,7 +4,8 @@ dt_proj (bias, softplus) -> selective state update (``A = -exp(A_log)``, D skip,
 
 Backends: ``cpp`` (one fused C++ call: the weights are read once, no per-op overhead; fp32, contiguous,
 without autograd) and ``torch`` (the step op by op on fastarch's ops: ``linear``, ``causal_conv1d_update``,
-``selective_state_update``, ``rms_norm``; differentiable in the weights through them).
+``selective_state_update``, ``rms_norm``; under autograd the two decode ops, which record no gradient, are
+replaced by their references, so that the step is differentiable in x and every weight).
 """
 
 from __future__ import annotations
@@ -163,9 +164,12 @@ class TorchMambaMixerStep(TorchImplementation):
 
     def forward(self, *args):
         *tensors, norm_eps, residual = args
+        # The decode ops record no gradient: under autograd the conv and state updates are their references
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+        ssu = selective_state_update_ref if grad else selective_state_update
         return _step(*tensors, norm_eps, residual, lin=linear,
-                     conv_update=lambda *a: causal_conv1d_update(*a),
-                     state_update=lambda *a: selective_state_update(*a[:8], dt_bias=a[8], dt_softplus=a[9]),
+                     conv_update=causal_conv1d_update_ref if grad else causal_conv1d_update,
+                     state_update=lambda *a: ssu(*a[:8], dt_bias=a[8], dt_softplus=a[9]),
                      norm=rms_norm)
 
 

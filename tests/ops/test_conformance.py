@@ -513,6 +513,51 @@ def _mixer_step_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tens
     return out, conv_state, ssm_state
 
 
+
+# -- Mamba-2 mixer decode step ----------------------------------------------------------------------------------
+@st.composite
+def _mixer2_step_cases(draw, tiny: bool) -> dict:
+    G = draw(st.sampled_from([1, 2]))
+    return dict(B=draw(st.integers(1, 3)), d_model=draw(st.integers(2, 8)), H=G * draw(st.integers(1, 3)), G=G,
+                P=draw(st.integers(1, 4)), N=draw(st.integers(1, 6)), W=draw(st.integers(2, 4)),
+                extra=draw(st.integers(0, 1)), d_out=draw(st.integers(1, 8)), bias=draw(st.booleans()),
+                D=draw(st.sampled_from(["none", "head", "channel"])), norm=draw(st.booleans()),
+                groups=draw(st.booleans()), before=draw(st.booleans()), limit=draw(st.booleans()),
+                layout=draw(st.sampled_from(LAYOUTS)))
+
+
+def _mixer2_step_build(c: dict, dtype: torch.dtype, g: torch.Generator) -> Inputs:
+    B, Dm, H, G, P, N, W, Do = c["B"], c["d_model"], c["H"], c["G"], c["P"], c["N"], c["W"], c["d_out"]
+    E, Cd = H * P, H * P + 2 * G * N
+
+    def w(*shape: int) -> torch.Tensor:
+        return _randn(g, *shape, scale=shape[-1] ** -0.5).to(dtype)
+
+    def maybe(*shape: int) -> torch.Tensor | None:
+        return _randn(g, *shape, scale=0.1).to(dtype) if c["bias"] else None
+
+    D = None if c["D"] == "none" else _randn(g, H if c["D"] == "head" else E).to(dtype)
+    return dict(x=_randn(g, B, Dm).to(dtype), in_w=w(2 * E + 2 * G * N + H, Dm), in_b=maybe(2 * E + 2 * G * N + H),
+                conv_w=w(Cd, W), conv_b=maybe(Cd), dt_bias=_randn(g, H, scale=0.2).to(dtype),
+                A_log=torch.log(_rand(g, H) + 0.5).to(dtype), D=D,
+                norm_w=(1 + _randn(g, E, scale=0.1)).to(dtype) if c["norm"] else None, out_w=w(Do, E),
+                out_b=maybe(Do), conv_state=_randn(g, B, Cd, W - 1 + c["extra"]).to(dtype),
+                ssm_state=_randn(g, B, H, P, N).to(dtype))
+
+
+def _mixer2_step_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tensor, ...]:
+    conv_state, ssm_state = x["conv_state"].clone(), x["ssm_state"].clone()
+    args = [x[k] for k in ("x", "in_w", "in_b", "conv_w", "conv_b", "dt_bias", "A_log", "D", "norm_w", "out_w",
+                           "out_b")]
+    E = c["H"] * c["P"]
+    gs = E // c["G"] if c["groups"] else None
+    tail = (conv_state, ssm_state, c["G"], 1e-5, gs, c["before"], (0.01, 0.5) if c["limit"] else (0.0, math.inf))
+    if backend is None:
+        out = ops.mamba2_mixer_step_ref(*args, *tail)
+    else:
+        out = ops.mamba2_mixer_step(*args, *tail, backend=backend)
+    return out, conv_state, ssm_state
+
 # -- gated delta rule (GDN) and KDA --------------------------------------------------------------------------
 @st.composite
 def _delta_cases(draw, tiny: bool) -> dict:
@@ -614,6 +659,10 @@ SPECS: dict[str, Spec] = {
         _mixer_step_cases, _mixer_step_build, _mixer_step_run, rtol=1e-4, atol=1e-5, dtypes=(torch.float32,),
         examples=[dict(B=2, d_model=6, d_inner=5, N=3, W=4, extra=1, rank=2, d_out=6, residual=True, bias=True,
                        conv_bias=True, has_D=True, norm=True, layout="contiguous")]),
+    "mamba2_mixer_step": Spec(
+        _mixer2_step_cases, _mixer2_step_build, _mixer2_step_run, rtol=1e-4, atol=1e-5, dtypes=(torch.float32,),
+        examples=[dict(B=2, d_model=6, H=4, G=2, P=3, N=5, W=4, extra=1, d_out=5, bias=True, D="channel", norm=True,
+                       groups=True, before=False, limit=True, layout="contiguous")]),
     "selective_state_update": Spec(
         _ssu_cases, _ssu_build, _ssu_run, rtol=1e-5, atol=1e-5,
         examples=[dict(B=2, heads=2, dim=3, N=5, groups=2, has_D=True, has_z=True, has_bias=True, softplus=True,

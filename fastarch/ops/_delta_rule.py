@@ -20,12 +20,13 @@ Two algorithms compute it:
   folded with the WY/UT transform ``(I + A)^{-1}``, ``A`` the strictly lower ``(C, C)`` matrix of gated
   ``beta_t k_t . k_s``; between chunks only the ``(K, V)`` states pass. Every exponent it forms is a
   difference ``G_t - G_s`` with ``s <= t`` of the gate's cumulative sum (so ``<= 0``): no overflow however
-  negative the gates. For a per-key gate the intra-chunk products are formed in sub-blocks of 16 steps,
-  each off-diagonal block about a reference step between its rows and columns.
+  negative the gates. For a per-key gate the intra-chunk products are formed by blocks (64 -> 16 -> 4 steps):
+  each block below the diagonal about a reference step between its rows and columns, the diagonal blocks
+  split again, pairwise only within 4 steps.
 
 Memory: neither form materialises a ``(B, T, H, K, V)`` tensor. The chunked form holds the states entering
 each chunk, ``(B, H, T / 64, K, V)``, and ``(B, H, T, 64)`` intra-chunk matrices; a per-key gate adds
-``(B, H, T, 16, K)`` for the diagonal sub-blocks.
+``(B, H, T, 4, K)`` for the smallest diagonal blocks.
 
 Packed sequences (``cu_seqlens``, batch 1) run as a zero-padded batch of the sequences: a padded step has
 ``g = 0`` and ``beta = 0``, so it changes no state.
@@ -46,7 +47,8 @@ __all__ = ["CHUNK", "delta_rule_chunked", "delta_rule_recurrent", "delta_rule_re
            "validate"]
 
 CHUNK = 64
-SUB = 16  # sub-block of the per-key intra-chunk products
+SUB = 4  # the per-key intra-chunk products are pairwise within blocks of at most this many steps
+SPLIT = 4  # ... and split into this many blocks per level above that (64 -> 16 -> 4)
 INDEX_DTYPES = (torch.int32, torch.int64)
 L2NORM_EPS = 1e-6
 
@@ -106,27 +108,25 @@ def _gated_gram(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: bool)
     if G.shape[-1] == 1:
         seg = G[..., :, None, 0] - G[..., None, :, 0]
         return (a @ b.transpose(-1, -2)) * torch.exp(seg.masked_fill(~keep, -math.inf))
-    nb = C // SUB
-    lead = a.shape[:-2]
-    # diagonal sub-blocks: the pairwise products, exactly
-    ab, bb, Gb = (t.reshape(*lead, nb, SUB, t.shape[-1]) for t in (a, b, G))
-    seg = Gb[..., :, None, :] - Gb[..., None, :, :]  # (..., nb, SUB, SUB, K)
-    sub_keep = keep[:SUB, :SUB, None]
-    diag = (ab[..., :, None, :] * bb[..., None, :, :] * torch.exp(seg.masked_fill(~sub_keep, -math.inf))).sum(-1)
-    rows = []
-    for i in range(nb):
-        cols = []
-        for j in range(nb):
-            if j < i:  # about the reference step r, the last of block j: t > r >= s
-                r = G[..., (j + 1) * SUB - 1: (j + 1) * SUB, :]
-                ai = a[..., i * SUB:(i + 1) * SUB, :] * torch.exp(G[..., i * SUB:(i + 1) * SUB, :] - r)
-                bj = b[..., j * SUB:(j + 1) * SUB, :] * torch.exp(r - G[..., j * SUB:(j + 1) * SUB, :])
-                cols.append(ai @ bj.transpose(-1, -2))
-            elif j == i:
-                cols.append(diag[..., i, :, :])
-            else:
-                cols.append(a.new_zeros(*lead, SUB, SUB))
-        rows.append(torch.cat(cols, dim=-1))
+    if C <= SUB or C % SPLIT:  # pairwise, exactly
+        seg = G[..., :, None, :] - G[..., None, :, :]  # (..., C, C, K)
+        return (a[..., :, None, :] * b[..., None, :, :] * torch.exp(seg.masked_fill(~keep[..., None], -math.inf))
+                ).sum(-1)
+    # SPLIT blocks of steps: each row block against all columns before it in one product about the step r
+    # just before the block (t > r >= s, so both factors are <= 1); the diagonal blocks recursively, all the
+    # blocks of a level at once
+    n, m = SPLIT, C // SPLIT
+    ab, bb, Gb = (t.reshape(*t.shape[:-2], n, m, t.shape[-1]) for t in (a, b, G))
+    diag = _gated_gram(ab, bb, Gb, strict)  # (..., n, m, m)
+    rows = [torch.cat([diag[..., 0, :, :], a.new_zeros(*a.shape[:-2], m, C - m)], dim=-1)]
+    for i in range(1, n):
+        r = G[..., i * m - 1:i * m, :]
+        ai = ab[..., i, :, :] * torch.exp(Gb[..., i, :, :] - r)
+        before = b[..., :i * m, :] * torch.exp(r - G[..., :i * m, :])
+        parts = [ai @ before.transpose(-1, -2), diag[..., i, :, :]]
+        if i < n - 1:
+            parts.append(a.new_zeros(*a.shape[:-2], m, C - (i + 1) * m))
+        rows.append(torch.cat(parts, dim=-1))
     return torch.cat(rows, dim=-2)
 
 

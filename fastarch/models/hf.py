@@ -14,18 +14,26 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from .._files import atomic_directory
 from ..nn.bert import BERT
 from ..nn.gpt import GPTModel
 from ..nn.mamba import MambaLM
 from ..nn.mamba2 import Mamba2LM
 from ..nn.vision import PreNormViT
+from ._hf_files import (
+    check_config_against_shapes,
+    check_shapes_on_meta,
+    header_shapes,
+    read_config,
+    require_regular_file,
+)
 from .hf_bert import bert_from_hf
 
 __all__ = ["from_hf", "to_hf"]
@@ -33,13 +41,17 @@ __all__ = ["from_hf", "to_hf"]
 
 # ---------------------------------------------------------------------------------------------- reading
 def _read_checkpoint(path_or_model: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(state dict, config dict) from a checkpoint directory or an in-memory HF model."""
+    """(state dict, config dict) from a checkpoint directory or an in-memory HF model. The config is checked
+    against the weights' shapes (read from the safetensors header) before a tensor is loaded."""
     if isinstance(path_or_model, nn.Module):
         config = getattr(path_or_model, "config", None)
         if config is None or not hasattr(config, "to_dict"):
             raise TypeError("from_hf: argument 'path_or_model' is a module without a Hugging Face config; pass a "
                             f"transformers PreTrainedModel or a checkpoint directory, got {type(path_or_model).__name__}")
-        return dict(path_or_model.state_dict()), config.to_dict()
+        sd, cfg = dict(path_or_model.state_dict()), config.to_dict()
+        check_config_against_shapes(cfg.get("model_type"), cfg, {k: tuple(v.shape) for k, v in sd.items()},
+                                    "from_hf")
+        return sd, cfg
     if not isinstance(path_or_model, (str, os.PathLike)):
         raise TypeError("from_hf: argument 'path_or_model' must be a checkpoint directory or a Hugging Face model, "
                         f"got {type(path_or_model).__name__}")
@@ -48,19 +60,24 @@ def _read_checkpoint(path_or_model: Any) -> tuple[dict[str, torch.Tensor], dict[
         raise FileNotFoundError(f"from_hf: {path!r} is not a directory (expected config.json and model.safetensors "
                                 "or pytorch_model.bin)")
     cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
+    if not os.path.lexists(cfg_path):
         raise FileNotFoundError(f"from_hf: no config.json in {path!r}")
-    with open(cfg_path) as f:
-        config = json.load(f)
+    config = read_config(cfg_path, "from_hf")
     st, pt = os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin")
-    if os.path.exists(st):
+    if os.path.lexists(st):
         from safetensors.torch import load_file
 
+        require_regular_file(st, "from_hf")
+        check_config_against_shapes(config.get("model_type"), config, header_shapes(st), "from_hf")
         return load_file(st), config
-    if os.path.exists(pt):
+    if os.path.lexists(pt):
+        require_regular_file(pt, "from_hf")
         sd = torch.load(pt, map_location="cpu", weights_only=True)
         if not isinstance(sd, dict):
             raise ValueError(f"from_hf: {pt!r} does not hold a state dict")
+        check_config_against_shapes(config.get("model_type"), config,
+                                    {k: tuple(v.shape) for k, v in sd.items() if isinstance(v, torch.Tensor)},
+                                    "from_hf")
         return sd, config
     raise FileNotFoundError(f"from_hf: no model.safetensors or pytorch_model.bin in {path!r} (sharded checkpoints "
                             "are not supported)")
@@ -87,16 +104,12 @@ def _tied(sd: dict[str, torch.Tensor], head: str, embedding: str) -> bool:
     return head not in sd or sd[head] is sd[embedding] or torch.equal(sd[head], sd[embedding])
 
 
-def _load(model: nn.Module, mapped: dict[str, torch.Tensor], model_type: str) -> nn.Module:
+def _load(build: Callable[[], nn.Module], mapped: dict[str, torch.Tensor], model_type: str) -> nn.Module:
+    """Check the mapped weights against the model ``build`` makes, on the meta device, then build it for real
+    and load them: a config that does not fit the weights never allocates a model."""
+    check_shapes_on_meta(build, mapped, f"from_hf: {model_type}")
+    model = build()
     ref = model.state_dict()
-    missing = sorted(set(ref) - set(mapped))
-    if missing:
-        raise KeyError(f"from_hf: the {model_type} checkpoint lacks {', '.join(missing[:8])}"
-                       + (f", ... ({len(missing)} in all)" if len(missing) > 8 else ""))
-    for k, v in mapped.items():
-        if tuple(v.shape) != tuple(ref[k].shape):
-            raise ValueError(f"from_hf: {model_type} tensor for {k} has shape {tuple(v.shape)}, the config gives "
-                             f"{tuple(ref[k].shape)}")
     model.load_state_dict({k: v.to(ref[k].dtype) for k, v in mapped.items()}, strict=True)
     return model.eval()
 
@@ -161,7 +174,7 @@ def _gpt2(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[s
     _fail_unmapped(unmapped, t)
     if "token_embedding.weight" in mapped:
         mapped["lm_head.weight"] = mapped["token_embedding.weight"]  # tied
-    return _load(GPTModel(**kw), mapped, t)
+    return _load(lambda: GPTModel(**kw), mapped, t)
 
 
 def _gpt2_to_hf(model: GPTModel) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -212,7 +225,7 @@ def _mamba(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[
                               norm_eps=config.get("layer_norm_epsilon", 1e-5), bias=config.get("use_bias", False),
                               conv_bias=config.get("use_conv_bias", True))
     kw.update(overrides)
-    return _load(MambaLM(**kw), _map_mamba_lm(sd, tie, _MAMBA_MIXER, "embeddings.weight", t), t)
+    return _load(lambda: MambaLM(**kw), _map_mamba_lm(sd, tie, _MAMBA_MIXER, "embeddings.weight", t), t)
 
 
 def _map_mamba_lm(sd: dict[str, torch.Tensor], tie: bool, mixer_keys: tuple[str, ...], embedding: str,
@@ -309,10 +322,14 @@ def _mamba2(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict
                               dt_init_floor=config.get("time_step_floor", 1e-4))
     kw.update(overrides)
     mapped = _map_mamba_lm(sd, tie, _MAMBA2_MIXER, emb, t)
-    model = Mamba2LM(**kw)
-    for layer in model.layers:  # transformers' gated norm takes layer_norm_epsilon too
-        layer.mixer.norm.eps = kw["norm_eps"]
-    return _load(model, mapped, t)
+
+    def build() -> Mamba2LM:
+        model = Mamba2LM(**kw)
+        for layer in model.layers:  # transformers' gated norm takes layer_norm_epsilon too
+            layer.mixer.norm.eps = kw["norm_eps"]
+        return model
+
+    return _load(build, mapped, t)
 
 
 def _mamba2_to_hf(model: Mamba2LM) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -400,7 +417,7 @@ def _vit(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[st
             mapped[f"blocks.{i}.attention.qkv.{leaf}"] = torch.cat([qkv[(i, n, leaf)] for n in "qkv"])
         except KeyError as e:
             raise KeyError(f"from_hf: vit layer {i} lacks its {e.args[0][1]} projection's {leaf}") from None
-    return _load(PreNormViT(**kw), mapped, t)
+    return _load(lambda: PreNormViT(**kw), mapped, t)
 
 
 def _put_qkv(sd: dict[str, torch.Tensor], prefix: str, leaf: str, qkv: torch.Tensor) -> None:
@@ -503,16 +520,10 @@ def from_hf(path_or_model: Any, **overrides: Any) -> nn.Module:
     return _FROM[model_type](sd, config, overrides)
 
 
-def _atomic_write(path: str, write: Callable[[str], None]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=os.path.basename(path))
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+# Files of an existing export directory that the new weights supersede (other files, such as a tokenizer's,
+# are kept): stale weights in another format or shards would be read instead of, or next to, the new ones.
+_WEIGHT_FILE = re.compile(r"^(pytorch_model|model|tf_model|flax_model)([-.].*)?\.(bin|safetensors|h5|msgpack)"
+                          r"(\.index\.json)?$")
 
 
 def to_hf(model: nn.Module, path: str | os.PathLike) -> None:
@@ -520,8 +531,10 @@ def to_hf(model: nn.Module, path: str | os.PathLike) -> None:
     ``path`` as ``config.json`` and ``model.safetensors`` that transformers' ``from_pretrained`` loads
     (``BertModel``, ``GPT2LMHeadModel``, ``MambaForCausalLM``, ``Mamba2ForCausalLM``,
     ``ViTForImageClassification``; a ``PreNormViT`` without a head is a ``ViTModel`` to load with
-    ``add_pooling_layer=False``). Each file is written to a temporary name and renamed into place, weights first,
-    so a reader never sees a half-written file; ``from_hf(path)`` gives back the same tensors."""
+    ``add_pooling_layer=False``). The directory is written whole into a sibling temporary directory and renamed
+    into place (an existing one is replaced; its files other than weights, such as a tokenizer's, are kept), so
+    a reader never sees a half-written export and a failure leaves ``path`` as it was with no temporary left
+    behind; ``from_hf(path)`` gives back the same tensors."""
     from safetensors.torch import save_file
 
     if isinstance(model, GPTModel):
@@ -537,14 +550,11 @@ def to_hf(model: nn.Module, path: str | os.PathLike) -> None:
     else:
         raise TypeError(f"to_hf: argument 'model' must be a BERT, GPTModel, MambaLM, Mamba2LM or PreNormViT, got "
                         f"{type(model).__name__}")
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in sd.items()}
-    _atomic_write(os.path.join(path, "model.safetensors"),
-                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
-    def write_config(tmp: str) -> None:
-        with open(tmp, "w") as f:
+    def fill(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        with open(tmp / "config.json", "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2, sort_keys=True)
 
-    _atomic_write(os.path.join(path, "config.json"), write_config)
+    atomic_directory(path, fill, replaces=lambda name: bool(_WEIGHT_FILE.match(name)))

@@ -10,7 +10,6 @@ honour raises. Without a config the sizes are read off the tensors (heads defaul
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import warnings
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from ..nn.bert import BERT
+from ._hf_files import check_config_against_shapes, check_shapes_on_meta, read_config, require_regular_file
 
 __all__ = ["bert_from_hf", "hf_bert_state_dict_to_fastarch"]
 
@@ -60,19 +60,19 @@ def _read(path_or_state_dict: Any) -> tuple[dict[str, torch.Tensor], dict[str, A
     config: dict[str, Any] = {}
     if os.path.isdir(path):
         cfg = os.path.join(path, "config.json")
-        if os.path.exists(cfg):
-            with open(cfg) as f:
-                config = json.load(f)
+        if os.path.lexists(cfg):
+            config = read_config(cfg, "bert_from_hf")
         for name in ("model.safetensors", "pytorch_model.bin"):
-            if os.path.exists(os.path.join(path, name)):
+            if os.path.lexists(os.path.join(path, name)):
+                require_regular_file(os.path.join(path, name), "bert_from_hf")
                 return _load_file(os.path.join(path, name)), config
         raise FileNotFoundError(f"bert_from_hf: no model.safetensors or pytorch_model.bin in {path!r}")
     if not os.path.exists(path):
         raise FileNotFoundError(f"bert_from_hf: {path!r} does not exist")
+    require_regular_file(path, "bert_from_hf")
     cfg = os.path.join(os.path.dirname(path), "config.json")
-    if os.path.exists(cfg):
-        with open(cfg) as f:
-            config = json.load(f)
+    if os.path.lexists(cfg):
+        config = read_config(cfg, "bert_from_hf")
     return _load_file(path), config
 
 
@@ -156,6 +156,8 @@ def bert_from_hf(path_or_state_dict: Any, config: dict[str, Any] | None = None, 
     cfg = dict(found)
     cfg.update(config or {})
     check_bert_config(cfg)
+    check_config_against_shapes("bert", cfg, {k: tuple(v.shape) for k, v in sd.items()
+                                              if isinstance(v, torch.Tensor)}, "bert_from_hf")
     mapped = hf_bert_state_dict_to_fastarch(sd)
     vocab, hidden = mapped["token_embedding.weight"].shape
     n_layers = len({k.split(".")[1] for k in mapped if k.startswith("encoder.")})
@@ -174,6 +176,8 @@ def bert_from_hf(path_or_state_dict: Any, config: dict[str, Any] | None = None, 
         hidden_act=cfg.get("hidden_act", "gelu"),
     )
     kw.update(overrides)
+    # The sizes are checked against the weights on the meta device first: no model of a wrong size is built.
+    check_shapes_on_meta(lambda: BERT(**kw), mapped, "bert_from_hf", optional=("pooler.weight", "pooler.bias"))
     model = BERT(**kw)
     ref = model.state_dict()
     if "pooler.weight" not in mapped:  # BertModel(add_pooling_layer=False): keep the fresh pooler

@@ -12,7 +12,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+import safetensors.torch  # noqa: E402
+
+import fastarch.models.hf as hf_module  # noqa: E402
 from fastarch.models import bert_from_hf, from_hf, to_hf  # noqa: E402
+from fastarch.models._hf_files import MAX_CONFIG_BYTES  # noqa: E402
 from fastarch.nn import BERT, GPTModel, MambaLM, PreNormViT  # noqa: E402
 
 ATOL = 1e-5
@@ -167,7 +171,7 @@ def test_gpt2_missing_layer_refused(tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg["n_layer"] = 3
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(KeyError, match="blocks.2"):
+    with pytest.raises(ValueError, match="n_layer=3 but the weights hold 2 layers"):
         from_hf(tmp_path)
 
 
@@ -366,3 +370,115 @@ def test_gpt_argument_errors():
     with pytest.raises(ValueError, match="'attention_mask' must have shape"):
         model(ids, torch.ones(2, 3), kv_cache=cache)
     assert cache.seq_len == 0  # a rejected call leaves the cache untouched
+
+
+# ------------------------------------------------------------------------------------------- all or nothing
+def _leftovers(folder):
+    """Entries next to an export that are not the export itself (temporaries of to_hf)."""
+    return sorted(n for n in os.listdir(folder) if n.startswith("."))
+
+
+def test_to_hf_replaces_a_directory_whole_and_keeps_other_files(tmp_path):
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "pytorch_model.bin").write_bytes(b"stale weights")
+    (out / "tokenizer.json").write_text('{"kept": true}')
+    model = from_hf(_gpt2())
+    to_hf(model, out)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (out / "tokenizer.json").read_text() == '{"kept": true}'
+    assert _leftovers(tmp_path) == []
+    back = from_hf(out)
+    for (k, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_to_hf_failure_leaves_the_directory_as_it_was(tmp_path, monkeypatch):
+    out = tmp_path / "export"
+    to_hf(from_hf(_gpt2()), out)
+    before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+
+    def broken(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        to_hf(from_hf(_mamba()), out)
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+    assert _leftovers(tmp_path) == []
+    with pytest.raises(OSError, match="disk full"):
+        to_hf(from_hf(_mamba()), tmp_path / "new")
+    assert not (tmp_path / "new").exists() and _leftovers(tmp_path) == []
+
+
+def test_to_hf_refuses_to_replace_a_file(tmp_path):
+    (tmp_path / "export").write_text("not a directory")
+    with pytest.raises(FileExistsError, match="not a directory"):
+        to_hf(from_hf(_gpt2()), tmp_path / "export")
+    assert (tmp_path / "export").read_text() == "not a directory"
+
+
+@pytest.mark.parametrize("field, value", [("n_embd", 10**9), ("vocab_size", 10**12), ("n_layer", 10**6),
+                                          ("n_positions", 65), ("n_embd", "32")])
+def test_from_hf_refuses_a_config_that_does_not_fit_the_weights(tmp_path, field, value, monkeypatch):
+    """Config sizes are checked against the safetensors header before any model is built."""
+    _gpt2().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+
+    def never(**kw):
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(hf_module, "GPTModel", never)
+    with pytest.raises(ValueError, match=f"config {field}="):
+        from_hf(tmp_path)
+
+
+def test_from_hf_checks_every_shape_on_meta_before_building(tmp_path, monkeypatch):
+    """A size the header check does not cover (the MLP width) is caught on the meta device: the real model
+    is never built."""
+    _gpt2().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["n_inner"] = 10**7
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    built = []
+    real = hf_module.GPTModel
+
+    def spy(**kw):
+        built.append(torch.empty(0).device.type)  # the default device the model is built on
+        return real(**kw)
+
+    monkeypatch.setattr(hf_module, "GPTModel", spy)
+    with pytest.raises(ValueError, match=r"blocks\.0\.ffn\.0\..* the config gives \(10000000"):
+        from_hf(tmp_path)
+    assert built == ["meta"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "too_big", "not_json", "not_object"])
+def test_from_hf_config_must_be_a_bounded_regular_file(tmp_path, kind):
+    _gpt2().save_pretrained(tmp_path)
+    cfg = tmp_path / "config.json"
+    cfg.unlink()
+    if kind == "fifo":
+        os.mkfifo(cfg)  # nobody writes: reading it would block forever
+        match = "regular file, got a FIFO"
+    elif kind == "dev_zero":
+        os.symlink("/dev/zero", cfg)  # endless zeros
+        match = "regular file, got a character device"
+    elif kind == "too_big":
+        cfg.write_text(" " * (MAX_CONFIG_BYTES + 1) + "{}")
+        match = "limit"
+    elif kind == "not_json":
+        cfg.write_text("{not json")
+        match = "not valid JSON"
+    else:
+        cfg.write_text("[1, 2]")
+        match = "JSON object"
+    with pytest.raises(ValueError, match=match):
+        from_hf(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        bert_from_hf(tmp_path)

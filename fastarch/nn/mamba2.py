@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..ops.causal_conv1d import causal_conv1d_update
+from ..ops.mamba2_mixer_step import mamba2_mixer_step
 from ..ops.mamba_split_conv1d_scan import mamba_split_conv1d_scan_combined
 from ..ops.rms_norm_gated import rms_norm_gated
 from ..ops.selective_state_update import selective_state_update
@@ -220,6 +221,15 @@ class Mamba2(nn.Module):
             raise ValueError(f"Mamba2.step: argument 'hidden_states' must be (batch, 1, d_model), got shape "
                              f"{tuple(hidden_states.shape)}")
         batch = hidden_states.shape[0]
+        if self.d_inner == self.d_ssm:  # no extra gated-MLP channels: the whole step is one op
+            out = mamba2_mixer_step(
+                hidden_states[:, 0], self.in_proj.weight, self.in_proj.bias, self.conv1d.weight.squeeze(1),
+                self.conv1d.bias, self.dt_bias, self.A_log, self.D, self.norm.weight if self.rmsnorm else None,
+                self.out_proj.weight, self.out_proj.bias, conv_state, ssm_state, ngroups=self.ngroups,
+                norm_eps=self.norm.eps if self.rmsnorm else 1e-5,
+                norm_group_size=self.norm.group_size if self.rmsnorm else None,
+                norm_before_gate=self.norm_before_gate, dt_limit=self.dt_limit)
+            return out.unsqueeze(1), conv_state, ssm_state
         z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states.squeeze(1)))
         xBC = causal_conv1d_update(xBC, conv_state, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.activation)
         x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)

@@ -126,8 +126,9 @@ def _validate(t: dict, ngroups: int, group_size: int | None, dt_limit) -> tuple[
 
 def _call(tensors: tuple, grad: bool) -> Call:
     x = tensors[0]
+    # x is copied when strided (a decode step's row); the weights and the in-place states are not
     return call_of(x, batch=x.shape[0], all_fp32=all(t is None or t.dtype == torch.float32 for t in tensors),
-                   contiguous=all(t is None or t.is_contiguous() for t in tensors), grad=grad)
+                   contiguous=all(t is None or t.is_contiguous() for t in tensors[1:]), grad=grad)
 
 
 @torch.library.custom_op("fastarch::mamba2_mixer_step", mutates_args=("conv_state", "ssm_state"))
@@ -220,14 +221,14 @@ class CppMamba2MixerStep(CppImplementation):
         if not call.get("all_fp32", True):
             reasons.append("every tensor must be fp32")
         if not call.get("contiguous", True):
-            reasons.append("every tensor must be contiguous")
+            reasons.append("the weights and states must be contiguous")
         if call.get("grad"):
             reasons.append("no backward (autograd needs the op-by-op torch step)")
         return reasons
 
     def forward(self, x, in_w, in_b, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_w, out_b, conv_state, ssm_state,
                 ngroups, norm_eps, group_size, norm_before_gate, dt_limit):
-        return self.lib.mamba2_step(x, in_w, in_b, conv_state, conv_w, conv_b, dt_bias, A_log, D, ssm_state, norm_w,
+        return self.lib.mamba2_step(x.contiguous(), in_w, in_b, conv_state, conv_w, conv_b, dt_bias, A_log, D, ssm_state, norm_w,
                                     norm_eps, group_size, norm_before_gate, out_w, out_b, ngroups, dt_limit[0],
                                     dt_limit[1], True)
 

@@ -299,6 +299,7 @@ _BAD_KVCACHE = {
                          "cache_seqlens"),
     "seqlens_int_overflow": (dict(cache_seqlens=2**70), ValueError, "cache_seqlens"),
     "alibi_shape": (dict(alibi_slopes=torch.rand(3)), ValueError, "alibi_slopes"),
+    "expanded_cache": ("expanded", ValueError, "'v_cache'.*expanded"),
 }
 
 
@@ -319,7 +320,9 @@ def test_kvcache_rejected_values_leave_cache_bit_identical(bad, paged):
     k_cache, v_cache = nan_poisoned(k_cache), nan_poisoned(v_cache, 7)
     kw["cache_seqlens"] = torch.tensor([4, 6], dtype=torch.int32)
     change, exc, name = _BAD_KVCACHE[bad]
-    if isinstance(change, str):
+    if change == "expanded":  # rows sharing memory: one row's new keys would land in every row
+        v_cache = v_cache[:1].expand_as(v_cache)
+    elif isinstance(change, str):
         dt = getattr(torch, change)
         q, kn, vn = q.to(dt), kn.to(dt), vn.to(dt)
         k_cache, v_cache = k_cache.nan_to_num().to(dt), v_cache.nan_to_num().to(dt)

@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from ...ops._checks import FLOAT_DTYPES
+from ...ops._checks import FLOAT_DTYPES, check_writable
 from ...ops.attention import attention, attention_probs, dropout_keep_mask
 from ...ops.rotary import rotary_embedding
 
@@ -334,6 +334,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k.shape != v.shape:
             _fail(f"arguments 'k' and 'v' must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         L_new = k.shape[1]
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            check_writable(NAME, name, t)
     total = seqlens + L_new
     if bool(((seqlens < 0) | (total > capacity)).any()):
         _fail(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache capacity), got "

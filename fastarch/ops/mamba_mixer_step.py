@@ -10,12 +10,14 @@ replaced by their references, so that the step is differentiable in x and every 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from ..backend import Call, choose, register
 from ._backends import CppImplementation, TorchImplementation
-from ._checks import check_tensor, fail
+from ._checks import check_tensor, check_writable, fail
 from ._dispatch import call_of, dispatch
 from .causal_conv1d import causal_conv1d_update, causal_conv1d_update_ref
 from .linear import linear
@@ -82,6 +84,26 @@ def _validate(t: dict, residual: bool) -> None:
     if tuple(t["x_proj_weight"].shape) != (rank + 2 * d_state, d_inner):
         fail(OP, f"argument 'x_proj_weight' must be ({rank + 2 * d_state}, {d_inner}), got "
                  f"{tuple(t['x_proj_weight'].shape)}")
+    # Every other size and dtype is checked here too: the torch backend runs op by op, and a later op refusing
+    # its arguments would do so after the conv state was already written.
+    out_w = t["out_proj_weight"]
+    sizes = {"in_proj_bias": (2 * d_inner,), "conv_bias": (d_inner,), "x_proj_bias": (rank + 2 * d_state,),
+             "dt_proj_weight": (d_inner, rank), "dt_proj_bias": (d_inner,), "D": (d_inner,),
+             "out_proj_weight": (out_w.shape[0], d_inner), "out_proj_bias": (out_w.shape[0],),
+             "norm_weight": (x.shape[1],)}
+    for name, shape in sizes.items():
+        if t[name] is not None and tuple(t[name].shape) != shape:
+            fail(OP, f"argument '{name}' must have shape {shape}, got {tuple(t[name].shape)}")
+    width = t["conv_weight"].shape[1]
+    if conv_state.shape[2] < width - 1:
+        fail(OP, f"argument 'conv_state' must hold at least width - 1 = {width - 1} steps, got {conv_state.shape[2]}")
+    for name in ("in_proj_weight", "in_proj_bias", "x_proj_weight", "x_proj_bias", "dt_proj_weight",
+                 "out_proj_weight", "out_proj_bias"):
+        if t[name] is not None and t[name].dtype != x.dtype:
+            fail(OP, f"argument '{name}' has dtype {t[name].dtype} but 'x' has {x.dtype} (the projections run in "
+                     "x's dtype)", TypeError)
+    for name in ("conv_state", "ssm_state"):
+        check_writable(OP, name, t[name])
     if residual and t["out_proj_weight"].shape[0] != x.shape[1]:
         fail(OP, f"argument 'residual' needs out_proj to give {x.shape[1]} features, it gives "
                  f"{t['out_proj_weight'].shape[0]}")
@@ -147,6 +169,9 @@ def mamba_mixer_step(x: torch.Tensor, in_proj_weight: torch.Tensor, in_proj_bias
     tensors = (x, in_proj_weight, in_proj_bias, conv_weight, conv_bias, x_proj_weight, x_proj_bias, dt_proj_weight,
                dt_proj_bias, A_log, D, out_proj_weight, out_proj_bias, conv_state, ssm_state, norm_weight)
     residual = bool(residual)
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not math.isfinite(norm_eps) \
+            or norm_eps < 0:
+        fail(OP, f"argument 'norm_eps' must be a finite float >= 0, got {norm_eps!r}")
     _validate(dict(zip(_NAMES, tensors)), residual)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     impl, name = dispatch(OP, lambda: _call(tensors, grad), backend, *tensors)

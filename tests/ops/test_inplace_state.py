@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fastarch.ops.causal_conv1d import causal_conv1d_update
+from fastarch.ops.mamba_mixer_step import mamba_mixer_step
 from fastarch.ops.selective_state_update import selective_state_update
 from tests._inplace import assert_bits_equal, bits, nan_poisoned
 
@@ -91,3 +92,45 @@ def test_causal_conv1d_update_refuses_an_expanded_state(backend):
     with pytest.raises(ValueError, match="'conv_state'.*expanded"):
         causal_conv1d_update(torch.randn(2, 6), base.expand(2, 6, 5), torch.randn(6, 4), backend=backend)
     assert_bits_equal(before, base)
+
+
+def _mixer_args() -> dict:
+    g = torch.Generator().manual_seed(6)
+    B, d_model, d_inner, d_state, rank, width = 2, 8, 16, 4, 2, 4
+
+    def rn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.3
+
+    return dict(x=rn(B, d_model), in_proj_weight=rn(2 * d_inner, d_model), in_proj_bias=rn(2 * d_inner),
+                conv_weight=rn(d_inner, width), conv_bias=rn(d_inner), x_proj_weight=rn(rank + 2 * d_state, d_inner),
+                x_proj_bias=None, dt_proj_weight=rn(d_inner, rank), dt_proj_bias=rn(d_inner),
+                A_log=torch.log(torch.rand(d_inner, d_state, generator=g) + 1), D=rn(d_inner),
+                out_proj_weight=rn(d_model, d_inner), out_proj_bias=rn(d_model),
+                conv_state=nan_poisoned(rn(B, d_inner, width - 1)), ssm_state=nan_poisoned(rn(B, d_inner, d_state)),
+                norm_weight=rn(d_model), norm_eps=1e-5)
+
+
+# Each of these was refused only by an op that ran after the conv state (or both states) had been written.
+_MIXER_BAD = {
+    "D_shape": (ValueError, "'D'", lambda a: {"D": a["D"][:15]}),
+    "dt_proj_bias_shape": (ValueError, "'dt_proj_bias'", lambda a: {"dt_proj_bias": a["dt_proj_bias"][:3]}),
+    "out_proj_bias_shape": (ValueError, "'out_proj_bias'", lambda a: {"out_proj_bias": a["out_proj_bias"][:5]}),
+    "x_proj_dtype": (TypeError, "'x_proj_weight'", lambda a: {"x_proj_weight": a["x_proj_weight"].half()}),
+    "out_proj_dtype": (TypeError, "'out_proj_weight'", lambda a: {"out_proj_weight": a["out_proj_weight"].half()}),
+    "norm_eps_nan": (ValueError, "'norm_eps'", lambda a: {"norm_eps": float("nan")}),
+    "ssm_state_expanded": (ValueError, "'ssm_state'.*expanded",
+                           lambda a: {"ssm_state": a["ssm_state"][:1].expand_as(a["ssm_state"])}),
+}
+
+
+@pytest.mark.op("mamba_mixer_step")
+@pytest.mark.parametrize("bad", sorted(_MIXER_BAD))
+def test_mamba_mixer_step_rejection_keeps_both_states_bits(backend, bad):
+    args = _mixer_args()
+    exc, match, change = _MIXER_BAD[bad]
+    args.update(change(args))
+    before = bits(args["conv_state"]), bits(args["ssm_state"])
+    with torch.no_grad(), pytest.raises(exc, match=match):
+        mamba_mixer_step(**args, backend=backend)
+    assert_bits_equal(before[0], args["conv_state"], "conv_state")
+    assert_bits_equal(before[1], args["ssm_state"], "ssm_state")

@@ -89,6 +89,10 @@ def test_head_first_is_deprecated_and_honoured():
     with pytest.warns(DeprecationWarning, match="head_first"):
         got, _ = chunk_gated_delta_rule(*(t.transpose(1, 2) for t in (q, k, v, g, beta)), head_first=True)
     torch.testing.assert_close(got, want.transpose(1, 2))
+    with pytest.warns(DeprecationWarning, match="head_first"):
+        got, _ = fused_recurrent_gated_delta_rule(*(t.transpose(1, 2) for t in (q, k, v)), g=g.transpose(1, 2),
+                                                  beta=beta.transpose(1, 2), head_first=True)
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-4, atol=1e-4)
 
 
 def test_chunk_kda_keywords():
@@ -102,6 +106,9 @@ def test_chunk_kda_keywords():
     torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-4)
     o, _ = chunk_kda(q, k, v, g, beta * 4 - 2, use_beta_sigmoid_in_kernel=True)
     torch.testing.assert_close(o, kda_ref(q, k, v, g, torch.sigmoid(beta * 4 - 2))[0], rtol=1e-4, atol=1e-4)
+    o, _ = fused_recurrent_kda(q, k, v, raw, beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                               use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(o, ro, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="A_log"):
         chunk_kda(q, k, v, raw, beta, use_gate_in_kernel=True)
     with pytest.raises(NotImplementedError, match="transpose_state_layout"):

@@ -311,3 +311,17 @@ def test_rejected_update_keeps_buffer_bits(bad):
     assert cache._lens == lens
     cache.update(1, *_kv(2, 2, 2, 4), lengths=torch.tensor([1, 2]))  # integer lengths are still accepted
     assert cache.lengths(1) == [3, 4]
+
+
+@pytest.mark.parametrize("index", [[0, 2], [-1, 0], [0, 1, 1]])
+def test_rejected_reorder_keeps_buffer_bits(index):
+    cache = KVCache(6, 2, 4, 2, batch_size=2, dtype=torch.float32, device="cpu")
+    for layer in range(2):
+        cache.update(layer, *_kv(2, 2, 2, 4))
+    for t in cache._k + cache._v:
+        t.copy_(nan_poisoned(t, 3))
+    before = [bits(t) for t in cache._k + cache._v]
+    with pytest.raises((ValueError, IndexError), match="KVCache: argument 'index'"):
+        cache.reorder(torch.tensor(index))
+    for b, t in zip(before, cache._k + cache._v):
+        assert_bits_equal(b, t, "KV buffer")

@@ -58,18 +58,19 @@ def test_packed_sequences_match_separate_calls(backend, mode):
         s += length
 
 
+@pytest.mark.parametrize("l2", [True, False], ids=["l2norm", "raw"])  # raw: the kernels read bf16/fp16 q, k, v
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_inputs(backend, dtype):
+def test_low_precision_inputs(backend, dtype, l2):
     """bf16/fp16 q, k, v, beta (fp32 gate and state, as the models pass them): the output in the inputs' dtype,
     the state fp32, within FlashAttention's criterion of rounding the exact result to that dtype."""
-    case = dict(B=2, T=100, K=32, V=32, gate="mid", Hk=2, Hv=4, l2=True, init=True)
+    case = dict(B=2, T=100, K=32, V=32, gate="mid", Hk=2, Hv=4, l2=l2, init=True)
     x = make(case, per_key=False, dtype=dtype)
     o, S = gated_delta_rule(*(x[k] for k in ("q", "k", "v", "g", "beta")), initial_state=x["initial_state"],
-                            output_final_state=True, use_qk_l2norm_in_kernel=True, backend=backend)
+                            output_final_state=True, use_qk_l2norm_in_kernel=l2, backend=backend)
     assert o.dtype == dtype and S.dtype == torch.float32
     ro, rS = gated_delta_rule_ref(*(x[k].float() for k in ("q", "k", "v", "g", "beta")),
                                   initial_state=x["initial_state"], output_final_state=True,
-                                  use_qk_l2norm_in_kernel=True)
+                                  use_qk_l2norm_in_kernel=l2)
     assert_fa_close(o, ro, ro.to(dtype), factor=2.0, atol=1e-3, what="o")
     torch.testing.assert_close(S, rS, rtol=1e-3, atol=1e-3)
 

@@ -91,15 +91,16 @@ def test_packed_sequences(backend, mode):
     assert_matches(got, want)
 
 
+@pytest.mark.parametrize("l2", [True, False], ids=["l2norm", "raw"])  # raw: the kernels read bf16/fp16 q, k, v
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_inputs(backend, dtype):
-    case = dict(B=1, T=90, K=32, V=16, gate="mid", Hk=1, Hv=2, l2=True, init=True)
+def test_low_precision_inputs(backend, dtype, l2):
+    case = dict(B=1, T=90, K=32, V=16, gate="mid", Hk=1, Hv=2, l2=l2, init=True)
     x = make(case, per_key=True, dtype=dtype)
     o, S = kda(*(x[k] for k in ARGS), initial_state=x["initial_state"], output_final_state=True,
-               use_qk_l2norm_in_kernel=True, backend=backend)
+               use_qk_l2norm_in_kernel=l2, backend=backend)
     assert o.dtype == dtype and S.dtype == torch.float32
     ro, rS = kda_ref(*(x[k].float() for k in ARGS), initial_state=x["initial_state"], output_final_state=True,
-                     use_qk_l2norm_in_kernel=True)
+                     use_qk_l2norm_in_kernel=l2)
     assert_fa_close(o, ro, ro.to(dtype), factor=2.0, atol=1e-3, what="o")
     torch.testing.assert_close(S, rS, rtol=1e-3, atol=1e-3)
 

@@ -10,8 +10,6 @@ import torch
 
 __all__ = ["from_head_first", "split_kwargs", "to_head_first"]
 
-# keyword options that only choose fla's kernels (tiling, recomputation, precomputed chunk metadata)
-IGNORED = frozenset({"chunk_indices", "cu_seqlens_cpu", "safe_gate", "disable_recompute", "chunk_size"})
 # keyword options that change the result and that fastarch does not implement: refused when set
 REFUSED = frozenset({"cp_context", "allow_neg_eigval", "return_intermediate_states", "transpose_state_layout",
                      "state_v_first"})
@@ -20,7 +18,8 @@ REFUSED = frozenset({"cp_context", "allow_neg_eigval", "return_intermediate_stat
 def split_kwargs(fn: str, kwargs: dict[str, Any], accepted: tuple[str, ...] = ()) -> tuple[dict[str, Any], bool]:
     """``kwargs`` of fla's ``fn`` -> (the ``accepted`` ones, ``head_first``). ``head_first`` is deprecated in fla
     (a warning, as fla gives); an option of :data:`REFUSED` that is set raises NotImplementedError naming it;
-    options of :data:`IGNORED` and unknown ones are dropped, as fla drops them."""
+    the options that only choose fla's kernels (``chunk_indices``, ``cu_seqlens_cpu``, ``safe_gate``,
+    ``disable_recompute``, ...) and unknown ones are dropped, as fla drops them."""
     head_first = bool(kwargs.get("head_first", False))
     if "head_first" in kwargs:
         warnings.warn(f"{fn}: head_first is deprecated in fla; pass (B, T, H, ...) tensors with head_first=False",

@@ -50,12 +50,12 @@ def fused_recurrent_gated_delta_rule(
     q, k, v, g, gk, beta = from_head_first(head_first, q, k, v, g, gk, beta)
     if beta is None:
         beta = torch.ones(v.shape[:3], dtype=q.dtype, device=q.device)
-    args = (scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens)
-    if gk is not None:
-        gate = gk if g is None else gk + g[..., None]
-        o, final = kda(q, k, v, gate, beta, *args[:4], False, args[4], mode="recurrent")
+    kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens, mode="recurrent")
+    if gk is not None:  # a decay per key channel (plus the per-head one): KDA's recurrence
+        o, final = kda(q, k, v, gk if g is None else gk + g[..., None], beta, **kw)
     else:
-        if g is None:  # no decay at all: plain delta rule
+        if g is None:  # no decay at all: the plain delta rule
             g = torch.zeros(v.shape[:3], dtype=torch.float32, device=q.device)
-        o, final = gated_delta_rule(q, k, v, g, beta, *args, mode="recurrent")
+        o, final = gated_delta_rule(q, k, v, g, beta, **kw)
     return to_head_first(head_first, o), final

@@ -77,14 +77,36 @@ def test_forward_backward_match_pytorch_path(training, kernel_calls):
         torch.testing.assert_close(got[1][name], g, atol=1e-4, rtol=1e-3, msg=name)
 
 
-def test_greedy_generation_identical(kernel_calls):
-    model = _mamba2().eval()
+@pytest.fixture
+def mamba2_steps(monkeypatch):
+    """Counts the decode steps the patched ``Mamba2Mixer`` runs as one fused ``mamba2_mixer_step``."""
+    calls = []
+    real = fh.mamba._mamba2_step
+
+    def counting(*args, **kwargs):
+        calls.append(tuple(args[0].shape))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fh.mamba, "_mamba2_step", counting)
+    return calls
+
+
+@pytest.mark.parametrize("kw", [{}, dict(n_groups=1), dict(time_step_limit=(0.01, 0.08))],
+                         ids=["two-groups", "one-group", "dt-limit"])
+def test_greedy_generation_identical(kw, kernel_calls, mamba2_steps):
+    """Prefill on fastarch's kernels, every decode step one fused mixer step: the same tokens and logits as
+    transformers' own path (whose decode step applies no time_step_limit)."""
+    model = _mamba2(**kw).eval()
     ids = torch.randint(0, VOCAB, (2, 9))
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=0)
-    got = model.generate(ids, **kw)
-    assert {"causal_conv1d_update", "selective_state_update", "mamba_chunk_scan_combined"} <= set(kernel_calls)
+    gen = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=0,
+               output_logits=True, return_dict_in_generate=True)
+    got = model.generate(ids, **gen)
+    assert "mamba_chunk_scan_combined" in kernel_calls  # the prefill
+    assert mamba2_steps == [(2, 32)] * (9 * 2)  # 9 decode steps x 2 layers
     fh.unregister()
-    assert torch.equal(got, model.generate(ids, **kw))
+    want = model.generate(ids, **gen)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-4, rtol=1e-4)
 
 
 def test_bf16_model_with_fp32_residual_stream():
@@ -116,8 +138,8 @@ def test_register_patches_and_unregister_restores():
 
 
 def test_projections_run_on_fastarch_linear(monkeypatch):
-    """Inside the mixers (prefill, decode steps, training), the nn.Linear projections reach fastarch.ops.linear,
-    fp32 only; the head outside the mixers and every call after the forward are untouched."""
+    """Inside the mixers (prefill, training), the nn.Linear projections reach fastarch.ops.linear, fp32 only
+    (a CPU fp32 decode step is one fused mixer step); the head outside the mixers and every call after the forward are untouched."""
     seen = []
     real = fh.mamba._linear
     monkeypatch.setattr(fh.mamba, "_linear", lambda x, w, b=None: seen.append((tuple(w.shape), x.dtype)) or real(x, w, b))
@@ -130,7 +152,7 @@ def test_projections_run_on_fastarch_linear(monkeypatch):
     assert seen == projections * 2  # two layers; the LM head is not in a mixer
     seen.clear()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0)
-    assert seen == projections * 2 * 3  # the prefill and two decode steps
+    assert seen == projections * 2  # the prefill; the two decode steps are fused mixer steps
     seen.clear()
     torch.nn.functional.linear(torch.randn(2, 32), mixer.in_proj.weight)
     model.to(torch.bfloat16)(input_ids=ids)

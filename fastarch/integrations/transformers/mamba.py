@@ -1,5 +1,6 @@
 """Mamba mixers: the projections on :func:`fastarch.ops.linear` (a ``TorchFunctionMode`` scoped to the mixer's
-call) and ``MambaMixer``'s decode step as one :func:`fastarch.ops.mamba_mixer_step`."""
+call), ``MambaMixer``'s decode step as one :func:`fastarch.ops.mamba_mixer_step` and ``Mamba2Mixer``'s as one
+:func:`fastarch.ops.mamba2_mixer_step`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from transformers.utils.import_utils import is_torchdynamo_exporting
 
 from ...nn.mamba import mixer_step as _mixer_step
 from ...ops.linear import linear as _linear
+from ...ops.mamba2_mixer_step import mamba2_mixer_step as _mamba2_step
 
 __all__: list[str] = []
 
@@ -82,31 +84,70 @@ def _argument_reader(original: Callable, *names: str) -> Callable[[tuple, dict],
     return read
 
 
+def _decode_states(self, hidden_states: torch.Tensor, cache, attention_mask) -> tuple | None:
+    """The layer's (conv_state, ssm_state) when this call is a single-token decode step that a fused CPU step
+    may take: a cache holding both states on the CPU, no padding mask, fp32 input and weights on the CPU, no
+    gradient recorded, no offloading hook, not exported; else None."""
+    if not (cache is not None and attention_mask is None and hidden_states.dim() == 3
+            and hidden_states.shape[1] == 1 and hidden_states.device.type == "cpu"
+            and hidden_states.dtype == torch.float32 and self.in_proj.weight.dtype == torch.float32
+            and self.in_proj.weight.device.type == "cpu" and not hasattr(self, "_hf_hook")
+            and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.in_proj.weight.requires_grad))
+            and not is_torchdynamo_exporting()):
+        return None
+    conv_state = cache.get_conv_state(self.layer_idx, state_idx=0)
+    ssm_state = cache.get_recurrent_state(self.layer_idx, state_idx=0)
+    if (conv_state is None or ssm_state is None or conv_state.device.type != "cpu"
+            or cache.is_recording_past(self.layer_idx)):
+        return None
+    return conv_state, ssm_state
+
+
 def _mamba_mixer_forward(original: Callable) -> Callable:
-    """``MambaMixer.forward`` whose single-token decode step on CPU in fp32 (a cache holding both states, no
-    padding mask) runs as one :func:`fastarch.nn.mamba.mixer_step` on the module's own weights; every other call
-    (prefill, autograd, accelerators, other dtypes, offloaded weights, export) runs transformers' forward, with
-    its projections on :func:`fastarch.ops.linear` for CPU input (:func:`_projections_on_fastarch`). The cache
-    argument is found by the signature (``cache`` from transformers 5.24, ``cache_params`` before)."""
+    """``MambaMixer.forward`` whose single-token decode step on CPU in fp32 (:func:`_decode_states`) runs as one
+    :func:`fastarch.nn.mamba.mixer_step` on the module's own weights; every other call (prefill, autograd,
+    accelerators, other dtypes, offloaded weights, export) runs transformers' forward, with its projections on
+    :func:`fastarch.ops.linear` for CPU input (:func:`_projections_on_fastarch`). The cache argument is found by
+    the signature (``cache`` from transformers 5.24, ``cache_params`` before)."""
     rest = _projections_on_fastarch(original)
     read = _argument_reader(original, ("cache", "cache_params"), ("attention_mask",))
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
         cache, attention_mask = read(args, kwargs)
-        if (cache is not None and attention_mask is None and hidden_states.dim() == 3
-                and hidden_states.shape[1] == 1 and hidden_states.device.type == "cpu"
-                and hidden_states.dtype == torch.float32 and self.in_proj.weight.dtype == torch.float32
-                and self.in_proj.weight.device.type == "cpu" and not hasattr(self, "_hf_hook")
-                and not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.in_proj.weight.requires_grad))
-                and not is_torchdynamo_exporting()):
-            conv_state = cache.get_conv_state(self.layer_idx, state_idx=0)
-            ssm_state = cache.get_recurrent_state(self.layer_idx, state_idx=0)
-            if (conv_state is not None and ssm_state is not None and conv_state.device.type == "cpu"
-                    and not cache.is_recording_past(self.layer_idx)):
-                out = _mixer_step(hidden_states[:, 0], self.in_proj, self.conv1d, self.x_proj, self.dt_proj,
-                                  self.A_log, self.D, self.out_proj, conv_state, ssm_state)
-                return out.unsqueeze(1)
+        states = _decode_states(self, hidden_states, cache, attention_mask)
+        if states is not None:
+            out = _mixer_step(hidden_states[:, 0], self.in_proj, self.conv1d, self.x_proj, self.dt_proj,
+                              self.A_log, self.D, self.out_proj, *states)
+            return out.unsqueeze(1)
+        return rest(self, hidden_states, *args, **kwargs)
+
+    forward.__fastarch_original__ = original
+    return forward
+
+
+def _mamba2_mixer_forward(original: Callable) -> Callable:
+    """``Mamba2Mixer.forward`` whose single-token decode step on CPU in fp32 (:func:`_decode_states`, SiLU
+    convolution) runs as one :func:`fastarch.ops.mamba2_mixer_step` on the module's own weights, as transformers'
+    decode path computes it (``norm(y * silu(z))`` over the norm's groups; no ``time_step_limit`` clamp in a
+    decode step); every other call runs transformers' forward with its projections on
+    :func:`fastarch.ops.linear` for CPU input."""
+    rest = _projections_on_fastarch(original)
+    read = _argument_reader(original, ("cache", "cache_params"), ("attention_mask",))
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, *args, **kwargs):
+        cache, attention_mask = read(args, kwargs)
+        states = _decode_states(self, hidden_states, cache, attention_mask) if self.activation == "silu" else None
+        if states is not None:
+            norm = self.norm
+            out = _mamba2_step(hidden_states[:, 0], self.in_proj.weight, self.in_proj.bias,
+                               self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, self.A_log, self.D,
+                               norm.weight, self.out_proj.weight, self.out_proj.bias, *states, ngroups=self.n_groups,
+                               norm_eps=norm.variance_epsilon,
+                               norm_group_size=getattr(norm, "group_size", None) or self.intermediate_size,
+                               norm_before_gate=False)
+            return out.unsqueeze(1)
         return rest(self, hidden_states, *args, **kwargs)
 
     forward.__fastarch_original__ = original

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from .kernels import KERNEL_EXCEPTIONS, KERNEL_GLOBALS, _dispatcher, _real_package
 from .llama import LLAMA_MLPS, LLAMA_MODULES, _apply_rotary_pos_emb, _swiglu_mlp_forward
-from .mamba import _mamba_mixer_forward, _projections_on_fastarch
+from .mamba import _mamba2_mixer_forward, _mamba_mixer_forward
 from .norms import _NORMS, NORM_MODULES, _cpu_rms_norm_forward, _norm_forward
 
 __all__ = ["PATCHES", "Patch"]
@@ -57,8 +57,8 @@ PATCHES: tuple[Patch, ...] = (
           "MambaMixer: the CPU fp32 decode step as one fused mixer step, projections on fastarch.ops.linear"),
     Patch("mamba", "transformers.models.mamba.modeling_mamba", "MambaRMSNorm", "forward",
           _cpu_rms_norm_forward, "MambaRMSNorm.forward on fastarch.ops.rms_norm (CPU; fp32, bf16, fp16)"),
-    Patch("mamba", "transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer", "forward", _projections_on_fastarch,
-          "Mamba2Mixer: projections on fastarch.ops.linear (CPU fp32)"),
+    Patch("mamba", "transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer", "forward", _mamba2_mixer_forward,
+          "Mamba2Mixer: the CPU fp32 decode step as one fused mixer step, projections on fastarch.ops.linear"),
     *(Patch("llama", modname, None, "apply_rotary_pos_emb", _apply_rotary_pos_emb,
             "apply_rotary_pos_emb on fastarch.ops.rotary_embedding (CPU; fp32, bf16, fp16)") for modname, _ in LLAMA_MODULES),
     *(Patch("llama", modname, clsname, "forward", _cpu_rms_norm_forward,

@@ -73,12 +73,17 @@ def atomic_directory(path: str | os.PathLike[str], fill: Callable[[Path], None],
 
     Entries of an existing ``path`` that ``fill`` did not write are carried into the new directory (hard
     links where possible) unless ``replaces(name)`` says the new content supersedes them. ``path`` must not
-    be a file or a symbolic link. Replacing is two renames (old aside, new in place, old removed); between
+    be a file, a symbolic link, or the current working directory (or one holding it). Replacing is two renames (old aside, new in place, old removed); between
     them ``path`` is briefly absent, and a failure of the second puts the old directory back.
     """
     target = Path(os.path.abspath(path))
     if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise FileExistsError(f"{str(target)!r} exists and is not a directory; refusing to replace it")
+    cwd = Path(os.path.realpath(os.getcwd()))
+    if target.exists() and (cwd == Path(os.path.realpath(target)) or Path(os.path.realpath(target)) in cwd.parents):
+        # Renamed aside and removed, it would leave this process in a deleted directory.
+        raise ValueError(f"{str(target)!r} is or holds the current working directory; refusing to replace it "
+                         "(write to another path, or change directory first)")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     aside: Path | None = None

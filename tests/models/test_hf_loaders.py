@@ -482,3 +482,15 @@ def test_from_hf_config_must_be_a_bounded_regular_file(tmp_path, kind):
         from_hf(tmp_path)
     with pytest.raises(ValueError, match=match):
         bert_from_hf(tmp_path)
+
+
+def test_to_hf_refuses_to_replace_the_working_directory(tmp_path, monkeypatch):
+    """Replacing the directory this process runs in would leave it in a deleted directory."""
+    out = tmp_path / "export"
+    (out / "sub").mkdir(parents=True)
+    (out / "keep.txt").write_text("kept")
+    for cwd in (out, out / "sub"):
+        monkeypatch.chdir(cwd)
+        with pytest.raises(ValueError, match="current working directory"):
+            to_hf(from_hf(_gpt2()), out)
+        assert sorted(os.listdir(out)) == ["keep.txt", "sub"] and _leftovers(tmp_path) == []

@@ -73,8 +73,9 @@ def atomic_directory(path: str | os.PathLike[str], fill: Callable[[Path], None],
 
     Entries of an existing ``path`` that ``fill`` did not write are carried into the new directory (hard
     links where possible) unless ``replaces(name)`` says the new content supersedes them. ``path`` must not
-    be a file, a symbolic link, or the current working directory (or one holding it). Replacing is two renames (old aside, new in place, old removed); between
-    them ``path`` is briefly absent, and a failure of the second puts the old directory back.
+    be a file, a symbolic link, or the current working directory (or one holding it). Replacing is two
+    renames (old aside, new in place, old removed); between them ``path`` is briefly absent, and a failure
+    of the second puts the old directory back.
     """
     target = Path(os.path.abspath(path))
     if target.is_symlink() or (target.exists() and not target.is_dir()):

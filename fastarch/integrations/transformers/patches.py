@@ -59,6 +59,12 @@ PATCHES: tuple[Patch, ...] = (
           _cpu_rms_norm_forward, "MambaRMSNorm.forward on fastarch.ops.rms_norm (CPU; fp32, bf16, fp16)"),
     Patch("mamba", "transformers.models.mamba2.modeling_mamba2", "Mamba2Mixer", "forward", _mamba2_mixer_forward,
           "Mamba2Mixer: the CPU fp32 decode step as one fused mixer step, projections on fastarch.ops.linear"),
+    # The hybrid families' Mamba-2 mixers compute what Mamba2Mixer does (their decode steps are tested against
+    # transformers' own, family by family); FalconH1's adds multipliers and keeps transformers' step.
+    *(Patch("mamba", f"transformers.models.{family}.modeling_{family}", cls, "forward", _mamba2_mixer_forward,
+            f"{cls}: the CPU fp32 decode step as one fused Mamba-2 mixer step")
+      for family, cls in (("bamba", "BambaMixer"), ("zamba2", "Zamba2MambaMixer"),
+                          ("nemotron_h", "NemotronHMamba2Mixer"), ("granitemoehybrid", "GraniteMoeHybridMambaLayer"))),
     *(Patch("llama", modname, None, "apply_rotary_pos_emb", _apply_rotary_pos_emb,
             "apply_rotary_pos_emb on fastarch.ops.rotary_embedding (CPU; fp32, bf16, fp16)") for modname, _ in LLAMA_MODULES),
     *(Patch("llama", modname, clsname, "forward", _cpu_rms_norm_forward,

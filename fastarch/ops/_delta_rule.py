@@ -130,6 +130,27 @@ def _gated_gram(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, strict: bool)
     return torch.cat(rows, dim=-2)
 
 
+def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
+    """The inverse of unit lower-triangular matrices ``L`` ``(..., C, C)``, ``C`` a power of two, by doubling
+    blocks: ``inv([[L11, 0], [L21, L22]]) = [[X1, 0], [-X2 L21 X1, X2]]``, every block of a level in one batched
+    product (exact substitution arithmetic, only matrix products, so autograd differentiates it cheaply;
+    a batched triangular solve on CPU costs far more for these small matrices)."""
+    C = L.shape[-1]
+    lead = L.shape[:-2]
+    X = torch.ones(*lead, C, 1, 1, dtype=L.dtype, device=L.device)  # the 1x1 diagonal blocks' inverses
+    size = 1
+    while size < C:
+        nb = C // (2 * size)
+        blocks = torch.diagonal(L.reshape(*lead, nb, 2 * size, nb, 2 * size), dim1=-4, dim2=-2)
+        L21 = blocks.movedim(-1, -3)[..., size:, :size]  # (..., nb, size, size)
+        X1, X2 = X[..., 0::2, :, :], X[..., 1::2, :, :]
+        top = torch.cat([X1, torch.zeros_like(X1)], dim=-1)
+        bottom = torch.cat([-(X2 @ L21 @ X1), X2], dim=-1)
+        X = torch.cat([top, bottom], dim=-2)
+        size *= 2
+    return X.reshape(*lead, C, C)
+
+
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        scale: float, h0: torch.Tensor | None, chunk: int = CHUNK
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,21 +174,26 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     kb = kc * bc
     # the UT transform: (I + A) U = beta (v - (k exp(G))^T S_in), A[t, s] = beta_t k_t.k_s exp(G_t - G_s), s < t
     A = _gated_gram(kb, kc, G, strict=True)
-    eye = torch.eye(chunk, device=A.device, dtype=A.dtype)
-    lhs = A + eye
-    U0 = torch.linalg.solve_triangular(lhs, vc * bc, upper=False, unitriangular=True)
-    W = torch.linalg.solve_triangular(lhs, kb * torch.exp(G), upper=False, unitriangular=True)
+    lhs = A + torch.eye(chunk, device=A.device, dtype=A.dtype)
+    if chunk & (chunk - 1) == 0:
+        inv = _unit_lower_inverse(lhs)
+        U0, W = inv @ (vc * bc), inv @ (kb * torch.exp(G))
+    else:
+        U0 = torch.linalg.solve_triangular(lhs, vc * bc, upper=False, unitriangular=True)
+        W = torch.linalg.solve_triangular(lhs, kb * torch.exp(G), upper=False, unitriangular=True)
     P = _gated_gram(qc, kc, G, strict=False)  # the within-chunk read, s <= t
     last = G[..., -1:, :]
     Kd = kc * torch.exp(last - G)  # each step's key, decayed to the chunk's end
     decay = torch.exp(last[..., 0, :])[..., None]  # (B, H, nc, Kg, 1)
     S = h0.float() if h0 is not None else vh.new_zeros(B, hv, K, V)
     entering, us = [], []
-    for c in range(nc):
+    # per-chunk views by unbind (its backward is one stack; indexing in the loop would make autograd build a
+    # zero-filled full-size gradient per chunk, quadratic in the number of chunks)
+    for u0, w, dc, kd in zip(U0.unbind(2), W.unbind(2), decay.unbind(2), Kd.unbind(2)):
         entering.append(S)
-        u = U0[:, :, c] - W[:, :, c] @ S
+        u = u0 - w @ S
         us.append(u)
-        S = decay[:, :, c] * S + Kd[:, :, c].transpose(-1, -2) @ u
+        S = dc * S + kd.transpose(-1, -2) @ u
     S_in = torch.stack(entering, dim=2)  # (B, H, nc, K, V)
     Uc = torch.stack(us, dim=2)  # (B, H, nc, C, V)
     o = (qc * torch.exp(G)) @ S_in + P @ Uc

@@ -300,6 +300,7 @@ _BAD_KVCACHE = {
     "seqlens_int_overflow": (dict(cache_seqlens=2**70), ValueError, "cache_seqlens"),
     "alibi_shape": (dict(alibi_slopes=torch.rand(3)), ValueError, "alibi_slopes"),
     "expanded_cache": ("expanded", ValueError, "'v_cache'.*expanded"),
+    "same_cache": ("same", ValueError, "'k_cache' and 'v_cache' are the same memory"),
 }
 
 
@@ -322,6 +323,8 @@ def test_kvcache_rejected_values_leave_cache_bit_identical(bad, paged):
     change, exc, name = _BAD_KVCACHE[bad]
     if change == "expanded":  # rows sharing memory: one row's new keys would land in every row
         v_cache = v_cache[:1].expand_as(v_cache)
+    elif change == "same":
+        v_cache = k_cache
     elif isinstance(change, str):
         dt = getattr(torch, change)
         q, kn, vn = q.to(dt), kn.to(dt), vn.to(dt)

@@ -336,6 +336,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         L_new = k.shape[1]
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             check_writable(NAME, name, t)
+        if k_cache.numel() and k_cache.data_ptr() == v_cache.data_ptr():
+            _fail("arguments 'k_cache' and 'v_cache' are the same memory: the new values would overwrite the new "
+                  "keys")
     total = seqlens + L_new
     if bool(((seqlens < 0) | (total > capacity)).any()):
         _fail(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache capacity), got "

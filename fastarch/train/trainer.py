@@ -51,8 +51,8 @@ def progress_bar(total: int | None, enabled: bool | None, desc: str, initial: in
 _STATE_KEYS = {"model", "optimizer", "scheduler", "scaler", "rng", "position"}
 _REQUIRED_KEYS = ("model", "optimizer", "rng", "position")
 # Optimizer state entries that torch.optim and fastarch.optim keep in the shape of their parameter.
-_PARAM_SHAPED = {"m", "v", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "sum",
-                 "ax", "prev", "mu_product"}
+_PARAM_SHAPED = {"m", "v", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
+                 "sum", "ax", "prev"}
 
 
 def _bad(field: str, expected: str, got: Any, exc: type[Exception] = ValueError) -> Exception:

@@ -69,10 +69,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
             return None
         real = base + ("." + rest if rest else "")
         real_spec = _find(real)
-        if real_spec is None:
-            if rest:  # a submodule of the package that fastarch's stand-in lacks: say so
-                raise ModuleNotFoundError(f"No module named '{fullname}': fastarch's stand-in for '{top}' ({base}) "
-                                          f"does not provide it", name=fullname)
+        if real_spec is None:  # a submodule the stand-in lacks: "No module named '<fullname>'" (find_spec: None)
             return None
         return importlib.util.spec_from_loader(fullname, _AliasLoader(real),
                                                is_package=real_spec.submodule_search_locations is not None)

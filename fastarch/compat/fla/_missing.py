@@ -19,7 +19,7 @@ def missing_attribute(module: str) -> Callable[[str], object]:
     """A module ``__getattr__`` for ``module`` (fla's name of it) raising :class:`FlaNotProvidedError`."""
 
     def __getattr__(name: str) -> object:
-        if name.startswith("__"):  # dunder probes (copy, pickle, inspect) are plain attribute misses
+        if name.startswith("_"):  # private and dunder probes (copy, pickle, inspect) are plain attribute misses
             raise AttributeError(name)
         raise FlaNotProvidedError(
             f"fastarch.compat.fla (installed as 'fla') does not provide {module}.{name}; it provides "

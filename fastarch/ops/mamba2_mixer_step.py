@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..backend import Call, choose, register
 from ._backends import CppImplementation, TorchImplementation
-from ._checks import check_tensor, fail
+from ._checks import check_tensor, check_writable, fail
 from ._dispatch import call_of, dispatch
 from .causal_conv1d import causal_conv1d_update, causal_conv1d_update_ref
 from .linear import linear
@@ -74,7 +74,7 @@ def mamba2_mixer_step_ref(x, in_proj_weight, in_proj_bias, conv_weight, conv_bia
                  gated_norm=rms_norm_gated_ref)
 
 
-def _validate(t: dict, ngroups: int, group_size: int | None, dt_limit) -> tuple[int, int]:
+def _validate(t: dict, ngroups: int, group_size: int | None, dt_limit, norm_eps) -> tuple[int, int]:
     """Every shape checked against the states' before anything is written; returns (ngroups, group size)."""
     for name in _NAMES:
         if t[name] is not None or name in _REQUIRED:
@@ -111,6 +111,9 @@ def _validate(t: dict, ngroups: int, group_size: int | None, dt_limit) -> tuple[
             fail(OP, f"argument '{name}' must have shape {shape}, got {tuple(t[name].shape)}")
     if t["D"] is not None and t["D"].numel() not in (H, E):
         fail(OP, f"argument 'D' must have nheads={H} or d_inner={E} entries, got shape {tuple(t['D'].shape)}")
+    if not (isinstance(norm_eps, (int, float)) and not isinstance(norm_eps, bool) and math.isfinite(norm_eps)
+            and norm_eps >= 0):
+        fail(OP, f"argument 'norm_eps' must be a finite number >= 0, got {norm_eps!r}")
     gs = E if group_size is None else group_size
     if not isinstance(gs, int) or isinstance(gs, bool) or gs < 1 or E % gs:
         fail(OP, f"argument 'norm_group_size' must be a positive int dividing d_inner={E}, got {group_size!r}")
@@ -118,6 +121,14 @@ def _validate(t: dict, ngroups: int, group_size: int | None, dt_limit) -> tuple[
             and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in dt_limit)
             and not math.isnan(dt_limit[0]) and not math.isnan(dt_limit[1]) and dt_limit[0] <= dt_limit[1]):
         fail(OP, f"argument 'dt_limit' must be a pair (low, high) of numbers with low <= high, got {dt_limit!r}")
+    # The torch backend runs op by op: whatever a later op would refuse is refused here, before the conv state
+    # is written. The weights share x's dtype; the states may be of any float dtype (fp32 is usual).
+    for name in _NAMES:
+        if t[name] is not None and name not in ("x", "conv_state", "ssm_state") and t[name].dtype != x.dtype:
+            fail(OP, f"argument '{name}' has dtype {t[name].dtype} but 'x' has {x.dtype} (the step runs in x's "
+                     "dtype)", TypeError)
+    for name in ("conv_state", "ssm_state"):
+        check_writable(OP, name, t[name])
     for name, tensor in t.items():
         if tensor is not None and tensor.device != x.device:
             fail(OP, f"argument '{name}' is on {tensor.device} but 'x' is on {x.device}")
@@ -183,7 +194,7 @@ def mamba2_mixer_step(x: torch.Tensor, in_proj_weight: torch.Tensor, in_proj_bia
     """
     tensors = (x, in_proj_weight, in_proj_bias, conv_weight, conv_bias, dt_bias, A_log, D, norm_weight,
                out_proj_weight, out_proj_bias, conv_state, ssm_state)
-    ngroups, gs = _validate(dict(zip(_NAMES, tensors)), ngroups, norm_group_size, dt_limit)
+    ngroups, gs = _validate(dict(zip(_NAMES, tensors)), ngroups, norm_group_size, dt_limit, norm_eps)
     lo, hi = float(dt_limit[0]), float(dt_limit[1])
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     impl, name = dispatch(OP, lambda: _call(tensors, grad), backend, *tensors)

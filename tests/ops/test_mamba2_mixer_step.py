@@ -82,6 +82,8 @@ def test_gradients_through_the_torch_backend():
     (dict(norm_group_size=5), "norm_group_size"),
     (dict(dt_limit=(1.0, 0.5)), "dt_limit"),
     (dict(dt_limit=(0.0, math.nan)), "dt_limit"),
+    (dict(norm_eps=math.nan), "norm_eps"),
+    (dict(norm_eps=-1.0), "norm_eps"),
     (dict(D=torch.ones(7)), "'D'"),
     (dict(dt_bias=torch.ones(3)), "dt_bias"),
     (dict(in_proj_weight=torch.ones(10, 16)), "in_proj_weight"),
@@ -89,6 +91,9 @@ def test_gradients_through_the_torch_backend():
     (dict(out_proj_weight=torch.ones(16, 31)), "out_proj_weight"),
     (dict(x=torch.ones(3, 16)), "'x'"),
     (dict(x=torch.ones(2, 16, dtype=torch.int64)), "'x'"),
+    (dict(out_proj_weight=torch.ones(16, 32, dtype=torch.float64)), "out_proj_weight"),
+    (dict(norm_weight=torch.ones(32, dtype=torch.bfloat16)), "norm_weight"),
+    (dict(conv_state=torch.ones(1, 56, 3).expand(2, 56, 3)), "conv_state"),
 ])
 def test_bad_input_is_refused_with_the_states_untouched(backend, bad, match):
     weights, states, xs, G = _inputs()

@@ -122,9 +122,11 @@ def _validate(t: dict, ngroups: int, group_size: int | None, dt_limit, norm_eps)
             and not math.isnan(dt_limit[0]) and not math.isnan(dt_limit[1]) and dt_limit[0] <= dt_limit[1]):
         fail(OP, f"argument 'dt_limit' must be a pair (low, high) of numbers with low <= high, got {dt_limit!r}")
     # The torch backend runs op by op: whatever a later op would refuse is refused here, before the conv state
-    # is written. The weights share x's dtype; the states may be of any float dtype (fp32 is usual).
-    for name in _NAMES:
-        if t[name] is not None and name not in ("x", "conv_state", "ssm_state") and t[name].dtype != x.dtype:
+    # is written. The projections, the conv and the norm share x's dtype; dt_bias, A_log and D (read in fp32,
+    # which mamba-ssm keeps them in for low-precision modules) and the states may be of any float dtype.
+    for name in ("in_proj_weight", "in_proj_bias", "conv_weight", "conv_bias", "norm_weight", "out_proj_weight",
+                 "out_proj_bias"):
+        if t[name] is not None and t[name].dtype != x.dtype:
             fail(OP, f"argument '{name}' has dtype {t[name].dtype} but 'x' has {x.dtype} (the step runs in x's "
                      "dtype)", TypeError)
     for name in ("conv_state", "ssm_state"):

@@ -283,3 +283,19 @@ def test_forward_compiles_without_graph_breaks():
     u = torch.randn(2, 16, 16)
     with torch.no_grad():
         torch.testing.assert_close(torch.compile(m, fullgraph=True)(u), m(u), **TOL)
+
+
+def test_bf16_step_with_fp32_dt_bias_A_log_and_D():
+    """mamba-ssm keeps dt_bias, A_log and D in fp32 in a low-precision module: its decode step takes them so."""
+    m = _mamba2(ngroups=2, d_model=32).to(torch.bfloat16)
+    for p in (m.dt_bias, m.A_log, m.D):
+        p.data = p.data.float()
+    u = torch.randn(2, 4, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        full = m(u)
+        conv, ssm = m.allocate_inference_cache(2, 4)
+        ssm = ssm.float()
+        outs = [m.step(u[:, t:t + 1], conv, ssm)[0] for t in range(4)]
+    got = torch.cat(outs, 1)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), full.float(), atol=3e-2, rtol=3e-2)

@@ -11,7 +11,9 @@ times are ``CALLS`` calls and the ratios are per call. Cases:
 - ``causal_conv1d_update`` (B=1, D=1536, W=4) against transformers' PyTorch fallback (concatenate, shift
   the state, grouped ``conv1d``, SiLU);
 - ``selective_state_update`` (B=1, D=1536, N=16) against transformers' PyTorch fallback formula;
-- ``linear`` on one row (1024 -> 1024) against ``F.linear``.
+- ``linear`` on one row (1024 -> 1024) against ``F.linear``;
+- a whole Mamba-2 mixer decode step (``mamba2_mixer_step``, d_model 768, 24 heads of 64, d_state 128, B=1)
+  against the same step as transformers' PyTorch path computes it, call by call.
 
 Providers: ``fastarch`` (the selector's choice) and ``torch`` (the call it replaces); the ratio
 ``fastarch`` over ``torch`` has the target 1 (at least as fast). Thread counts are set in each provider's
@@ -110,7 +112,47 @@ def _calls(cfg: BenchConfig) -> list[tuple[str, dict[str, int], Callable[[], Any
     xl, wl, bl = randn(1, 1024, cfg=cfg, seed=23), randn(1024, 1024, cfg=cfg, seed=24), randn(1024, cfg=cfg, seed=25)
     out.append(("linear 1 row", {"rows": 1, "K": 1024, "N": 1024},
                 lambda: ops("linear")(xl, wl, bl), lambda: F.linear(xl, wl, bl)))
+    out.append(_mamba2_step_case(cfg))
     return out
+
+
+def _mamba2_step_case(cfg: BenchConfig) -> tuple[str, dict[str, int], Callable[[], Any], Callable[[], Any]]:
+    """One Mamba-2 mixer decode step (d_model 768, 24 heads of 64, d_state 128, one group, B=1): the fused
+    ``mamba2_mixer_step`` against the step as transformers' PyTorch path computes it, call by call."""
+    Dm, H, P, N, G, W = 768, 24, 64, 128, 1, 4
+    E, Cd = H * P, H * P + 2 * G * N
+
+    def w(*shape: int, seed: int) -> torch.Tensor:
+        return randn(*shape, cfg=cfg, seed=seed) * shape[-1] ** -0.5
+
+    x = randn(1, Dm, cfg=cfg, seed=30)
+    in_w, conv_w, conv_b = w(2 * E + 2 * G * N + H, Dm, seed=31), w(Cd, W, seed=32), randn(Cd, cfg=cfg, seed=33)
+    dt_bias, A_log, Dv = randn(H, cfg=cfg, seed=34), torch.log(torch.rand(H) + 0.5).to(cfg.device), randn(H, cfg=cfg, seed=35)
+    norm_w, out_w = 1 + 0.1 * randn(E, cfg=cfg, seed=36), w(Dm, E, seed=37)
+    conv_a, conv_b_state = torch.zeros(1, Cd, W - 1, device=cfg.device), torch.zeros(1, Cd, W, device=cfg.device)
+    ssm_a, ssm_b = torch.zeros(1, H, P, N, device=cfg.device), torch.zeros(1, H, P, N, device=cfg.device)
+    A = -torch.exp(A_log)
+
+    def fused() -> torch.Tensor:
+        return fastarch_op("mamba2_mixer_step")(x, in_w, None, conv_w, conv_b, dt_bias, A_log, Dv, norm_w, out_w,
+                                                None, conv_a, ssm_a, G, 1e-5, E // G, False)
+
+    def plain() -> torch.Tensor:
+        z, xBC, dt = torch.split(F.linear(x, in_w), [E, Cd, H], dim=-1)
+        conv_b_state.copy_(torch.roll(conv_b_state, -1, -1))
+        conv_b_state[:, :, -1] = xBC
+        xBC = F.silu((conv_b_state * conv_w).sum(-1) + conv_b)
+        xs, Bm, Cm = torch.split(xBC, [E, G * N, G * N], dim=-1)
+        dt = F.softplus(dt + dt_bias)
+        dA = torch.exp(dt * A)
+        xh = xs.view(1, H, P)
+        ssm_b.mul_(dA[:, :, None, None]).add_((dt[:, :, None] * xh)[..., None] * Bm.view(1, 1, 1, N))
+        y = (ssm_b @ Cm.view(1, 1, N, 1))[..., 0] + Dv[:, None] * xh
+        y = y.reshape(1, E) * F.silu(z)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w
+        return F.linear(y, out_w)
+
+    return "mamba2_mixer_step d_model 768", {"B": 1, "d_model": Dm, "H": H, "P": P, "N": N}, fused, plain
 
 
 def cases(cfg: BenchConfig) -> list[Case]:

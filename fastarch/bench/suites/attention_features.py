@@ -9,7 +9,9 @@
   (``fastarch-paged``) against the contiguous cache with per-batch lengths (``fastarch-contiguous``,
   the baseline);
 - ``softcap`` / ``alibi``: causal forward (B=1, H=8, L=2048, D=64) with soft-capping or ALiBi against the
-  plain kernel (``fastarch-plain``, the baseline).
+  plain kernel (``fastarch-plain``, the baseline);
+- ``sinks``: gpt-oss's attention sinks on a causal window of 128 (B=1, H=8, L=4096, D=64): fastarch with and
+  without ``sinks=`` against the eager composition with a sink column (``eager-sinks``, the baseline).
 """
 
 from __future__ import annotations
@@ -157,17 +159,57 @@ def _score_mod_case(cfg: BenchConfig, B: int, H: int, L: int, D: int) -> Case:
     )
 
 
+def _sinks_case(cfg: BenchConfig, B: int, H: int, L: int, D: int, window: int) -> Case:
+    """gpt-oss's attention sinks (one logit per head in every row's softmax denominator) on a causal sliding
+    window: fastarch with ``sinks=`` against fastarch without them (the cost of the sinks) and against the
+    eager composition gpt-oss's own code runs (scores with a sink column, softmax, drop the column)."""
+    q, k, v = (randn(B, H, L, D, cfg=cfg, seed=s) for s in (1, 2, 3))
+    sinks = randn(H, cfg=cfg, seed=4)
+
+    def fastarch(with_sinks: bool) -> Callable[[], Callable[[], Any]]:
+        def setup() -> Callable[[], Any]:
+            attention = fastarch_op("attention")
+            kw = {"sinks": sinks} if with_sinks else {}
+            return _nograd(lambda: attention(q, k, v, causal=True, window=(window, 0), **kw))
+        return setup
+
+    def eager() -> Callable[[], Any]:
+        i = torch.arange(L, device=cfg.device)
+        visible = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - window)
+        bias = torch.zeros(L, L, device=cfg.device).masked_fill(~visible, float("-inf"))
+
+        def run() -> Any:
+            scores = (q @ k.transpose(-1, -2)) * D ** -0.5 + bias
+            scores = torch.cat([scores, sinks.view(1, H, 1, 1).expand(B, H, L, 1)], dim=-1)
+            probs = torch.softmax(scores - scores.amax(-1, keepdim=True), dim=-1)[..., :-1]
+            return probs @ v
+        return _nograd(run)
+
+    return Case(
+        name=f"sinks window causal fwd B={B},H={H},L={L},D={D},w={window}",
+        params={"B": B, "H": H, "L": L, "D": D, "window": window, "feature": "sinks"},
+        flops=attention_flops(B, H, L, L, D, window=(window, 0), mode="fwd"),
+        providers=[Provider("fastarch-sinks", "fastarch", fastarch(True)),
+                   Provider("fastarch-no-sinks", "fastarch", fastarch(False)),
+                   Provider("eager-sinks", "torch", eager)],
+        reference="eager-sinks",
+        group="sinks",
+        x="L",
+    )
+
+
 def cases(cfg: BenchConfig) -> list[Case]:
     if cfg.toy:
         return [_varlen_case(cfg, 256, 4, 2, 32), _decode_case(cfg, 2, 2, 128, 32), _paged_case(cfg, 2, 2, 128, 32, 16),
-                _score_mod_case(cfg, 1, 2, 128, 32)]
+                _score_mod_case(cfg, 1, 2, 128, 32), _sinks_case(cfg, 1, 2, 128, 32, 16)]
     return [_varlen_case(cfg, 8192, 16, 8, 64), _decode_case(cfg, 8, 8, 8192, 64),
-            _paged_case(cfg, 8, 8, 8192, 64, 16), _score_mod_case(cfg, 1, 8, 2048, 64)]
+            _paged_case(cfg, 8, 8, 8192, 64, 16), _score_mod_case(cfg, 1, 8, 2048, 64),
+            _sinks_case(cfg, 1, 8, 4096, 64, 128)]
 
 
 SUITE = Suite(
     name="attention_features",
     description="varlen vs padding vs block-diagonal SDPA, decode vs SDPA, paged vs contiguous cache, "
-                "softcap/ALiBi overhead",
+                "softcap/ALiBi overhead, attention sinks",
     cases=cases,
 )

@@ -319,3 +319,27 @@ def test_norm_mixed_dtypes_run_original(calls):
     out = norm(x)
     assert calls["rms_norm"] == 0
     assert torch.equal(out, vars(module.LlamaRMSNorm)["forward"].__fastarch_original__(norm, x))
+
+
+def test_rotary_tables_made_once_per_cos_sin_pair(monkeypatch):
+    """Every layer of a forward gets the same cos/sin: their tables are made once; a cos/sin changed in place
+    or a new pair gets new tables, and what comes out always matches transformers' rotation."""
+    made = []
+    real = fh.llama._tables_of
+    monkeypatch.setattr(fh.llama, "_tables_of", lambda c, s: made.append(1) or real(c, s))
+    fh.register()
+    module = _module("llama")
+    original = module.apply_rotary_pos_emb.__fastarch_original__
+    q, k, cos, sin = _qkcs(tables=1)
+    with torch.no_grad():
+        for _ in range(3):  # three layers
+            out = module.apply_rotary_pos_emb(q, k, cos, sin)
+        assert len(made) == 1
+        cos.mul_(0.5)  # in place: the cached tables are stale
+        out = module.apply_rotary_pos_emb(q, k, cos, sin)
+        assert len(made) == 2
+        for a, b in zip(out, original(q, k, cos, sin)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+        q2, k2, cos2, sin2 = _qkcs(tables=1)
+        module.apply_rotary_pos_emb(q2, k2, cos2.clone(), sin2.clone())
+        assert len(made) == 3

@@ -4,6 +4,7 @@ and the product in place (the norms are in :mod:`.norms`)."""
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -58,10 +59,26 @@ def _swiglu_mlp_forward(original: Callable) -> Callable:
     return forward
 
 
+# The last cos/sin pair seen and its tables: every layer of a forward gets the same two tensors, so the tables
+# (and the check that the halves repeat) are made once per forward, not once per layer. Weak references: the
+# cache keeps no tensor alive, and a new tensor at a reused address is never taken for the old one.
+_LAST_TABLES: list = [None, None, -1, -1, None]  # weakref(cos), weakref(sin), versions, tables
+
+
 def _rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """transformers' ``(B, L, D)`` cos/sin as fastarch's ``(B, L, D/2)`` tables, contiguous (made once for q
-    and k), or None when the two halves of the last dimension differ (then they are not one angle per rotated
-    pair)."""
+    and k, and once per forward for every layer), or None when the two halves of the last dimension differ
+    (then they are not one angle per rotated pair)."""
+    last = _LAST_TABLES
+    if (last[0] is not None and last[0]() is cos and last[1]() is sin and last[2] == cos._version
+            and last[3] == sin._version):
+        return last[4]
+    tables = _tables_of(cos, sin)
+    last[:] = [weakref.ref(cos), weakref.ref(sin), cos._version, sin._version, tables]
+    return tables
+
+
+def _tables_of(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     R = cos.shape[-1] // 2
     c, s = cos[..., :R], sin[..., :R]
     if not (torch.equal(c, cos[..., R:]) and torch.equal(s, sin[..., R:])):

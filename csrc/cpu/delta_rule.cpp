@@ -20,9 +20,10 @@
 // formed by blocks of 16 rows: within a block pairwise, before it about the step just before the block (both
 // factors <= 1). The matrix products are small fp32 loops the compiler vectorises (no BLAS call per chunk).
 //
-// Backward: the exact reverse of the step recurrence. A first pass keeps the state entering each chunk of 64
-// steps; then, chunk by chunk from the last, the chunk's states are recomputed and the gradients run backwards
-// through its steps. Memory: (N, Hv, T / 64, K, V) per call and one chunk of states per task; q/k gradients per
+// Backward. A gate shared by the key channels (GDN): the reverse of the chunked algebra, chunk by chunk from the
+// last, from the states entering the chunks (kept by a first forward pass). A per-key gate (KDA): the exact
+// reverse of the step recurrence, the chunk's states recomputed from its entering state. Memory:
+// (N, Hv, T / 64, K, V) per call and one chunk of scratch (KDA: of per-step states) per task; q/k gradients per
 // value head (B, T, Hv, K), summed over the heads sharing a q/k head by the glue.
 #include <torch/extension.h>
 
@@ -200,10 +201,10 @@ void step(const Problem& p, const Rows<T>& r, int64_t t, float* S, float* o, Ste
 
 // -- the chunked forward of one (sequence, head) ------------------------------------------------------------------
 struct ChunkScratch {
-  std::vector<float> Q, Kc, Vc, G, A, P, U, W, X, Y, O, beta, Tr;
+  std::vector<float> Q, Kc, Vc, G, A, P, AK, U, W, X, Y, O, beta, Tr;
   ChunkScratch(int64_t K, int64_t V, int64_t Kg)
-      : Q(CH * K), Kc(CH * K), Vc(CH * V), G(CH * Kg), A(CH * CH), P(CH * CH), U(CH * V), W(CH * K), X(CH * K),
-        Y(CH * K), O(CH * V), beta(CH), Tr(CH * K) {}
+      : Q(CH * K), Kc(CH * K), Vc(CH * V), G(CH * Kg), A(CH * CH), P(CH * CH), AK(CH * CH), U(CH * V), W(CH * K),
+        X(CH * K), Y(CH * K), O(CH * V), beta(CH), Tr(CH * K) {}
 };
 
 // out[t, s] = sum_k a[t, k] b[s, k] exp(G[t, k] - G[s, k]) for s < t (strict) or s <= t, else 0; a, b, G (L, K).
@@ -236,69 +237,88 @@ void gated_gram_per_key(int64_t L, int64_t K, const float* a, const float* b, co
   }
 }
 
+// One chunk's within-chunk quantities (steps c0 .. c0 + n): Q (scaled), K, V, beta, G (the gate's cumulative
+// sum inside the chunk), A (strict, scaled by beta_t), P (inclusive), for a scalar gate AK = A / beta_t (the
+// gated k.k products), and the UT transform's U0 = (I + A)^-1 beta V (in U) and W = (I + A)^-1 beta K exp(G).
 template <typename T>
-void chunked_forward(const Problem& p, const Rows<T>& r, int64_t L, float* S, float* o_base, ChunkScratch& w) {
+void chunk_prepare(const Problem& p, const Rows<T>& r, int64_t c0, int64_t n, ChunkScratch& w) {
+  const int64_t K = p.K, V = p.V, Kg = p.Kg;
+  float *Q = w.Q.data(), *Kc = w.Kc.data(), *Vc = w.Vc.data(), *G = w.G.data(), *A = w.A.data(), *P = w.P.data();
+  float *U = w.U.data(), *W = w.W.data(), *X = w.X.data(), *Y = w.Y.data(), *bt = w.beta.data();
+  for (int64_t t = 0; t < n; ++t) {
+    load(r.q_at(c0 + t), Q + t * K, K, p.scale);
+    load(r.k_at(c0 + t), Kc + t * K, K);
+    load(r.v_at(c0 + t), Vc + t * V, V);
+    bt[t] = r.beta_at(c0 + t);
+    const float* g = r.g_at(c0 + t);
+    for (int64_t c = 0; c < Kg; ++c) G[t * Kg + c] = g[c] + (t > 0 ? G[(t - 1) * Kg + c] : 0.f);
+  }
+  // the within-chunk products A (strict, scaled by beta_t) and P (inclusive)
+  if (Kg == 1) {
+    float* AK = w.AK.data();
+    transpose(n, K, Kc, K, w.Tr.data());  // Kc^T, shared by both products
+    mm_nn(n, n, K, 1.f, Kc, K, w.Tr.data(), n, 0.f, A, CH);
+    mm_nn(n, n, K, 1.f, Q, K, w.Tr.data(), n, 0.f, P, CH);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t s = 0; s < n; ++s) {
+        const float e = s <= t ? fast_exp(G[t] - G[s]) : 0.f;
+        AK[t * CH + s] = s < t ? A[t * CH + s] * e : 0.f;
+        A[t * CH + s] = bt[t] * AK[t * CH + s];
+        P[t * CH + s] = P[t * CH + s] * e;
+      }
+    }
+  } else {
+    gated_gram_per_key(n, K, Kc, Kc, G, true, A, X, Y, w.Tr.data());
+    gated_gram_per_key(n, K, Q, Kc, G, false, P, X, Y, w.Tr.data());
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t s = 0; s < t; ++s) A[t * CH + s] *= bt[t];
+    }
+  }
+  // (I + A) U0 = beta V and (I + A) W = beta K exp(G), row by row
+  for (int64_t t = 0; t < n; ++t) {
+    float* Ut = U + t * V;
+    float* Wt = W + t * K;
+    const float* Gt = G + t * Kg;
+#pragma omp simd
+    for (int64_t j = 0; j < V; ++j) Ut[j] = bt[t] * Vc[t * V + j];
+    for (int64_t c = 0; c < K; ++c) Wt[c] = bt[t] * Kc[t * K + c] * fast_exp(Gt[Kg == 1 ? 0 : c]);
+    for (int64_t s = 0; s < t; ++s) {
+      const float a = A[t * CH + s];
+      if (a == 0.f) continue;
+      const float *Us = U + s * V, *Ws = W + s * K;
+#pragma omp simd
+      for (int64_t j = 0; j < V; ++j) Ut[j] -= a * Us[j];
+#pragma omp simd
+      for (int64_t c = 0; c < K; ++c) Wt[c] -= a * Ws[c];
+    }
+  }
+}
+
+// The chunked forward of one (sequence, head): outputs into o_base rows (when given), S updated in place to the
+// final state; with `entering`, the state entering each chunk is kept there ((L / 64) x K x V).
+template <typename T>
+void chunked_forward(const Problem& p, const Rows<T>& r, int64_t L, float* S, float* o_base, ChunkScratch& w,
+                     float* entering = nullptr) {
   const int64_t K = p.K, V = p.V, Kg = p.Kg;
   for (int64_t c0 = 0; c0 < L; c0 += CH) {
     const int64_t n = std::min(CH, L - c0);
-    float *Q = w.Q.data(), *Kc = w.Kc.data(), *Vc = w.Vc.data(), *G = w.G.data(), *A = w.A.data(), *P = w.P.data();
-    float *U = w.U.data(), *W = w.W.data(), *X = w.X.data(), *Y = w.Y.data(), *O = w.O.data(), *bt = w.beta.data();
-    for (int64_t t = 0; t < n; ++t) {
-      load(r.q_at(c0 + t), Q + t * K, K, p.scale);
-      load(r.k_at(c0 + t), Kc + t * K, K);
-      load(r.v_at(c0 + t), Vc + t * V, V);
-      bt[t] = r.beta_at(c0 + t);
-      const float* g = r.g_at(c0 + t);
-      for (int64_t c = 0; c < Kg; ++c) G[t * Kg + c] = g[c] + (t > 0 ? G[(t - 1) * Kg + c] : 0.f);
-    }
-    // the within-chunk products A (strict, scaled by beta_t) and P (inclusive)
-    if (Kg == 1) {
-      transpose(n, K, Kc, K, w.Tr.data());  // Kc^T, shared by both products
-      mm_nn(n, n, K, 1.f, Kc, K, w.Tr.data(), n, 0.f, A, CH);
-      mm_nn(n, n, K, 1.f, Q, K, w.Tr.data(), n, 0.f, P, CH);
-      for (int64_t t = 0; t < n; ++t) {
-        for (int64_t s = 0; s < n; ++s) {
-          const float e = s <= t ? fast_exp(G[t] - G[s]) : 0.f;
-          A[t * CH + s] = s < t ? bt[t] * A[t * CH + s] * e : 0.f;
-          P[t * CH + s] = P[t * CH + s] * e;
-        }
-      }
-    } else {
-      gated_gram_per_key(n, K, Kc, Kc, G, true, A, X, Y, w.Tr.data());
-      gated_gram_per_key(n, K, Q, Kc, G, false, P, X, Y, w.Tr.data());
-      for (int64_t t = 0; t < n; ++t) {
-        for (int64_t s = 0; s < t; ++s) A[t * CH + s] *= bt[t];
-      }
-    }
-    // (I + A) U0 = beta V and (I + A) W = beta K exp(G), row by row
-    for (int64_t t = 0; t < n; ++t) {
-      float* Ut = U + t * V;
-      float* Wt = W + t * K;
-      const float* Gt = G + t * Kg;
-#pragma omp simd
-      for (int64_t j = 0; j < V; ++j) Ut[j] = bt[t] * Vc[t * V + j];
-      for (int64_t c = 0; c < K; ++c) Wt[c] = bt[t] * Kc[t * K + c] * fast_exp(Gt[Kg == 1 ? 0 : c]);
-      for (int64_t s = 0; s < t; ++s) {
-        const float a = A[t * CH + s];
-        if (a == 0.f) continue;
-        const float *Us = U + s * V, *Ws = W + s * K;
-#pragma omp simd
-        for (int64_t j = 0; j < V; ++j) Ut[j] -= a * Us[j];
-#pragma omp simd
-        for (int64_t c = 0; c < K; ++c) Wt[c] -= a * Ws[c];
-      }
-    }
+    if (entering != nullptr) std::memcpy(entering + (c0 / CH) * K * V, S, K * V * sizeof(float));
+    chunk_prepare(p, r, c0, n, w);
+    float *Q = w.Q.data(), *Kc = w.Kc.data(), *G = w.G.data(), *P = w.P.data(), *U = w.U.data(), *W = w.W.data();
+    float* O = w.O.data();
     // U = U0 - W S;  O = (Q exp(G)) S + P U
     mm_nn(n, V, K, -1.f, W, K, S, V, 1.f, U, V);
-    for (int64_t t = 0; t < n; ++t) {
-      const float* Gt = G + t * Kg;
-      for (int64_t c = 0; c < K; ++c) Q[t * K + c] *= fast_exp(Gt[Kg == 1 ? 0 : c]);
-    }
-    mm_nn(n, V, K, 1.f, Q, K, S, V, 0.f, O, V);
-    mm_nn(n, V, n, 1.f, P, CH, U, V, 1.f, O, V);
-    for (int64_t t = 0; t < n; ++t) {
-      float* dst = o_base + ((r.s0 + c0 + t) * p.Hv + r.h) * V;
-      std::memcpy(dst, O + t * V, V * sizeof(float));
+    if (o_base != nullptr) {
+      for (int64_t t = 0; t < n; ++t) {
+        const float* Gt = G + t * Kg;
+        for (int64_t c = 0; c < K; ++c) Q[t * K + c] *= fast_exp(Gt[Kg == 1 ? 0 : c]);
+      }
+      mm_nn(n, V, K, 1.f, Q, K, S, V, 0.f, O, V);
+      mm_nn(n, V, n, 1.f, P, CH, U, V, 1.f, O, V);
+      for (int64_t t = 0; t < n; ++t) {
+        float* dst = o_base + ((r.s0 + c0 + t) * p.Hv + r.h) * V;
+        std::memcpy(dst, O + t * V, V * sizeof(float));
+      }
     }
     // S = diag(exp(G_last)) S + (K exp(G_last - G))^T U
     const float* Gl = G + (n - 1) * Kg;
@@ -509,6 +529,168 @@ void backward_item(const Problem& p, const Rows<scalar_t>& r, int64_t item, cons
   }
 }
 
+// -- the chunked backward for a gate shared by the key channels (GDN) -------------------------------------------
+// Per chunk, from its entering state S and the gradient dS of its end state, the reverse of chunked_forward's
+// algebra (U = U0 - W S, O = Qg S + P U, S_end = exp(G_last) S + Kd^T U with Qg = Q exp(G), Kd = K exp(G_last - G)):
+//   dU = P^T dO + Kd dS_end,  dP = dO U^T,  dQ = exp(G) dO S^T,  dW = -dU S^T,
+//   (I + A)^T dXu = dU, (I + A)^T dXw = dW (back substitution), dA = -(dXu U0^T + dXw W^T),
+//   dS <- exp(G_last) dS_end + Qg^T dO - W^T dU,
+// then A = beta (K K^T * E), P = Q K^T * E, Xu = beta V, Xw = beta exp(G) K give the input gradients; a gate
+// gradient dG_t (of the cumulative sum) becomes dg_t = sum_{t' >= t} dG_t' within the chunk.
+struct BackChunk {
+  std::vector<float> Uf, dO, dU, dQ, dK, dW, Yk, dXu, dXw, dA, dA2, dP, dG, Qg, Kd, Tr;
+  BackChunk(int64_t K, int64_t V)
+      : Uf(CH * V), dO(CH * V), dU(CH * V), dQ(CH * K), dK(CH * K), dW(CH * K), Yk(CH * K), dXu(CH * V),
+        dXw(CH * K), dA(CH * CH), dA2(CH * CH), dP(CH * CH), dG(CH), Qg(CH * K), Kd(CH * K),
+        Tr(std::max(K * V, CH * std::max<int64_t>(std::max(K, V), CH))) {}  // transposes of a state, too
+};
+
+template <typename T>
+void chunked_backward_shared_gate(const Problem& p, const Rows<T>& r, int64_t item, const float* h0p,
+                                  const float* dfp, const float* dop, float* dqp, float* dkp, float* dvp, float* dgp,
+                                  float* dbp, float* dhp, ChunkScratch& w, BackChunk& b) {
+  const int64_t K = p.K, V = p.V, KV = K * V, h = r.h;
+  const int64_t L = p.length(r.n);
+  const int64_t nc = (L + CH - 1) / CH;
+  std::vector<float> entering(std::max<int64_t>(nc, 1) * KV);
+  std::vector<float> S(KV, 0.f);
+  if (h0p != nullptr) std::memcpy(S.data(), h0p + item * KV, KV * sizeof(float));
+  chunked_forward(p, r, L, S.data(), nullptr, w, entering.data());
+  float* dS = dhp + item * KV;  // the running state gradient, ending as dinitial_state
+  if (dfp != nullptr) {
+    std::memcpy(dS, dfp + item * KV, KV * sizeof(float));
+  } else {
+    std::fill(dS, dS + KV, 0.f);
+  }
+  for (int64_t c = nc - 1; c >= 0; --c) {
+    const int64_t c0 = c * CH, n = std::min(CH, L - c0);
+    const float* Sin = entering.data() + c * KV;
+    chunk_prepare(p, r, c0, n, w);
+    float *Q = w.Q.data(), *Kc = w.Kc.data(), *Vc = w.Vc.data(), *G = w.G.data(), *A = w.A.data();
+    float *P = w.P.data(), *AK = w.AK.data(), *U0 = w.U.data(), *W = w.W.data(), *bt = w.beta.data();
+    float *Uf = b.Uf.data(), *dO = b.dO.data(), *dU = b.dU.data(), *dQ = b.dQ.data(), *dK = b.dK.data();
+    float *dW = b.dW.data(), *Yk = b.Yk.data(), *dXu = b.dXu.data(), *dXw = b.dXw.data(), *dA = b.dA.data();
+    float *dP = b.dP.data(), *dG = b.dG.data(), *Qg = b.Qg.data(), *Kd = b.Kd.data(), *Tr = b.Tr.data();
+    const float GL = G[n - 1], dL = fast_exp(GL);
+    std::vector<float> eg(n), ed(n);
+    for (int64_t t = 0; t < n; ++t) {
+      eg[t] = fast_exp(G[t]);
+      ed[t] = fast_exp(GL - G[t]);
+    }
+    // U = U0 - W S
+    std::memcpy(Uf, U0, n * V * sizeof(float));
+    mm_nn(n, V, K, -1.f, W, K, Sin, V, 1.f, Uf, V);
+    for (int64_t t = 0; t < n; ++t) {
+      std::memcpy(dO + t * V, dop + ((r.s0 + c0 + t) * p.Hv + h) * V, V * sizeof(float));
+      for (int64_t i = 0; i < K; ++i) {
+        Qg[t * K + i] = Q[t * K + i] * eg[t];
+        Kd[t * K + i] = Kc[t * K + i] * ed[t];
+      }
+    }
+    std::fill(dG, dG + n, 0.f);
+    std::fill(dK, dK + n * K, 0.f);
+    // dU = P^T dO + Kd dS_end
+    mm_nn(n, V, K, 1.f, Kd, K, dS, V, 0.f, dU, V);
+    mm_tn_acc(n, V, n, P, CH, dO, V, dU, V, Tr);
+    // dP = dO U^T (inclusive lower part)
+    mm_nt(n, n, V, dO, V, Uf, V, dP, CH, Tr);
+    // dQ = exp(G) dO S^T; its pull on the gate: dG_t += q_t . dQ_t (the entering state's part of o_t)
+    mm_nt(n, K, V, dO, V, Sin, V, dQ, K, Tr);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t i = 0; i < K; ++i) dQ[t * K + i] *= eg[t];
+      dG[t] += dot(Q + t * K, dQ + t * K, K);
+    }
+    // S_end = exp(G_last) S + Kd^T U: Y = U dS_end^T gives dKd = Y and the gate's pull through Kd
+    mm_nt(n, K, V, Uf, V, dS, V, Yk, K, Tr);
+    float dGL = dL * dot(Sin, dS, KV);
+    for (int64_t t = 0; t < n; ++t) {
+      const float ct = dot(Kd + t * K, Yk + t * K, K);
+      dGL += ct;
+      dG[t] -= ct;
+      for (int64_t i = 0; i < K; ++i) dK[t * K + i] += ed[t] * Yk[t * K + i];
+    }
+    // dW = -dU S^T
+    mm_nt(n, K, V, dU, V, Sin, V, dW, K, Tr);
+    for (int64_t x = 0; x < n * K; ++x) dW[x] = -dW[x];
+    // the state gradient entering the chunk: exp(G_last) dS_end + Qg^T dO - W^T dU
+    for (int64_t x = 0; x < KV; ++x) dS[x] *= dL;
+    mm_tn_acc(K, V, n, Qg, K, dO, V, dS, V, Tr);
+    for (int64_t x = 0; x < n * K; ++x) Yk[x] = -W[x];
+    mm_tn_acc(K, V, n, Yk, K, dU, V, dS, V, Tr);
+    // (I + A)^T dXu = dU and (I + A)^T dXw = dW, last row first
+    for (int64_t t = n - 1; t >= 0; --t) {
+      float* xu = dXu + t * V;
+      float* xw = dXw + t * K;
+      std::memcpy(xu, dU + t * V, V * sizeof(float));
+      std::memcpy(xw, dW + t * K, K * sizeof(float));
+      for (int64_t s2 = t + 1; s2 < n; ++s2) {
+        const float a = A[s2 * CH + t];
+        if (a == 0.f) continue;
+        const float *us = dXu + s2 * V, *ws = dXw + s2 * K;
+#pragma omp simd
+        for (int64_t j = 0; j < V; ++j) xu[j] -= a * us[j];
+#pragma omp simd
+        for (int64_t i = 0; i < K; ++i) xw[i] -= a * ws[i];
+      }
+    }
+    // dA = -(dXu U0^T + dXw W^T) on the strict lower part
+    mm_nt(n, n, V, dXu, V, U0, V, dA, CH, Tr);
+    float* dA2 = b.dA2.data();
+    mm_nt(n, n, K, dXw, K, W, K, dA2, CH, Tr);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t s2 = 0; s2 < n; ++s2) dA[t * CH + s2] = s2 < t ? -(dA[t * CH + s2] + dA2[t * CH + s2]) : 0.f;
+    }
+    // Xu = beta V, Xw = beta exp(G) K
+    float* dvt_base = dvp;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t tok = r.s0 + c0 + t;
+      float* dvt = dvt_base + (tok * p.Hv + h) * V;
+      for (int64_t j = 0; j < V; ++j) dvt[j] = bt[t] * dXu[t * V + j];
+      const float kx = dot(Kc + t * K, dXw + t * K, K);
+      float dbeta = dot(Vc + t * V, dXu + t * V, V) + eg[t] * kx;
+      dG[t] += bt[t] * eg[t] * kx;
+      for (int64_t i = 0; i < K; ++i) dK[t * K + i] += bt[t] * eg[t] * dXw[t * K + i];
+      // A = beta (K K^T * E): dbeta, and M = beta dA * E for K K^T
+      for (int64_t s2 = 0; s2 < t; ++s2) dbeta += dA[t * CH + s2] * AK[t * CH + s2];
+      dbp[tok * p.Hv + h] = dbeta;
+    }
+    // the gate through E in A and P: dG_t += rowsum(R) - colsum(R) with R = dA * A + dP * P
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t s2 = 0; s2 <= t; ++s2) {
+        const float rr = (s2 < t ? dA[t * CH + s2] * A[t * CH + s2] : 0.f) + dP[t * CH + s2] * P[t * CH + s2];
+        dG[t] += rr;
+        dG[s2] -= rr;
+      }
+    }
+    // K K^T and Q K^T gradients: dKK = beta_t dA * E (strict), dQK = dP * E (inclusive)
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t s2 = 0; s2 < n; ++s2) {
+        const float e = s2 <= t ? fast_exp(G[t] - G[s2]) : 0.f;
+        dA[t * CH + s2] = s2 < t ? bt[t] * dA[t * CH + s2] * e : 0.f;
+        dP[t * CH + s2] = dP[t * CH + s2] * e;
+      }
+    }
+    mm_nn(n, K, n, 1.f, dA, CH, Kc, K, 1.f, dK, K);    // dKK K
+    mm_tn_acc(n, K, n, dA, CH, Kc, K, dK, K, Tr);       // dKK^T K
+    mm_nn(n, K, n, 1.f, dP, CH, Kc, K, 1.f, dQ, K);    // dQK K
+    mm_tn_acc(n, K, n, dP, CH, Q, K, dK, K, Tr);        // dQK^T Q
+    dG[n - 1] += dGL;
+    // write: q was scaled, the gate gradient is the reverse cumulative sum of dG
+    float acc = 0.f;
+    for (int64_t t = n - 1; t >= 0; --t) {
+      const int64_t tok = r.s0 + c0 + t;
+      acc += dG[t];
+      dgp[tok * p.Hv + h] = acc;
+      float* dqt = dqp + (tok * p.Hv + h) * K;
+      float* dkt = dkp + (tok * p.Hv + h) * K;
+      for (int64_t i = 0; i < K; ++i) {
+        dqt[i] = p.scale * dQ[t * K + i];
+        dkt[i] = dK[t * K + i];
+      }
+    }
+  }
+}
+
 // Gradients: (dq, dk per value head (B, T, Hv, K), dv, dg (g's shape), dbeta, dinitial_state (N, Hv, K, V)).
 std::vector<torch::Tensor> delta_rule_bwd(const torch::Tensor& dout, const c10::optional<torch::Tensor>& dfinal,
                                           const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -535,11 +717,18 @@ std::vector<torch::Tensor> delta_rule_bwd(const torch::Tensor& dout, const c10::
     const scalar_t *qp = q.data_ptr<scalar_t>(), *kp = k.data_ptr<scalar_t>(), *vp = v.data_ptr<scalar_t>();
     const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
     fastarch::parallel_for(0, p.N * p.Hv, p.grain(), [&](int64_t begin, int64_t end) {
+      const bool shared_gate = p.Kg == 1;  // GDN: the chunked backward; KDA: the reverse recurrence
       StepScratch sw(K, V);
-      BackScratch w(K, V);
+      BackScratch w(shared_gate ? 0 : K, shared_gate ? 0 : V);
+      ChunkScratch cw(shared_gate ? K : 0, shared_gate ? V : 0, 1);
+      BackChunk bc(shared_gate ? K : 0, shared_gate ? V : 0);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t n = item / p.Hv, h = item % p.Hv;
         Rows<scalar_t> r{p, qp, kp, vp, gp, bp, n, h, p.start(n), p.qk_head(h)};
+        if (shared_gate) {
+          chunked_backward_shared_gate(p, r, item, h0p, dfp, dop, dqp, dkp, dvp, dgp, dbp, dhp, cw, bc);
+          continue;
+        }
         backward_item(p, r, item, h0p, dfp, dop, dqp, dkp, dvp, dgp, dbp, sw, w);
         std::memcpy(dhp + item * KV, w.dS.data(), KV * sizeof(float));
       }

@@ -465,14 +465,16 @@ class DeltaRuleTorchMixin:
 
 class DeltaRuleCppMixin:
     """The ``cpp`` backend's methods, shared by both ops (``csrc/cpu/delta_rule.cpp``): the chunked WY/UT forward
-    or the step recurrence, and the exact backward of the recurrence, parallel over (sequence, value head).
+    or the step recurrence; the backward of the chunked algebra for a shared gate (GDN), the exact reverse of the
+    recurrence for a per-key gate (KDA); parallel over (sequence, value head).
     q, k, v are read in their dtype (fp32, fp16 or bf16; fp32 when they differ), the gate, beta and the states
     in fp32."""
 
     extension = "delta_rule"
     supports_varlen = True
-    description = ("C++: chunked WY/UT forward (chunk 64, vectorised fp32 micro-GEMMs) or the step recurrence, "
-                   "exact reverse-recurrence backward from per-chunk states; parallel over (sequence, head)")
+    description = ("C++: chunked WY/UT forward (chunk 64, vectorised fp32 micro-GEMMs) or the step recurrence; "
+                   "chunked backward (GDN) or reverse recurrence (KDA) from per-chunk states; parallel over "
+                   "(sequence, head)")
 
     @staticmethod
     def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:

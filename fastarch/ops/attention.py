@@ -424,9 +424,30 @@ def _ref_dense(q, k, v, kpm, bias, wl, wr, p, seed, scale, softcap, alibi, drop_
 
 
 # -- validation ------------------------------------------------------------------------------------------
+def _plainly_valid(q, k, v, key_padding_mask, attn_bias, dropout_p, scale, layout: str, guess_layout: bool) -> bool:
+    """The usual call (three 4-D float tensors of one dtype and device, k and v alike, heads and head dims
+    that fit, no mask or bias, no dropout, a default or finite float scale), accepted in a few attribute
+    reads; anything else goes through the checks of :func:`_validate` that name what is wrong."""
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and key_padding_mask is None and attn_bias is None and type(dropout_p) is float and dropout_p == 0.0
+            and (scale is None or (type(scale) is float and math.isfinite(scale)))):
+        return False
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.dtype not in FLOAT_DTYPES:
+        return False
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        return False
+    hq, hk = (q.shape[1], k.shape[1]) if layout == "bhld" else (q.shape[2], k.shape[2])
+    lq = q.shape[2] if layout == "bhld" else q.shape[1]
+    return (q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3] and q.shape[3] >= 1 and hk >= 1
+            and hq % hk == 0
+            and not (guess_layout and layout == "bhld" and hq > MAX_PLAUSIBLE_HEADS and lq <= MAX_PLAUSIBLE_HEADS))
+
+
 def _validate(q, k, v, key_padding_mask, attn_bias, dropout_p, scale, layout: str = "bhld",
               guess_layout: bool = True) -> None:
     """``guess_layout``: refuse a 'bhld' q that looks like a 'blhd' one; off for views this module made."""
+    if _plainly_valid(q, k, v, key_padding_mask, attn_bias, dropout_p, scale, layout, guess_layout):
+        return
     check_tensor(OP, "q", q, ndim=4)
     check_tensor(OP, "k", k, ndim=4)
     check_tensor(OP, "v", v, ndim=4)

@@ -26,6 +26,7 @@ from ._checks import check_tensor, check_writable, fail
 from ._dispatch import call_of, dispatch
 from .causal_conv1d import causal_conv1d_update, causal_conv1d_update_ref
 from .linear import linear
+from .mamba_mixer_step import fused_step_reasons
 from .rms_norm_gated import rms_norm_gated, rms_norm_gated_ref
 from .selective_state_update import selective_state_update, selective_state_update_ref
 
@@ -230,14 +231,7 @@ class CppMamba2MixerStep(CppImplementation):
                    "contiguous, without autograd")
 
     def check(self, call):
-        reasons = []
-        if not call.get("all_fp32", True):
-            reasons.append("every tensor must be fp32")
-        if not call.get("contiguous", True):
-            reasons.append("the weights and states must be contiguous")
-        if call.get("grad"):
-            reasons.append("no backward (autograd needs the op-by-op torch step)")
-        return reasons
+        return fused_step_reasons(call, "the weights and states must be contiguous")
 
     def forward(self, x, in_w, in_b, conv_w, conv_b, dt_bias, A_log, D, norm_w, out_w, out_b, conv_state, ssm_state,
                 ngroups, norm_eps, group_size, norm_before_gate, dt_limit):

@@ -183,6 +183,18 @@ def mamba_mixer_step(x: torch.Tensor, in_proj_weight: torch.Tensor, in_proj_bias
     return _mixer_step(*tensors, float(norm_eps), residual, name)
 
 
+def fused_step_reasons(call: Call, layout_reason: str) -> list[str]:
+    """Why a fused C++ mixer step cannot take ``call`` (fp32, contiguous, no autograd), for both mixers."""
+    reasons = []
+    if not call.get("all_fp32", True):
+        reasons.append("every tensor must be fp32")
+    if not call.get("contiguous", True):
+        reasons.append(layout_reason)
+    if call.get("grad"):
+        reasons.append("no backward (autograd needs the op-by-op torch step)")
+    return reasons
+
+
 class TorchMambaMixerStep(TorchImplementation):
     op = OP
     description = "op by op on fastarch's linear, causal_conv1d_update, selective_state_update and rms_norm"
@@ -205,14 +217,7 @@ class CppMambaMixerStep(CppImplementation):
                    "contiguous, without autograd")
 
     def check(self, call):
-        reasons = []
-        if not call.get("all_fp32", True):
-            reasons.append("every tensor must be fp32")
-        if not call.get("contiguous", True):
-            reasons.append("every tensor must be contiguous")
-        if call.get("grad"):
-            reasons.append("no backward (autograd needs the op-by-op torch step)")
-        return reasons
+        return fused_step_reasons(call, "every tensor must be contiguous")
 
     def forward(self, x, in_w, in_b, conv_w, conv_b, xp_w, xp_b, dt_w, dt_b, A_log, D, out_w, out_b, conv_state,
                 ssm_state, norm_w, norm_eps, residual):

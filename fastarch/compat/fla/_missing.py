@@ -1,8 +1,12 @@
-"""What fastarch's stand-in for ``fla`` does not provide: a clear ImportError, never a silent absence."""
+"""What fastarch's stand-in for ``fla`` does not provide: a clear ImportError, never a silent absence (on
+:mod:`fastarch.compat._missing`, shared by every stand-in)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+
+from .._missing import NotProvidedError
+from .._missing import missing_attribute as _missing_attribute
 
 __all__ = ["FlaNotProvidedError", "missing_attribute"]
 
@@ -10,19 +14,11 @@ PROVIDED = ("fla.ops.gated_delta_rule.chunk_gated_delta_rule", "fla.ops.gated_de
             "fla.ops.kda.chunk_kda", "fla.ops.kda.fused_recurrent_kda")
 
 
-class FlaNotProvidedError(ImportError):
+class FlaNotProvidedError(NotProvidedError):
     """A name of flash-linear-attention that fastarch does not provide, on ``from fla... import name`` and on
     attribute access alike (so ``hasattr`` on these modules raises it too, rather than answering False)."""
 
 
 def missing_attribute(module: str) -> Callable[[str], object]:
     """A module ``__getattr__`` for ``module`` (fla's name of it) raising :class:`FlaNotProvidedError`."""
-
-    def __getattr__(name: str) -> object:
-        if name.startswith("_"):  # private and dunder probes (copy, pickle, inspect) are plain attribute misses
-            raise AttributeError(name)
-        raise FlaNotProvidedError(
-            f"fastarch.compat.fla (installed as 'fla') does not provide {module}.{name}; it provides "
-            f"{', '.join(PROVIDED)}", name=name)
-
-    return __getattr__
+    return _missing_attribute("fla", module, PROVIDED, FlaNotProvidedError)

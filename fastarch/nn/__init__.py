@@ -21,6 +21,7 @@ from . import (
     linformer,
     mamba,
     mamba2,
+    mamba3,
     multimodal,
     norms,
     performer,
@@ -34,8 +35,8 @@ from . import (
 )
 
 _FAMILIES = (additive_attention, attention, bert, clip, cnn, feedforward, gpt, graph, kv_attention, kv_cache,
-             linear, linformer, mamba, mamba2, multimodal, norms, performer, positional, recurrent, reformer, s4, swin,
-             transformer,
+             linear, linformer, mamba, mamba2, mamba3, multimodal, norms, performer, positional, recurrent, reformer, s4,
+             swin, transformer,
              vision)
 
 __all__: list[str] = []

@@ -45,7 +45,7 @@ from ..backend import FLOAT_DTYPES, Call, register
 from ._backends import TorchImplementation
 from ._checks import check_same_device, check_tensor, fail
 from ._delta_rule import _autograd_enabled
-from ._dispatch import call_of, dispatch, run, run_backward
+from ._dispatch import call_of, dispatch, in_layout_of, run, run_backward
 
 __all__ = ["mamba3_scan", "mamba3_scan_ref"]
 
@@ -218,7 +218,7 @@ def chunked_forward(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_
         return t.reshape(b, nc, cs, *t.shape[2:])
 
     qc, kc, vc = chunks(q), chunks(k), chunks(vr)
-    ac, wc, sc, gc = chunks(a), chunks(w), chunks(shifted), chunks(gamma)
+    ac, wc, sc = chunks(a), chunks(w), chunks(shifted)
     cum = ac.cumsum(2)  # (b, nc, cs, H)
     steps = torch.arange(cs, device=V.device)
     causal = (steps[:, None] >= steps[None, :])[None, None, :, :, None]
@@ -241,7 +241,9 @@ def chunked_forward(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_
     y = y.reshape(b, nc * cs, R, H, P)[:, :L]
     out = finish(y, vr, None if D is None else D.to(cdt), Z, None if mimo_z is None else mimo_z.to(cdt),
                  None if mimo_o is None else mimo_o.to(cdt), mimo)
-    return out.to(V.dtype), theta[:, -1], state, k[:, -1].to(K.dtype), V[:, -1].clone()
+    c = torch.contiguous_format
+    return (out.to(V.dtype).clone(memory_format=c), theta[:, -1].clone(memory_format=c), state.contiguous(),
+            k[:, -1].to(K.dtype).clone(memory_format=c), V[:, -1].clone(memory_format=c))
 
 
 # -- validation ----------------------------------------------------------------------------------------------
@@ -374,13 +376,18 @@ def grads_by_recompute(forward, douts: Sequence[torch.Tensor | None], inputs: Se
         grads = (torch.autograd.grad([o for o, _ in pairs], present, [g.to(o.dtype) for o, g in pairs],
                                      allow_unused=True) if pairs else [None] * len(present))
     it = iter(grads)
-    res = []
+    res: list[torch.Tensor] = []
+    seen = {d.untyped_storage().data_ptr() for d in douts if d is not None}
     for t in leaves:
         if t is None:
             res.append(inputs[0].new_empty(0))
-        else:
-            g = next(it)
-            res.append(torch.zeros_like(t) if g is None else g.to(t.dtype))
+            continue
+        g = next(it)
+        g = torch.zeros_like(t) if g is None else in_layout_of(t, g.to(t.dtype))
+        if g.untyped_storage().data_ptr() in seen:  # a custom op's outputs alias neither inputs nor each other
+            g = g.clone()
+        seen.add(g.untyped_storage().data_ptr())
+        res.append(g)
     return tuple(res)
 
 

@@ -34,7 +34,9 @@ def _step(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm
     cdt = compute_dtype(Q, K, V, ADT, DT, Angles)
     out, angle, ssm, k, v = step_math(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, angle_state, ssm_state, k_state,
                                       v_state, D, Z, mimo_v, mimo_z, mimo_o, pairwise, mimo, cdt)
-    return out.to(V.dtype), angle, ssm, k.to(K.dtype), V.clone()
+    c = torch.contiguous_format
+    return (out.to(V.dtype).contiguous(), angle.contiguous(), ssm.contiguous(), k.to(K.dtype).contiguous(),
+            V.clone(memory_format=c))
 
 
 def mamba3_step_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, angle_state, ssm_state, k_state, v_state,

@@ -1,0 +1,516 @@
+"""mamba3_scan and mamba3_step: every backend against the step-by-step oracle and against transcriptions of
+mamba-ssm's own Mamba-3 reference functions (the SISO chunked and step references, the MIMO step and chunked
+references), gradients (gradcheck in float64), chunked prefill followed by decode steps, and bad inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastarch.ops import mamba3_scan, mamba3_scan_ref, mamba3_step, mamba3_step_ref
+
+pytestmark = pytest.mark.op("mamba3_scan")
+TWO_PI = 2 * math.pi
+
+
+# -- transcriptions of mamba-ssm's reference functions -------------------------------------------------------
+def _pair_rotate(t, cos, sin):
+    """Rotation of adjacent channel pairs, angles padded with 0 past ``cos.shape[-1]`` pairs."""
+    t2 = t.reshape(*t.shape[:-1], -1, 2)
+    a, b = t2[..., 0], t2[..., 1]
+    if cos.shape[-1] < a.shape[-1]:
+        pad = a.shape[-1] - cos.shape[-1]
+        cos, sin = F.pad(cos, (0, pad), value=1.0), F.pad(sin, (0, pad), value=0.0)
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).reshape(t.shape)
+
+
+def _expand_heads(t, H, dim):
+    return t.repeat_interleave(H // t.shape[dim], dim=dim) if t.shape[dim] != H else t
+
+
+def peer_siso_step_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=None, states=None):
+    """mamba-ssm's ``mamba3_siso_step_ref``: the recurrence one token at a time."""
+    b, L, _, N = Q.shape
+    H, P = V.shape[2], V.shape[3]
+    Angles = torch.tanh(Angles) * math.pi
+    Q, K = _expand_heads(Q, H, 2), _expand_heads(K, H, 2)
+    if states is None:
+        ang = torch.zeros(b, H, Angles.shape[-1], dtype=Q.dtype)
+        S = torch.zeros(b, H, P, N, dtype=Q.dtype)
+        ks, vs = torch.zeros(b, H, N, dtype=Q.dtype), torch.zeros(b, H, P, dtype=Q.dtype)
+    else:
+        ang, S, ks, vs = (s.clone() for s in states)
+    outs = []
+    for t in range(L):
+        q, k, v = Q[:, t] + Q_bias, K[:, t] + K_bias, V[:, t]
+        dt = DT[:, :, t]
+        ang = ang + Angles[:, t] * dt[..., None]
+        ang = ang - TWO_PI * torch.floor(ang / TWO_PI)
+        qr, kr = _pair_rotate(q, ang.cos(), ang.sin()), _pair_rotate(k, ang.cos(), ang.sin())
+        lam = torch.sigmoid(Trap[:, :, t])
+        alpha = torch.exp(ADT[:, :, t])
+        beta, gamma = (1 - lam) * dt * alpha, lam * dt
+        S = (alpha[..., None, None] * S + beta[..., None, None] * (ks[..., None, :] * vs[..., None])
+             + gamma[..., None, None] * (kr[..., None, :] * v[..., None]))
+        o = torch.einsum("bhpn,bhn->bhp", S, qr)
+        if D is not None:
+            o = o + D[None, :, None] * v
+        if Z is not None:
+            o = o * Z[:, t] * torch.sigmoid(Z[:, t])
+        outs.append(o)
+        ks, vs = kr, v
+    return torch.stack(outs, 1), (ang, S, ks, vs)
+
+
+def _segsum(x):
+    T = x.shape[-1]
+    xs = x[..., None].expand(*x.shape, T)
+    xs = xs.masked_fill(~torch.tril(torch.ones(T, T, dtype=torch.bool), -1), 0).cumsum(-2)
+    return xs.masked_fill(~torch.tril(torch.ones(T, T, dtype=torch.bool), 0), -torch.inf)
+
+
+def peer_siso_fwd_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=None, states=None):
+    """mamba-ssm's ``mamba3_siso_fwd_ref``: per sequence, one quadratic (attention-like) product with the
+    shifted trapezoidal weights, the initial state's pending term folded in, and the final states."""
+    b, L, _, N = Q.shape
+    H = V.shape[2]
+    Angles = torch.tanh(Angles) * math.pi
+    Q, K = _expand_heads(Q, H, 2), _expand_heads(K, H, 2)
+    outs, finals = [], []
+    for i in range(b):
+        q, k, v, adt, dt = Q[i] + Q_bias, K[i] + K_bias, V[i], ADT[i], DT[i]
+        lam = torch.sigmoid(Trap[i])
+        cum = torch.cumsum(Angles[i] * dt.T[..., None], 0)
+        if states is not None:
+            cum = cum + states[0][i][None]
+        cum = cum - TWO_PI * torch.floor(cum / TWO_PI)
+        if states is not None:
+            acc = states[1][i] + states[3][i][:, :, None] * states[2][i][:, None, :] * (dt[:, 0] * (1 - lam[:, 0]))[
+                :, None, None]
+        else:
+            acc = torch.zeros(H, V.shape[3], N, dtype=Q.dtype)
+        dt_s, lam_s = F.pad(dt[:, 1:], (0, 1)), F.pad(lam[:, 1:], (0, 1))
+        shifted = dt_s * (1 - lam_s)
+        scale = dt * lam + shifted
+        qk_dot = (k * q).sum(-1) * shifted.T
+        qr, kr = _pair_rotate(q, cum.cos(), cum.sin()), _pair_rotate(k, cum.cos(), cum.sin())
+        ks = kr * scale.T[..., None]
+        att = torch.tril(torch.einsum("thd,shd->hts", qr, ks)) * torch.exp(_segsum(adt))
+        o = torch.einsum("hts,shd->thd", att, v)
+        if states is not None:
+            o = o + torch.einsum("hDd,thd,ht->thD", acc, qr, torch.exp(torch.cumsum(adt, -1)))
+        if D is not None:
+            o = o + D[None, :, None] * v
+        o = o - v * qk_dot[..., None]
+        if Z is not None:
+            o = o * Z[i] * torch.sigmoid(Z[i])
+        outs.append(o)
+        rev = torch.exp(adt.sum(-1, keepdim=True) - torch.cumsum(adt, -1))
+        S = acc * torch.exp(adt.sum(-1))[:, None, None] + torch.einsum("thd,thD->hDd", ks, v * rev.T[..., None])
+        finals.append((cum[-1], S, kr[-1], v[-1]))
+    return torch.stack(outs), tuple(torch.stack(f) for f in zip(*finals))
+
+
+def peer_mimo_step_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, mimo_v, mimo_o, D=None, Z=None, mimo_z=None,
+                       states=None):
+    """mamba-ssm's ``mamba3_MIMO_step_ref`` (adjacent-pair rotation, the angle state not wrapped); its V state
+    is per rank (``V * mimo_v``)."""
+    b, L, R, _, N = Q.shape
+    H, P = V.shape[2], V.shape[3]
+    Q, K = _expand_heads(Q, H, 3), _expand_heads(K, H, 3)
+    qb, kb = Q_bias.transpose(0, 1), K_bias.transpose(0, 1)
+    if states is None:
+        ang = torch.zeros(b, H, Angles.shape[-1], dtype=Q.dtype)
+        S = torch.zeros(b, H, P, N, dtype=Q.dtype)
+        ks, vs = torch.zeros(b, H, R, N, dtype=Q.dtype), torch.zeros(b, H, R, P, dtype=Q.dtype)
+    else:
+        ang, S, ks, vs = (s.clone() for s in states)
+    vp = torch.einsum("bthd,hrd->btrhd", V, mimo_v)
+    zp = torch.einsum("bthd,hrd->btrhd", Z, mimo_z) if Z is not None else None
+    outs = []
+    for t in range(L):
+        q = (Q[:, t] + qb).permute(0, 2, 1, 3)
+        k = (K[:, t] + kb).permute(0, 2, 1, 3)
+        v = vp[:, t].permute(0, 2, 1, 3)
+        dt = DT[:, :, t]
+        lam = torch.sigmoid(Trap[:, :, t])
+        ang = ang + torch.tanh(Angles[:, t]) * dt[..., None] * math.pi
+        c, s = ang.cos()[:, :, None], ang.sin()[:, :, None]
+        qr, kr = _pair_rotate(q, c, s), _pair_rotate(k, c, s)
+        alpha = torch.exp(ADT[:, :, t])
+        beta, gamma = (1 - lam) * dt * alpha, lam * dt
+        S = (alpha[..., None, None] * S + beta[..., None, None] * torch.einsum("bhrd,bhrp->bhpd", ks, vs)
+             + gamma[..., None, None] * torch.einsum("bhrd,bhrp->bhpd", kr, v))
+        o = torch.einsum("bhpd,bhrd->bhrp", S, qr)
+        if D is not None:
+            o = o + D[None, :, None, None] * v
+        if zp is not None:
+            z = zp[:, t].permute(0, 2, 1, 3)
+            o = o * z * torch.sigmoid(z)
+        outs.append(torch.einsum("bhrp,hrp->bhp", o, mimo_o))
+        ks, vs = kr, v
+    return torch.stack(outs, 1), (ang, S, ks, vs)
+
+
+def peer_mimo_chunk_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, mimo_v, mimo_o, D, Z, mimo_z, chunk_size,
+                        rotary_dim_divisor):
+    """mamba-ssm's ``mamba3_MIMO_chunk_ref`` (no initial state): the kernels' rotation, channel i with
+    i + N/2 (rotate-half over the first N/4 channels of each half for ``rotary_dim_divisor`` 4), chunked
+    quadratic products with a rank-expanded mask."""
+    b, L, R, _, N = Q.shape
+    H = V.shape[2]
+    pad = (chunk_size - L % chunk_size) % chunk_size
+
+    def padded(t, dim):
+        shape = list(t.shape)
+        shape[dim] = pad
+        return torch.cat([t, t.new_zeros(shape)], dim) if pad else t
+
+    theta = torch.cumsum(torch.tanh(Angles) * DT.transpose(1, 2)[..., None] * math.pi, 1)
+    dA = ADT
+    q, k, v, z, theta = padded(Q, 1), padded(K, 1), padded(V, 1), padded(Z, 1), padded(theta, 1)
+    dA, dt, trap = padded(dA, 2), padded(DT, 2), padded(Trap, 2)
+    nc = q.shape[1] // chunk_size
+    dA_cs = dA.reshape(b, H, nc, chunk_size).cumsum(-1)
+    dA_rev = dA_cs[..., -1:] - dA_cs
+    q, k = _expand_heads(q, H, 3), _expand_heads(k, H, 3)
+    q = q + Q_bias.transpose(0, 1)[None, None]
+    k = k + K_bias.transpose(0, 1)[None, None]
+    qk_dot = torch.einsum("bsRhd,bsrhd->bsRrh", q, k)
+    cos, sin = theta.cos().unsqueeze(2), theta.sin().unsqueeze(2)
+
+    def rot(t):
+        if rotary_dim_divisor == 4:
+            t4 = t.reshape(*t.shape[:-1], 4, -1)
+            a, c = t4[..., 0, :], t4[..., 2, :]
+            return torch.stack([a * cos - c * sin, t4[..., 1, :], a * sin + c * cos, t4[..., 3, :]], -2).reshape(
+                t.shape)
+        t2 = t.reshape(*t.shape[:-1], 2, -1)
+        a, c = t2[..., 0, :], t2[..., 1, :]
+        return torch.stack([a * cos - c * sin, a * sin + c * cos], -2).reshape(t.shape)
+
+    q, k = rot(q), rot(k)
+    lam = torch.sigmoid(trap)
+    gamma = dt * lam
+    shifted = F.pad(dt[:, :, 1:], (0, 1)) * (1 - F.pad(lam[:, :, 1:], (0, 1)))
+    k = torch.einsum("bsrhn,bhs->bsrhn", k, gamma + shifted)
+    qk_dot = torch.einsum("bsrRh,bhs->bsrRh", qk_dot, shifted)
+    v = torch.einsum("bthd,hrd->btrhd", v, mimo_v)
+    seg = dA_cs[..., :, None] - dA_cs[..., None, :]
+    seg = seg.masked_fill(~torch.tril(torch.ones(chunk_size, chunk_size, dtype=torch.bool)), -torch.inf)
+    mask = torch.kron(seg, torch.ones(R, R, dtype=seg.dtype))
+
+    def rc(t):  # (b, L, r, h, d) -> (b, h, nc, chunk * r, d)
+        return t.reshape(b, nc, chunk_size, R, H, -1).permute(0, 4, 1, 2, 3, 5).reshape(b, H, nc, chunk_size * R, -1)
+
+    ksc = rc(k) * torch.exp(dA_rev).repeat_interleave(R, -1)[..., None]
+    qq, kk, vv = rc(q), rc(k), rc(v)
+    kv = ksc.transpose(-1, -2) @ vv
+    cur = torch.zeros_like(kv[:, :, 0])
+    for n in range(nc):
+        nxt = torch.exp(dA_cs[:, :, n, -1])[..., None, None] * cur + kv[:, :, n]
+        kv[:, :, n] = cur
+        cur = nxt
+    o = (qq * torch.exp(dA_cs.repeat_interleave(R, -1))[..., None]) @ kv + ((qq @ kk.transpose(-1, -2))
+                                                                            * torch.exp(mask)) @ vv
+    o = o.reshape(b, H, nc * chunk_size, R, -1)
+    vt = v.permute(0, 3, 1, 2, 4)  # (b, h, L, r, p)
+    o = o - torch.einsum("bhtRr,bhtrp->bhtRp", qk_dot.permute(0, 4, 1, 2, 3), vt)
+    o = o + vt * D[None, :, None, None, None]
+    zz = torch.einsum("bthd,hrd->bhtrd", z, mimo_z)
+    o = o * F.silu(zz)
+    out = torch.einsum("bhtrd,hrd->bthd", o, mimo_o)
+    return out[:, :L]
+
+
+# -- inputs ---------------------------------------------------------------------------------------------------
+def make(batch=2, L=9, H=4, G=2, N=16, P=8, S_a=None, R=None, *, dtype=torch.float32, has_D=True, has_Z=True,
+         states=True, seed=0):
+    """Inputs as mamba-ssm's tests draw them (RMS-normed Q, K; ADT = -A DT with A in (1, 16) and DT log-uniform
+    in (1e-3, 0.1); Trap uniform; angles standard normal, N/4 of them); fp32 ADT, DT, angles and states."""
+    g = torch.Generator().manual_seed(seed)
+    S_a = N // 4 if S_a is None else S_a
+
+    def rn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    qshape = (batch, L, G, N) if R is None else (batch, L, R, G, N)
+    bshape = (H, N) if R is None else (H, R, N)
+    dt = torch.exp(torch.rand(batch, H, L, generator=g) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+    a = -(1 + 15 * torch.rand(batch, H, L, generator=g))
+    x = dict(Q=F.rms_norm(rn(*qshape), (N,)).to(dtype), K=F.rms_norm(rn(*qshape), (N,)).to(dtype),
+             V=rn(batch, L, H, P).to(dtype), ADT=a * dt, DT=dt, Trap=torch.rand(batch, H, L, generator=g).to(dtype),
+             Q_bias=rn(*bshape).to(dtype), K_bias=rn(*bshape).to(dtype), Angles=rn(batch, L, H, S_a),
+             D=rn(H) if has_D else None, Z=rn(batch, L, H, P).to(dtype) if has_Z else None)
+    kshape = (batch, H, N) if R is None else (batch, R, H, N)
+    st = (rn(batch, H, S_a), rn(batch, H, P, N), rn(*kshape), rn(batch, H, P)) if states else None
+    kw = {}
+    if R is not None:
+        kw = dict(mimo_v=rn(H, R, P) / R, mimo_z=rn(H, R, P) if has_Z else None, mimo_o=rn(H, R, P) / R)
+    if dtype == torch.float64:  # every input in float64
+        x, kw = ({k: None if v is None else v.double() for k, v in d.items()} for d in (x, kw))
+        st = None if st is None else tuple(s.double() for s in st)
+    return x, st, kw
+
+
+def close(a, b, tol, what=""):
+    scale = max(1.0, b.abs().max().item())
+    torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}")
+
+
+def close_angle(a, b, tol):
+    d = torch.remainder(a.double() - b.double() + math.pi, TWO_PI) - math.pi
+    assert d.abs().max().item() < tol
+
+
+# -- forward against the peer's references --------------------------------------------------------------------
+@pytest.mark.parametrize("nheads_qk", [1, 2, 4])
+@pytest.mark.parametrize("has_Z,has_D", [(True, True), (False, False)])
+@pytest.mark.parametrize("states", [False, True])
+@pytest.mark.parametrize("L,chunk_size", [(1, 64), (13, 4), (40, 16)])
+def test_siso_forward_matches_peer_refs(backend, nheads_qk, has_Z, has_D, states, L, chunk_size):
+    x, st, _ = make(L=L, G=nheads_qk, has_D=has_D, has_Z=has_Z, states=states, dtype=torch.float64)
+    out, *fin = mamba3_scan(**x, input_states=st, chunk_size=chunk_size, return_final_states=True, backend=backend)
+    ref_out, ref_fin = peer_siso_fwd_ref(**x, states=st)
+    step_out, step_fin = peer_siso_step_ref(**x, states=st if st is not None else None)
+    close(out, ref_out, 1e-9, "out vs fwd_ref")
+    close(out, step_out, 1e-9, "out vs step_ref")
+    close_angle(fin[0], ref_fin[0], 1e-9)
+    for a, r, name in zip(fin[1:], ref_fin[1:], ("ssm", "k", "v")):
+        close(a, r, 1e-9, name)
+    for a, r, name in zip(fin[1:], step_fin[1:], ("ssm", "k", "v")):
+        close(a, r, 1e-9, name)
+
+
+@pytest.mark.parametrize("R,G", [(1, 1), (2, 2), (4, 1)])
+@pytest.mark.parametrize("states", [False, True])
+def test_mimo_forward_matches_peer_step_ref(backend, R, G, states):
+    x, st, kw = make(L=11, G=G, R=R, states=states, dtype=torch.float64)
+    out, ang, ssm, k, v = mamba3_scan(**x, input_states=st, chunk_size=4, return_final_states=True,
+                                      rotate_pairwise=True, **kw, backend=backend)
+    peer_states = None
+    if st is not None:  # the peer's K state is (batch, H, R, N) and its V state V * mimo_v per rank
+        peer_states = (st[0], st[1], st[2].transpose(1, 2), torch.einsum("bhp,hrp->bhrp", st[3], kw["mimo_v"]))
+    ref, (r_ang, r_ssm, r_k, r_v) = peer_mimo_step_ref(**{n: x[n] for n in ("Q", "K", "V", "ADT", "DT", "Trap",
+                                                                           "Q_bias", "K_bias", "Angles", "D", "Z")},
+                                                       mimo_v=kw["mimo_v"], mimo_o=kw["mimo_o"], mimo_z=kw["mimo_z"],
+                                                       states=peer_states)
+    close(out, ref, 1e-9, "out")
+    close_angle(ang, r_ang, 1e-9)
+    close(ssm, r_ssm, 1e-9, "ssm")
+    close(k, r_k.transpose(1, 2), 1e-9, "k")
+    close(torch.einsum("bhp,hrp->bhrp", v, kw["mimo_v"]), r_v, 1e-9, "v")
+
+
+@pytest.mark.parametrize("N,divisor,R,chunk_size,L", [(16, 4, 4, 8, 20), (32, 4, 2, 16, 16), (16, 2, 4, 4, 10),
+                                                      (16, 4, 1, 8, 8)])
+def test_mimo_forward_matches_peer_chunk_ref(backend, N, divisor, R, chunk_size, L):
+    x, _, kw = make(L=L, H=4, G=1, N=N, P=8, S_a=N // divisor, R=R, states=False, dtype=torch.float64)
+    out = mamba3_scan(**x, chunk_size=chunk_size, **kw, backend=backend)
+    ref = peer_mimo_chunk_ref(**x, **kw, chunk_size=chunk_size, rotary_dim_divisor=divisor)
+    close(out, ref, 1e-9)
+
+
+def test_mimo_without_mimo_o_keeps_ranks(backend):
+    x, st, kw = make(L=6, R=3, dtype=torch.float64)
+    full = mamba3_scan(**x, input_states=st, **kw, backend=backend)
+    ranks = mamba3_scan(**x, input_states=st, **{**kw, "mimo_o": None}, backend=backend)
+    assert ranks.shape == (2, 6, 3, 4, 8)
+    close(torch.einsum("blrhp,hrp->blhp", ranks, kw["mimo_o"]), full, 1e-10)
+
+
+# -- every backend against the oracle, forward and backward -------------------------------------------------------
+GRADS = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles", "D", "Z")
+
+
+def _run_with_grads(fn, x, st, kw, chunk_size, seed=1, **extra):
+    xl = {k: (None if v is None else v.detach().clone().requires_grad_()) for k, v in x.items()}
+    stl = None if st is None else tuple(s.detach().clone().requires_grad_() for s in st)
+    kwl = {k: (None if v is None else v.detach().clone().requires_grad_()) for k, v in kw.items()}
+    outs = fn(**xl, input_states=stl, chunk_size=chunk_size, return_final_states=True, **kwl, **extra)
+    g = torch.Generator().manual_seed(seed)
+    gouts = [torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype) for o in outs]
+    leaves = [t for t in (*xl.values(), *(stl or ()), *kwl.values()) if t is not None]
+    names = [k for k, t in xl.items() if t is not None] + (["angle", "ssm", "k", "v"] if stl else []) + [
+        k for k, t in kwl.items() if t is not None]
+    grads = torch.autograd.grad(outs, leaves, gouts, allow_unused=True)
+    return outs, dict(zip(names, grads))
+
+
+@pytest.mark.parametrize("R", [None, 2])
+@pytest.mark.parametrize("chunk_size", [3, 64])
+def test_backend_matches_oracle_fwd_bwd(backend, R, chunk_size):
+    x, st, kw = make(L=10, R=R, dtype=torch.float32)
+    outs, grads = _run_with_grads(mamba3_scan, x, st, kw, chunk_size, backend=backend)
+    routs, rgrads = _run_with_grads(mamba3_scan_ref, x, st, kw, chunk_size)
+    for a, r in zip(outs, routs):
+        assert a.dtype == r.dtype and a.shape == r.shape
+        close(a, r, 1e-4)
+    assert grads.keys() == rgrads.keys()
+    for name in grads:
+        assert grads[name] is not None, name
+        close(grads[name], rgrads[name], 2e-4, f"d{name}")
+
+
+def test_bf16_inputs_keep_dtypes(backend):
+    x, st, _ = make(L=7, dtype=torch.bfloat16)
+    out, ang, ssm, k, v = mamba3_scan(**x, input_states=st, return_final_states=True, backend=backend)
+    assert (out.dtype, ang.dtype, ssm.dtype, k.dtype, v.dtype) == (torch.bfloat16, torch.float32, torch.float32,
+                                                                   torch.bfloat16, torch.bfloat16)
+    ref = mamba3_scan_ref(**x, input_states=st)
+    close(out, ref, 2e-2)
+
+
+@pytest.mark.parametrize("R", [None, 2])
+def test_gradcheck_float64(backend, R):
+    x, st, kw = make(batch=1, L=5, H=2, G=1, N=4, P=2, S_a=1, R=R, dtype=torch.float64, seed=3)
+    names = [k for k, v in x.items() if v is not None]
+    kw_names = [k for k, v in kw.items() if v is not None]
+    tensors = [x[k] for k in names] + list(st) + [kw[k] for k in kw_names]
+    tensors = [t.detach().clone().requires_grad_() for t in tensors]
+    n1, n2 = len(names), len(names) + 4
+
+    def f(*ts):
+        args = dict(zip(names, ts[:n1]))
+        return mamba3_scan(**args, input_states=tuple(ts[n1:n2]), chunk_size=2, return_final_states=True,
+                           **dict(zip(kw_names, ts[n2:])), backend=backend)
+
+    assert torch.autograd.gradcheck(f, tensors, atol=1e-6, rtol=1e-5)
+
+
+# -- chunk size, state passing and decode -----------------------------------------------------------------------
+def test_chunk_size_does_not_change_result(backend):
+    x, st, kw = make(L=23, R=2, dtype=torch.float64)
+    outs = [mamba3_scan(**x, input_states=st, chunk_size=c, return_final_states=True, **kw, backend=backend)
+            for c in (1, 5, 8, 23, 1000)]
+    for o in outs[1:]:
+        for a, b in zip(o, outs[0]):
+            close(a, b, 1e-10)
+
+
+@pytest.mark.parametrize("R", [None, 4])
+def test_two_calls_with_states_equal_one(backend, R):
+    x, st, kw = make(L=17, R=R, dtype=torch.float64)
+    full = mamba3_scan(**x, input_states=st, chunk_size=4, return_final_states=True, **kw, backend=backend)
+
+    def part(sl):
+        return {k: None if v is None else (v[:, :, sl] if k in ("ADT", "DT", "Trap") else
+                                           v if k in ("Q_bias", "K_bias", "D") else v[:, sl])
+                for k, v in x.items()}
+
+    first = mamba3_scan(**part(slice(0, 7)), input_states=st, chunk_size=4, return_final_states=True, **kw,
+                        backend=backend)
+    second = mamba3_scan(**part(slice(7, None)), input_states=first[1:], chunk_size=4, return_final_states=True,
+                         **kw, backend=backend)
+    close(torch.cat([first[0], second[0]], 1), full[0], 1e-10)
+    for a, b in zip(second[1:], full[1:]):
+        close(a, b, 1e-10)
+
+
+@pytest.mark.parametrize("R", [None, 2])
+def test_prefill_then_decode_steps_match_one_scan(backend, R):
+    x, st, kw = make(L=12, R=R, dtype=torch.float64)
+    full = mamba3_scan(**x, input_states=st, chunk_size=4, return_final_states=True, **kw, backend=backend)
+    pre = 5
+    prefix = {k: None if v is None else (v[:, :, :pre] if k in ("ADT", "DT", "Trap") else
+                                         v if k in ("Q_bias", "K_bias", "D") else v[:, :pre]) for k, v in x.items()}
+    out0, *states = mamba3_scan(**prefix, input_states=st, chunk_size=4, return_final_states=True, **kw,
+                                backend=backend)
+    outs = [out0]
+    for t in range(pre, 12):
+        args = {k: None if v is None else (v[:, :, t] if k in ("ADT", "DT", "Trap") else
+                                           v if k in ("Q_bias", "K_bias", "D") else v[:, t]) for k, v in x.items()}
+        o, *states = mamba3_step(**{k: args[k] for k in ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias",
+                                                         "Angles")}, angle_state=states[0], ssm_state=states[1],
+                                 k_state=states[2], v_state=states[3], D=args["D"], Z=args["Z"], **kw)
+        outs.append(o[:, None])
+    close(torch.cat(outs, 1), full[0], 1e-10)
+    for a, b in zip(states, full[1:]):
+        close(a, b, 1e-10)
+
+
+@pytest.mark.parametrize("R", [None, 2])
+def test_step_matches_its_oracle_and_gradcheck(R):
+    x, st, kw = make(batch=2, L=1, H=2, G=1, N=4, P=2, S_a=2, R=R, dtype=torch.float64, seed=5)
+    one = {k: None if v is None else (v[:, :, 0] if k in ("ADT", "DT", "Trap") else
+                                      v if k in ("Q_bias", "K_bias", "D") else v[:, 0]) for k, v in x.items()}
+    got = mamba3_step(**one, angle_state=st[0], ssm_state=st[1], k_state=st[2], v_state=st[3], **kw)
+    ref = mamba3_step_ref(**one, angle_state=st[0], ssm_state=st[1], k_state=st[2], v_state=st[3], **kw)
+    for a, b in zip(got, ref):
+        close(a, b, 1e-12)
+    names = [k for k, v in one.items() if v is not None]
+    kw_names = [k for k, v in kw.items() if v is not None]
+    tensors = [t.detach().clone().requires_grad_() for t in [one[k] for k in names] + list(st) +
+               [kw[k] for k in kw_names]]
+    n1, n2 = len(names), len(names) + 4
+
+    def f(*ts):
+        return mamba3_step(**dict(zip(names, ts[:n1])), angle_state=ts[n1], ssm_state=ts[n1 + 1],
+                           k_state=ts[n1 + 2], v_state=ts[n1 + 3], **dict(zip(kw_names, ts[n2:])))
+
+    assert torch.autograd.gradcheck(f, tensors, atol=1e-6, rtol=1e-5)
+
+
+def test_custom_ops_pass_opcheck():
+    x, st, kw = make(batch=1, L=5, H=2, G=1, N=4, P=2, S_a=1, R=2, dtype=torch.float32)
+    args = (x["Q"], x["K"], x["V"], x["ADT"], x["DT"], x["Trap"], x["Q_bias"], x["K_bias"], x["Angles"], x["D"],
+            x["Z"], *st, kw["mimo_v"], kw["mimo_z"], kw["mimo_o"])
+    args = tuple(a.detach().clone().requires_grad_() for a in args)
+    torch.library.opcheck(torch.ops.fastarch.mamba3_scan_fwd.default, (*args, 2, False, True, "torch"))
+    one = [a[:, 0] if i in (0, 1, 2, 8, 10) else a[:, :, 0] if i in (3, 4, 5) else a for i, a in enumerate(args)]
+    torch.library.opcheck(torch.ops.fastarch.mamba3_step_fwd.default, (*one, False, True, "torch"))
+
+
+def test_compile_fullgraph_forward_backward():
+    x, st, kw = make(batch=1, L=6, H=2, G=1, N=8, P=4, R=None, dtype=torch.float32)
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in x.items()}
+
+    def f(xs):
+        out, ang, ssm, k, v = mamba3_scan(**xs, input_states=st, chunk_size=4, return_final_states=True)
+        return out.square().sum() + ssm.sum()
+
+    loss = torch.compile(f, fullgraph=True, backend="aot_eager")(leaves)
+    loss.backward()
+    ref = {k: v.detach().clone().requires_grad_() for k, v in x.items()}
+    f(ref).backward()
+    for k in leaves:
+        close(leaves[k].grad, ref[k].grad, 1e-5, k)
+
+
+# -- bad inputs ------------------------------------------------------------------------------------------------
+def test_bad_inputs_name_the_argument():
+    x, st, kw = make(L=5)
+    with pytest.raises(ValueError, match="'K'"):
+        mamba3_scan(**{**x, "K": x["K"][:, :4]})
+    with pytest.raises(ValueError, match="'ADT'"):
+        mamba3_scan(**{**x, "ADT": x["ADT"].transpose(1, 2)})
+    with pytest.raises(ValueError, match="groups"):
+        mamba3_scan(**{**x, "Q": x["Q"][:, :, :1].expand(-1, -1, 3, -1), "K": x["K"][:, :, :1].expand(-1, -1, 3, -1)})
+    with pytest.raises(ValueError, match="'Angles'"):
+        mamba3_scan(**{**x, "Angles": torch.randn(2, 5, 4, 9)})
+    with pytest.raises(ValueError, match="'chunk_size'"):
+        mamba3_scan(**x, chunk_size=0)
+    with pytest.raises(ValueError, match="'ssm_state'"):
+        mamba3_scan(**x, input_states=(st[0], st[1][..., :3], st[2], st[3]))
+    with pytest.raises(TypeError, match="input states"):
+        mamba3_scan(**x, input_states=st[:3])
+    with pytest.raises(ValueError, match="'mimo_v'"):
+        mamba3_scan(**x, mimo_v=torch.ones(4, 1, 8))
+    xm, _, kwm = make(L=5, R=2)
+    with pytest.raises(ValueError, match="'mimo_v'"):
+        mamba3_scan(**xm)
+    with pytest.raises(ValueError, match="'mimo_z'"):
+        mamba3_scan(**xm, mimo_v=kwm["mimo_v"])
+    with pytest.raises(TypeError, match="'V'"):
+        mamba3_scan(**{**x, "V": x["V"].to(torch.int32)})
+    with pytest.raises(ValueError, match="L >= 1"):
+        mamba3_scan(**{k: None if v is None else (v[:, :, :0] if k in ("ADT", "DT", "Trap") else
+                                                  v if k in ("Q_bias", "K_bias", "D") else v[:, :0])
+                       for k, v in x.items()})
+    with pytest.raises(ValueError, match="'v_state'"):
+        mamba3_step(x["Q"][:, 0], x["K"][:, 0], x["V"][:, 0], x["ADT"][:, :, 0], x["DT"][:, :, 0],
+                    x["Trap"][:, :, 0], x["Q_bias"], x["K_bias"], x["Angles"][:, 0], st[0], st[1], st[2],
+                    st[3][:, :1])

@@ -160,33 +160,14 @@ class Mamba3(nn.Module):
         Q, K = self._qk(B, C)
         q_bias, k_bias = self._biases()
         gate = None if self.is_outproj_norm else z
-        if cu_seqlens is None:
-            spans = [(0, seqlen)]
+        res = mamba3_scan(Q, K, x, ADT, DT, trap, q_bias, k_bias, angles, self.D, gate, chunk_size=self.chunk_size,
+                          return_final_states=states is not None, cu_seqlens=cu_seqlens, **self._mimo_kw())
+        if states is not None:  # a prefill starts from zero states and leaves the final ones in the cache
+            y, *final = res
+            for cache, new in zip(states, final):
+                cache.copy_(new.reshape(cache.shape))
         else:
-            cu = [int(c) for c in cu_seqlens.tolist()]
-            if len(cu) < 2 or cu[0] != 0 or cu[-1] != seqlen or any(e < s for s, e in zip(cu, cu[1:])):
-                raise ValueError(f"Mamba3: argument 'cu_seqlens' must be non-decreasing from 0 to L={seqlen}, got "
-                                 f"{cu[:8]}")
-            spans = list(zip(cu[:-1], cu[1:]))
-        ys = []
-        for i, (s, e) in enumerate(spans):
-            if e == s:  # an empty sequence: its states stay zero
-                if states is not None:
-                    for cache in states:
-                        cache[i].zero_()
-                continue
-            res = mamba3_scan(Q[:, s:e], K[:, s:e], x[:, s:e], ADT[..., s:e], DT[..., s:e], trap[..., s:e], q_bias,
-                              k_bias, angles[:, s:e], self.D, None if gate is None else gate[:, s:e],
-                              chunk_size=self.chunk_size, return_final_states=states is not None, **self._mimo_kw())
-            if states is not None:
-                y, *final = res
-                rows = slice(None) if cu_seqlens is None else slice(i, i + 1)
-                for cache, new in zip(states, final):
-                    cache[rows].copy_(new.reshape(cache[rows].shape))
-            else:
-                y = res
-            ys.append(y)
-        y = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]
+            y = res
         y = self._out_norm(y, z) if self.is_outproj_norm else y.flatten(-2)
         return self.out_proj(y.to(x.dtype))
 

@@ -148,11 +148,18 @@ def zero_states(V: torch.Tensor, R: int, N: int, S_a: int, k_dtype: torch.dtype)
 
 
 def mamba3_scan_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=None, input_states=None,
-                    chunk_size: int = 64, return_final_states: bool = False, *, mimo_v=None, mimo_z=None,
-                    mimo_o=None, rotate_pairwise: bool | None = None) -> Any:
+                    chunk_size: int = 64, return_final_states: bool = False, cu_seqlens=None, *, mimo_v=None,
+                    mimo_z=None, mimo_o=None, rotate_pairwise: bool | None = None) -> Any:
     """The oracle: the recurrence of the module docstring one step at a time, in fp32 (float64 for float64
     inputs); ``chunk_size`` is accepted and ignored. Differentiable by autograd. Returns what
     :func:`mamba3_scan` returns (the output in ``V.dtype``)."""
+    if cu_seqlens is not None:
+        return per_sequence(
+            lambda sl, st: mamba3_scan_ref(Q[:, sl], K[:, sl], V[:, sl], ADT[..., sl], DT[..., sl], Trap[..., sl],
+                                           Q_bias, K_bias, Angles[:, sl], D, None if Z is None else Z[:, sl], st,
+                                           return_final_states=True, mimo_v=mimo_v, mimo_z=mimo_z, mimo_o=mimo_o,
+                                           rotate_pairwise=rotate_pairwise),
+            cu_seqlens, input_states, return_final_states, Q, K, V, Angles, mimo_v, mimo_o)
     mimo = Q.dim() == 5
     pairwise = (not mimo) if rotate_pairwise is None else bool(rotate_pairwise)
     cdt = compute_dtype(Q, K, V, ADT, DT, Angles)
@@ -252,14 +259,23 @@ def _check(op: str, name: str, t: object, **kw: Any) -> None:
 
 
 def validate(op: str, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, states: Sequence | None, mimo_v,
-             mimo_z, mimo_o, pairwise: bool | None, step: bool) -> None:
-    """Shapes, dtypes and devices of a scan (``step=False``, with the ``L`` dimension) or a decode step."""
+             mimo_z, mimo_o, pairwise: bool | None, step: bool, cu_seqlens: torch.Tensor | None = None) -> None:
+    """Shapes, dtypes and devices of a scan (``step=False``, with the ``L`` dimension; ``cu_seqlens`` packs
+    sequences into its one row) or a decode step."""
     lead = 1 if step else 2  # batch (, L)
     _check(op, "V", V, ndim=lead + 2)
     b, H, P = V.shape[0], V.shape[-2], V.shape[-1]
     L = None if step else V.shape[1]
     bl = (b,) if step else (b, L)
-    if not step and L == 0:
+    if cu_seqlens is not None:
+        check_tensor(op, "cu_seqlens", cu_seqlens, dtypes=(torch.int32, torch.int64), ndim=1)
+        if b != 1:
+            fail(op, f"argument 'cu_seqlens' packs sequences into one row: V must have batch 1, got {b}")
+        cu = cu_seqlens.tolist()
+        if len(cu) < 2 or cu[0] != 0 or cu[-1] != L or any(e < s for s, e in zip(cu, cu[1:])):
+            fail(op, f"argument 'cu_seqlens' must be non-decreasing from 0 to the length L={L}, got "
+                     f"{cu[:8]}{'...' if len(cu) > 8 else ''}")
+    elif not step and L == 0:
         fail(op, f"argument 'V' must have at least one step (L >= 1), got shape {tuple(V.shape)}")
     _check(op, "Q", Q, ndim=(lead + 2, lead + 3))
     mimo = Q.dim() == lead + 3
@@ -300,10 +316,11 @@ def validate(op: str, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, stat
                      f"{type(states).__name__}" + (f" of length {len(states)}" if isinstance(states, (tuple, list))
                                                    else ""), TypeError)
         angle, ssm, ks, vs = states
-        _check(op, "angle_state", angle, shape=(b, H, S_a))
-        _check(op, "ssm_state", ssm, shape=(b, H, P, N))
-        _check(op, "k_state", ks, shape=(b, R, H, N) if mimo else (b, H, N))
-        _check(op, "v_state", vs, shape=(b, H, P))
+        n = b if cu_seqlens is None else cu_seqlens.shape[0] - 1  # one row per sequence
+        _check(op, "angle_state", angle, shape=(n, H, S_a))
+        _check(op, "ssm_state", ssm, shape=(n, H, P, N))
+        _check(op, "k_state", ks, shape=(n, R, H, N) if mimo else (n, H, N))
+        _check(op, "v_state", vs, shape=(n, H, P))
         check_same_device(op, "V", V, angle_state=angle, ssm_state=ssm, k_state=ks, v_state=vs)
     if mimo:
         if mimo_v is None:
@@ -321,7 +338,7 @@ def validate(op: str, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, stat
                 fail(op, f"argument '{name}' belongs to MIMO calls (Q of shape (batch, L, R, G, N)); this call is "
                          f"SISO (Q of shape {tuple(Q.shape)})")
     check_same_device(op, "V", V, Q=Q, K=K, ADT=ADT, DT=DT, Trap=Trap, Q_bias=Q_bias, K_bias=K_bias, Angles=Angles,
-                      D=D, Z=Z, mimo_v=mimo_v, mimo_z=mimo_z, mimo_o=mimo_o)
+                      D=D, Z=Z, mimo_v=mimo_v, mimo_z=mimo_z, mimo_o=mimo_o, cu_seqlens=cu_seqlens)
 
 
 def check_chunk_size(op: str, chunk_size: object) -> None:
@@ -445,6 +462,7 @@ def mamba3_scan(
     input_states: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     chunk_size: int = 64,
     return_final_states: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
     *,
     mimo_v: torch.Tensor | None = None,
     mimo_z: torch.Tensor | None = None,
@@ -469,6 +487,9 @@ def mamba3_scan(
         input_states: optional ``(angle, ssm, k, v)`` before the first step (shapes in the module docstring).
         chunk_size: steps per chunk of the chunked form; the result does not depend on it beyond rounding.
         return_final_states: also return the states after the last step.
+        cu_seqlens: optional ``(num_seqs + 1,)`` integer offsets of sequences packed into one row (batch 1):
+            each runs from its own row of ``input_states`` (zeros without), and the final states have one
+            row per sequence (an empty sequence keeps its input states).
         mimo_v, mimo_z, mimo_o: MIMO's ``(H, R, P)`` projections of ``V`` (required), ``Z`` (required with
             ``Z``) and the output (optional: without it the output keeps its ranks).
         rotate_pairwise: rotate channel pairs ``(2i, 2i+1)`` (True) or ``(i, i + N/2)`` (False); default True
@@ -483,10 +504,46 @@ def mamba3_scan(
         floating input, through the final states too.
     """
     validate(OP, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, input_states, mimo_v, mimo_z, mimo_o,
-             rotate_pairwise, step=False)
+             rotate_pairwise, step=False, cu_seqlens=cu_seqlens)
     check_chunk_size(OP, chunk_size)
     mimo = Q.dim() == 5
     pairwise = (not mimo) if rotate_pairwise is None else bool(rotate_pairwise)
+    if cu_seqlens is None:
+        return _scan(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, input_states, chunk_size,
+                     return_final_states, mimo_v, mimo_z, mimo_o, pairwise, mimo, backend)
+    return per_sequence(
+        lambda sl, st: _scan(Q[:, sl], K[:, sl], V[:, sl], ADT[..., sl], DT[..., sl], Trap[..., sl], Q_bias, K_bias,
+                             Angles[:, sl], D, None if Z is None else Z[:, sl], st, chunk_size, True, mimo_v, mimo_z,
+                             mimo_o, pairwise, mimo, backend),
+        cu_seqlens, input_states, return_final_states, Q, K, V, Angles, mimo_v, mimo_o)
+
+
+def per_sequence(scan, cu_seqlens, input_states, return_final_states, Q, K, V, Angles, mimo_v, mimo_o):
+    """Packed sequences, one ``scan(slice, states)`` (returning ``(out, *final_states)``) each, from its own row
+    of ``input_states``; an empty sequence keeps its input states (zeros without)."""
+    mimo = Q.dim() == 5
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    outs, finals = [], []
+    for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        states_i = None if input_states is None else tuple(t[i:i + 1] for t in input_states)
+        if e == s:
+            if return_final_states:
+                zeros = list(zero_states(V[:1], Q.shape[2] if mimo else 1, Q.shape[-1], Angles.shape[-1], K.dtype))
+                zeros[2] = zeros[2] if mimo else zeros[2][:, 0]
+                finals.append([z if st is None else st.to(z.dtype) for z, st in zip(zeros, states_i or (None,) * 4)])
+            continue
+        res = scan(slice(s, e), states_i)
+        outs.append(res[0])
+        finals.append(res[1:])
+    out = torch.cat(outs, dim=1) if outs else V.new_zeros(out_shape(V, mimo_v, mimo_o))
+    if not return_final_states:
+        return out
+    return (out, *(torch.cat(parts, dim=0) for parts in zip(*finals)))
+
+
+def _scan(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, input_states, chunk_size, return_final_states, mimo_v,
+          mimo_z, mimo_o, pairwise, mimo, backend):
+    """One validated scan without ``cu_seqlens``."""
     angle0, ssm0, k0, v0 = input_states if input_states is not None else (None, None, None, None)
     Qc, Kc, qb, kb, k0 = canonical(Q, K, Q_bias, K_bias, k0, mimo)
     args = (Qc, Kc, V, ADT, DT, Trap, qb, kb, Angles, D, Z, angle0, ssm0, k0, v0, mimo_v, mimo_z, mimo_o)

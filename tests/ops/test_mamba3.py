@@ -514,3 +514,39 @@ def test_bad_inputs_name_the_argument():
         mamba3_step(x["Q"][:, 0], x["K"][:, 0], x["V"][:, 0], x["ADT"][:, :, 0], x["DT"][:, :, 0],
                     x["Trap"][:, :, 0], x["Q_bias"], x["K_bias"], x["Angles"][:, 0], st[0], st[1], st[2],
                     st[3][:, :1])
+
+
+# -- packed sequences ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("R", [None, 2])
+def test_varlen_matches_separate_sequences(backend, R):
+    lengths = [0, 3, 0, 6, 2, 0]  # mamba-ssm's empty-sequence case, and non-empty ones
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    x, _, kw = make(batch=1, L=sum(lengths), R=R, dtype=torch.float64)
+    _, st, _ = make(batch=len(lengths), L=1, R=R, dtype=torch.float64, seed=7)
+    out, *fin = mamba3_scan(**x, input_states=st, chunk_size=4, return_final_states=True, cu_seqlens=cu, **kw,
+                            backend=backend)
+    ref_out, *ref_fin = mamba3_scan_ref(**x, input_states=st, return_final_states=True, cu_seqlens=cu, **kw)
+    close(out, ref_out, 1e-10)
+    for a, r in zip(fin, ref_fin):
+        close(a, r, 1e-10)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        sti = tuple(t[i:i + 1] for t in st)
+        if e == s:  # empty: the input states come back unchanged
+            for a, t in zip(fin, sti):
+                assert torch.equal(a[i:i + 1], t)
+            continue
+        part = {k: None if v is None else (v[:, :, s:e] if k in ("ADT", "DT", "Trap") else
+                                           v if k in ("Q_bias", "K_bias", "D") else v[:, s:e]) for k, v in x.items()}
+        o, *f = mamba3_scan(**part, input_states=sti, chunk_size=4, return_final_states=True, **kw, backend=backend)
+        close(out[:, s:e], o, 1e-12)
+        for a, b in zip(fin, f):
+            close(a[i:i + 1], b, 1e-12)
+
+
+def test_varlen_bad_offsets():
+    x, _, _ = make(batch=1, L=5)
+    with pytest.raises(ValueError, match="'cu_seqlens'"):
+        mamba3_scan(**x, cu_seqlens=torch.tensor([0, 3, 4], dtype=torch.int32))
+    x2, _, _ = make(batch=2, L=5)
+    with pytest.raises(ValueError, match="batch 1"):
+        mamba3_scan(**x2, cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))

@@ -1,15 +1,42 @@
-"""mamba-ssm's op functions on fastarch's ops: CPU and GPU, mamba-ssm's signatures.
+"""mamba-ssm's program namespace on fastarch's ops and modules: CPU and GPU, mamba-ssm's signatures, module paths,
+``state_dict`` keys and outputs.
 
-``import fastarch.compat.mamba_ssm as mamba_ssm`` (or :func:`fastarch.compat.install`, then
-``import mamba_ssm``) gives ``selective_scan_fn`` and ``mamba_inner_fn``, and the module paths code imports
-them from: ``mamba_ssm.ops.selective_scan_interface`` (``selective_scan_fn``, ``selective_scan_ref``,
-``mamba_inner_fn``, ``mamba_inner_ref``), ``mamba_ssm.ops.triton.selective_state_update``
-(``selective_state_update``, ``selective_state_update_ref``), ``mamba_ssm.ops.triton.ssd_combined``
-(``mamba_chunk_scan_combined``, ``mamba_split_conv1d_scan_combined``, ``mamba_split_conv1d_scan_ref``) and
-``mamba_ssm.ops.triton.layernorm_gated`` (``rmsnorm_fn``, ``RMSNorm``). The model classes (``Mamba``,
-``Mamba2``) are not part of it: use :mod:`fastarch.nn`.
+``import fastarch.compat.mamba_ssm as mamba_ssm`` (or :func:`fastarch.compat.install`, then ``import mamba_ssm``)
+gives ``Mamba``, ``Mamba2``, ``MambaLMHeadModel``, ``selective_scan_fn`` and ``mamba_inner_fn`` (and ``Mamba3``
+when :mod:`fastarch.nn` has it), and the module paths code imports from:
+
+- ``ops.selective_scan_interface``, ``ops.triton.selective_state_update``, ``ops.triton.ssd_combined``,
+  ``ops.triton.layernorm_gated`` and ``ops.triton.layer_norm`` (``layer_norm_fn``, ``rms_norm_fn``, ``RMSNorm``,
+  ``LayerNorm`` and their references);
+- ``modules.mamba_simple`` (``Mamba``), ``modules.mamba2`` (``Mamba2``), ``modules.mamba2_simple``
+  (``Mamba2Simple``), ``modules.block`` (``Block``), ``modules.mha`` (``MHA``), ``modules.mlp`` (``GatedMLP``);
+- ``models.config_mamba`` (``MambaConfig``), ``models.mixer_seq_simple`` (``create_block``, ``MixerModel``,
+  ``MambaLMHeadModel`` with ``from_pretrained`` for local directories and ``save_pretrained``);
+- ``utils.generation`` (``InferenceParams``, ``decode``, ``GenerationMixin``, ``sample``, the logit filters),
+  ``utils.hf`` (``load_config_hf``, ``load_state_dict_hf``; local directories, no downloads);
+- ``distributed.distributed_utils`` and ``distributed.tensor_parallel`` (on ``torch.distributed``; one process
+  when no group is given and none is initialised).
+
+A name this namespace does not provide raises an ImportError naming it and listing what the module offers.
 """
 
+from __future__ import annotations
+
+from .._missing import missing_attribute as _missing_attribute
+from .models.mixer_seq_simple import MambaLMHeadModel
+from .modules.mamba2 import Mamba2
+from .modules.mamba_simple import Mamba
 from .ops.selective_scan_interface import mamba_inner_fn, selective_scan_fn
 
-__all__ = ["mamba_inner_fn", "selective_scan_fn"]
+__all__ = ["Mamba", "Mamba2", "MambaLMHeadModel", "mamba_inner_fn", "selective_scan_fn"]
+
+_missing = _missing_attribute("mamba_ssm", "mamba_ssm")
+
+
+def __getattr__(name: str) -> object:
+    if name == "Mamba3":  # fastarch.nn's Mamba-3, when this fastarch has one
+        from fastarch import nn as _nn
+
+        if hasattr(_nn, "Mamba3"):
+            return _nn.Mamba3
+    return _missing(name)

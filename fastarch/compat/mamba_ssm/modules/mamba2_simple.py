@@ -1,0 +1,108 @@
+"""``mamba_ssm.modules.mamba2_simple``: mamba-ssm's ``Mamba2Simple``, the Mamba-2 mixer without the extra
+gated-MLP channels, with optional learnable initial states, on fastarch's ops
+(:func:`fastarch.ops.mamba_split_conv1d_scan_combined`; with ``use_mem_eff_path=False``
+:func:`fastarch.ops.causal_conv1d`, :func:`fastarch.ops.mamba_chunk_scan_combined` and the gated RMS norm).
+
+``in_proj`` gives ``[z (d_inner), xBC (d_inner + 2 * ngroups * d_state), dt (nheads)]``. Keys: ``in_proj.weight``,
+``conv1d.weight``, ``conv1d.bias``, ``dt_bias``, ``A_log``, ``D``, ``norm.weight``, ``out_proj.weight``, and
+``init_states`` ``(nheads, headdim, d_state)`` with ``learnable_init_states``. ``forward(u (B, L, d_model),
+seq_idx=None) -> (B, L, d_model)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from fastarch.nn.linear import Linear
+from fastarch.nn.mamba2 import RMSNormGated
+from fastarch.ops.causal_conv1d import causal_conv1d
+from fastarch.ops.mamba_split_conv1d_scan import mamba_split_conv1d_scan_combined
+from fastarch.ops.ssd_scan import mamba_chunk_scan_combined
+
+from ..._missing import missing_attribute
+
+__all__ = ["Mamba2Simple"]
+
+__getattr__ = missing_attribute("mamba_ssm", "mamba_ssm.modules.mamba2_simple")
+
+
+class Mamba2Simple(nn.Module):
+    """mamba-ssm's ``Mamba2Simple`` (see the module docstring); the same constructor arguments, defaults and
+    initialisation (dt bias the inverse softplus of dt ~ logUniform(dt_min, dt_max) floored at
+    ``dt_init_floor``, ``A_log = log(U(A_init_range))``, ``D`` ones)."""
+
+    def __init__(self, d_model: int, d_state: int = 64, d_conv: int = 4, conv_init: float | None = None,
+                 expand: int = 2, headdim: int = 128, ngroups: int = 1, A_init_range: tuple[float, float] = (1, 16),
+                 dt_min: float = 0.001, dt_max: float = 0.1, dt_init_floor: float = 1e-4,
+                 dt_limit: tuple[float, float] = (0.0, float("inf")), learnable_init_states: bool = False,
+                 activation: str = "swish", bias: bool = False, conv_bias: bool = True, chunk_size: int = 256,
+                 use_mem_eff_path: bool = True, layer_idx: int | None = None, device=None, dtype=None):
+        super().__init__()
+        fk = {"device": device, "dtype": dtype}
+        self.d_model, self.d_state, self.d_conv, self.conv_init, self.expand = d_model, d_state, d_conv, conv_init, expand
+        self.d_inner = expand * d_model
+        self.headdim, self.ngroups = headdim, ngroups
+        if self.d_inner % headdim != 0:
+            raise ValueError(f"Mamba2Simple: d_inner={self.d_inner} must be a multiple of headdim={headdim}")
+        self.nheads = self.d_inner // headdim
+        if self.nheads % ngroups != 0:
+            raise ValueError(f"Mamba2Simple: ngroups={ngroups} must divide the number of heads {self.nheads}")
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"Mamba2Simple: activation must be 'silu' or 'swish', got {activation!r}")
+        if not (A_init_range[0] > 0 and A_init_range[1] >= A_init_range[0]):
+            raise ValueError(f"Mamba2Simple: A_init_range must be (low, high) with 0 < low <= high, got {A_init_range}")
+        self.dt_limit = tuple(dt_limit)
+        self.learnable_init_states, self.activation = learnable_init_states, activation
+        self.chunk_size, self.use_mem_eff_path, self.layer_idx = chunk_size, use_mem_eff_path, layer_idx
+        d_in_proj = 2 * self.d_inner + 2 * ngroups * d_state + self.nheads
+        self.in_proj = Linear(d_model, d_in_proj, bias=bias, **fk)
+        conv_dim = self.d_inner + 2 * ngroups * d_state
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel_size=d_conv, groups=conv_dim, padding=d_conv - 1,
+                                bias=conv_bias, **fk)
+        if conv_init is not None:
+            nn.init.uniform_(self.conv1d.weight, -conv_init, conv_init)
+        if learnable_init_states:
+            self.init_states = nn.Parameter(torch.zeros(self.nheads, headdim, d_state, **fk))
+            self.init_states._no_weight_decay = True
+        self.act = nn.SiLU()
+        dt = torch.exp(torch.rand(self.nheads, **fk) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        dt = torch.clamp(dt, min=dt_init_floor)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) == dt
+        self.dt_bias._no_weight_decay = True
+        A = torch.empty(self.nheads, dtype=torch.float32, device=device).uniform_(*A_init_range)
+        self.A_log = nn.Parameter(torch.log(A).to(dtype=dtype))
+        self.A_log._no_weight_decay = True
+        self.D = nn.Parameter(torch.ones(self.nheads, device=device))
+        self.D._no_weight_decay = True
+        self.norm = RMSNormGated(self.d_inner, eps=1e-5, norm_before_gate=False, **fk)
+        self.out_proj = Linear(self.d_inner, d_model, bias=bias, **fk)
+
+    def forward(self, u: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """u: ``(batch, L, d_model)`` -> ``(batch, L, d_model)``; ``seq_idx`` ``(batch, L)`` keeps packed
+        sequences apart."""
+        batch = u.shape[0]
+        zxbcdt = self.in_proj(u)
+        A = -torch.exp(self.A_log.float())
+        init = self.init_states.unsqueeze(0).expand(batch, *self.init_states.shape) \
+            if self.learnable_init_states else None
+        weight = self.conv1d.weight.squeeze(1)
+        if self.use_mem_eff_path:
+            return mamba_split_conv1d_scan_combined(
+                zxbcdt, weight, self.conv1d.bias, self.dt_bias, A, self.D, self.chunk_size, initial_states=init,
+                seq_idx=seq_idx, dt_limit=self.dt_limit, activation=self.activation, rmsnorm_weight=self.norm.weight,
+                rmsnorm_eps=self.norm.eps, outproj_weight=self.out_proj.weight, outproj_bias=self.out_proj.bias,
+                headdim=self.headdim, ngroups=self.ngroups, norm_before_gate=False)
+        z, xBC, dt = torch.split(zxbcdt, [self.d_inner, self.d_inner + 2 * self.ngroups * self.d_state, self.nheads],
+                                 dim=-1)
+        xBC = causal_conv1d(xBC.transpose(1, 2), weight, self.conv1d.bias, activation=self.activation,
+                            seq_idx=seq_idx).transpose(1, 2)
+        x, B, C = torch.split(xBC, [self.d_inner, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        L = u.shape[1]
+        y = mamba_chunk_scan_combined(
+            x.reshape(batch, L, self.nheads, self.headdim), dt, A, B.reshape(batch, L, self.ngroups, self.d_state),
+            C.reshape(batch, L, self.ngroups, self.d_state), self.chunk_size, D=self.D, dt_bias=self.dt_bias,
+            initial_states=init, seq_idx=seq_idx, dt_softplus=True, dt_limit=self.dt_limit)
+        return self.out_proj(self.norm(y.reshape(batch, L, self.d_inner), z))

@@ -1,0 +1,6 @@
+"""``mamba_ssm.utils``: ``generation`` (``decode``, ``GenerationMixin``, ``InferenceParams``) and ``hf``
+(``load_config_hf``, ``load_state_dict_hf``, local directories only)."""
+
+from ..._missing import missing_attribute
+
+__getattr__ = missing_attribute("mamba_ssm", "mamba_ssm.utils")

@@ -53,8 +53,11 @@ class _ApplyRotaryEmb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen):
         out = apply_rotary(x, cos, sin, seqlen_offsets=seqlen_offsets, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                           interleaved=interleaved, inplace=inplace)
+                           interleaved=interleaved)
         ctx.args = (cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, interleaved)
+        if inplace:
+            _write(x, out)
+            return x
         return out
 
     @staticmethod
@@ -112,13 +115,18 @@ def _qk_views(qkv: Tensor, num_heads_q: int | None) -> tuple[Tensor, Tensor]:
     return qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q:num_heads_q + num_heads_k]
 
 
+def _write(dst: Tensor, src: Tensor) -> None:
+    """Overwrite ``dst``'s memory as flash-attn's in-place kernels do: unseen by autograd (no version bump), so
+    views of the same buffer taken before (q of a qkv, say) stay usable; the Functions here supply the gradient."""
+    dst.data.copy_(src)
+
+
 def _rotate_qk(qkv, cos, sin, cos_k, sin_k, interleaved, offsets, num_heads_q, conjugate):
     q, k = _qk_views(qkv, num_heads_q)
     cos_k = cos if cos_k is None else cos_k
     sin_k = sin if sin_k is None else sin_k
-    apply_rotary(q, cos, sin, seqlen_offsets=offsets, interleaved=interleaved, inplace=True, conjugate=conjugate)
-    apply_rotary(k, cos_k, sin_k, seqlen_offsets=offsets, interleaved=interleaved, inplace=True,
-                 conjugate=conjugate)
+    _write(q, apply_rotary(q, cos, sin, seqlen_offsets=offsets, interleaved=interleaved, conjugate=conjugate))
+    _write(k, apply_rotary(k, cos_k, sin_k, seqlen_offsets=offsets, interleaved=interleaved, conjugate=conjugate))
 
 
 class _ApplyRotaryEmbQKV(torch.autograd.Function):
@@ -159,7 +167,7 @@ class _ApplyRotaryEmbKV(torch.autograd.Function):
         if kv.ndim != 5 or kv.shape[2] != 2:
             raise ValueError(f"flash_attn apply_rotary_emb_kv_: 'kv' must be (batch, seqlen, 2, nheads, headdim), "
                              f"got shape {tuple(kv.shape)}")
-        apply_rotary(kv[:, :, 0], cos, sin, seqlen_offsets=seqlen_offsets, interleaved=interleaved, inplace=True)
+        _write(kv[:, :, 0], apply_rotary(kv[:, :, 0], cos, sin, seqlen_offsets=seqlen_offsets, interleaved=interleaved))
         ctx.args = (cos, sin, interleaved, seqlen_offsets)
         return kv
 

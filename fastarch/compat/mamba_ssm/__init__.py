@@ -23,6 +23,7 @@ A name this namespace does not provide raises an ImportError naming it and listi
 from __future__ import annotations
 
 from .._missing import missing_attribute as _missing_attribute
+from . import distributed, models, modules, ops, utils  # noqa: F401
 from .models.mixer_seq_simple import MambaLMHeadModel
 from .modules.mamba2 import Mamba2
 from .modules.mamba_simple import Mamba

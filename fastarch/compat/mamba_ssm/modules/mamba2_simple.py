@@ -6,7 +6,9 @@ gated-MLP channels, with optional learnable initial states, on fastarch's ops
 ``in_proj`` gives ``[z (d_inner), xBC (d_inner + 2 * ngroups * d_state), dt (nheads)]``. Keys: ``in_proj.weight``,
 ``conv1d.weight``, ``conv1d.bias``, ``dt_bias``, ``A_log``, ``D``, ``norm.weight``, ``out_proj.weight``, and
 ``init_states`` ``(nheads, headdim, d_state)`` with ``learnable_init_states``. ``forward(u (B, L, d_model),
-seq_idx=None) -> (B, L, d_model)``.
+seq_idx=None) -> (B, L, d_model)``. As in mamba-ssm, the fused path normalises each of the ``ngroups`` groups
+of channels on its own and the unfused path (``use_mem_eff_path=False``, ``self.norm``) the whole ``d_inner``
+at once, so the two differ when ``ngroups > 1``.
 """
 
 from __future__ import annotations

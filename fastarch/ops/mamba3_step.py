@@ -80,7 +80,7 @@ def _(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_sta
     cdt = compute_dtype(Q, K, V, ADT, DT, Angles)
     return (V.new_empty(_out_shape(V, mimo_v, mimo_o)), angle_state.new_empty(angle_state.shape, dtype=cdt),
             ssm_state.new_empty(ssm_state.shape, dtype=cdt), k_state.new_empty(k_state.shape, dtype=K.dtype),
-            torch.empty_like(V))
+            V.new_empty(V.shape))
 
 
 @torch.library.custom_op("fastarch::mamba3_step_bwd", mutates_args=())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import pytest
@@ -611,6 +612,66 @@ DELTA_EXAMPLES = [
 ]
 
 
+# -- Mamba-3 scan and decode step -------------------------------------------------------------------------------
+@st.composite
+def _m3_cases(draw, tiny: bool) -> dict:
+    heads = draw(st.sampled_from([1, 2, 4]))
+    N = draw(st.sampled_from([2, 4, 6, 8]))
+    return dict(B=draw(st.integers(1, 2)), L=draw(st.integers(1, 8 if tiny else 24)), H=heads,
+                G=draw(st.sampled_from([g for g in (1, 2, 4) if heads % g == 0])), R=draw(st.sampled_from([0, 1, 2])),
+                N=N, P=draw(st.integers(1, 4)), S=draw(st.integers(1, N // 2)), chunk=draw(st.integers(1, 16)),
+                D=draw(st.booleans()), Z=draw(st.booleans()), init=draw(st.booleans()),
+                pair=draw(st.sampled_from([None, True, False])), out_proj=draw(st.booleans()),
+                layout=draw(st.sampled_from(LAYOUTS)))
+
+
+def _m3_build(step: bool) -> Callable[[dict, torch.dtype, torch.Generator], Inputs]:
+    def build(c: dict, dtype: torch.dtype, g: torch.Generator) -> Inputs:
+        B, L, H, G, R, N, P, S = (c[k] for k in ("B", "L", "H", "G", "R", "N", "P", "S"))
+        lead = (B,) if step else (B, L)
+        hl = (B, H) if step else (B, H, L)
+        rank = () if R == 0 else (R,)
+        dt = _rand(g, *hl) * 0.5
+        # Q, K, V, Z, Trap and the biases in the activation dtype; steps, angles, D, projections, states fp32
+        x = dict(Q=_randn(g, *lead, *rank, G, N).to(dtype), K=_randn(g, *lead, *rank, G, N).to(dtype),
+                 V=_randn(g, *lead, H, P).to(dtype), ADT=-_rand(g, *hl) * dt * 4, DT=dt,
+                 Trap=_randn(g, *hl).to(dtype), Q_bias=_randn(g, H, *rank, N).to(dtype),
+                 K_bias=_randn(g, H, *rank, N).to(dtype), Angles=_randn(g, *lead, H, S),
+                 D=_randn(g, H) if c["D"] else None, Z=_randn(g, *lead, H, P).to(dtype) if c["Z"] else None)
+        init = c["init"] or step
+        x.update(angle=_rand(g, B, H, S) * 6 if init else None, ssm=_randn(g, B, H, P, N) if init else None,
+                 k=_randn(g, B, *rank, H, N) if init else None, v=_randn(g, B, H, P) if init else None)
+        x.update(mimo_v=_randn(g, H, R, P) if R else None, mimo_z=_randn(g, H, R, P) if R and c["Z"] else None,
+                 mimo_o=_randn(g, H, R, P) if R and c["out_proj"] else None)
+        return x
+    return build
+
+
+def _m3_run(step: bool) -> Callable[[Inputs, dict, str | None], tuple[torch.Tensor, ...]]:
+    def run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tensor, ...]:
+        args = [x[k] for k in ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles")]
+        kw = {k: x[k] for k in ("mimo_v", "mimo_z", "mimo_o")}
+        kw["rotate_pairwise"] = c["pair"]
+        states = None if x["ssm"] is None else (x["angle"], x["ssm"], x["k"], x["v"])
+        if step:
+            fn = ops.mamba3_step_ref if backend is None else partial(ops.mamba3_step, backend=backend)
+            out, angle, *rest = fn(*args, *states, x["D"], x["Z"], **kw)
+        else:
+            fn = ops.mamba3_scan_ref if backend is None else partial(ops.mamba3_scan, backend=backend)
+            out, angle, *rest = fn(*args, x["D"], x["Z"], states, c["chunk"], True, **kw)
+        # the angle state is wrapped to [0, 2 pi): compared through its cosine and sine
+        return (out, torch.cos(angle), torch.sin(angle), *rest)
+    return run
+
+
+M3_EXAMPLES = [dict(B=2, L=9, H=4, G=2, R=0, N=8, P=3, S=2, chunk=4, D=True, Z=True, init=True, pair=None,
+                    out_proj=False, layout="strided"),
+               dict(B=1, L=6, H=2, G=1, R=2, N=6, P=2, S=3, chunk=4, D=True, Z=True, init=True, pair=None,
+                    out_proj=True, layout="transposed")]
+M3_GRADS = ("Q", "K", "V", "ADT", "DT", "Trap", "Q_bias", "K_bias", "Angles", "D", "Z", "angle", "ssm", "k", "v",
+            "mimo_v", "mimo_z", "mimo_o")
+
+
 SPECS: dict[str, Spec] = {
     "attention": Spec(_attention_cases, _attention_build, _attention_run, ("q", "k", "v", "bias"),
                       examples=ATTENTION_EXAMPLES, same_dtype=_attention_same_dtype),
@@ -663,6 +724,10 @@ SPECS: dict[str, Spec] = {
         _mixer2_step_cases, _mixer2_step_build, _mixer2_step_run, rtol=1e-4, atol=1e-5, dtypes=(torch.float32,),
         examples=[dict(B=2, d_model=6, H=4, G=2, P=3, N=5, W=4, extra=1, d_out=5, bias=True, D="channel", norm=True,
                        groups=True, before=False, limit=True, layout="contiguous")]),
+    "mamba3_scan": Spec(_m3_cases, _m3_build(False), _m3_run(False), M3_GRADS, rtol=1e-4, atol=1e-4,
+                        examples=M3_EXAMPLES),
+    "mamba3_step": Spec(_m3_cases, _m3_build(True), _m3_run(True), M3_GRADS, rtol=1e-4, atol=1e-4,
+                        examples=M3_EXAMPLES),
     "selective_state_update": Spec(
         _ssu_cases, _ssu_build, _ssu_run, rtol=1e-5, atol=1e-5,
         examples=[dict(B=2, heads=2, dim=3, N=5, groups=2, has_D=True, has_z=True, has_bias=True, softplus=True,

@@ -399,8 +399,11 @@ def _autograd_enabled():
     """A context where autograd records again: a custom op's body runs with the autograd dispatch keys
     excluded, and the torch backend's backward differentiates its recomputed forward."""
     exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in (torch._C.DispatchKey.AutogradCPU, torch._C.DispatchKey.ADInplaceOrView):
-        exclude = exclude.remove(key)
+    keys = ("AutogradCPU", "AutogradCUDA", "AutogradXPU", "AutogradMPS", "AutogradMeta", "AutogradPrivateUse1",
+            "AutogradOther", "ADInplaceOrView")  # every device's autograd key, not only the CPU's
+    for name in keys:
+        if hasattr(torch._C.DispatchKey, name):
+            exclude = exclude.remove(getattr(torch._C.DispatchKey, name))
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 

@@ -1,4 +1,5 @@
-"""``mamba_ssm.modules.mamba_simple``: mamba-ssm's ``Mamba`` layer (and ``Block``), on :class:`fastarch.nn.Mamba`.
+"""``mamba_ssm.modules.mamba_simple``: mamba-ssm 2.x's ``Mamba`` layer, on :class:`fastarch.nn.Mamba` (``Block`` lives
+in ``mamba_ssm.modules.block``, as in mamba-ssm 2.x).
 
 ``Mamba`` takes mamba-ssm's constructor arguments and ``state_dict`` keys (``in_proj.weight``,
 ``conv1d.weight``, ``conv1d.bias``, ``x_proj.weight``, ``dt_proj.weight``, ``dt_proj.bias``, ``A_log``, ``D``,
@@ -17,9 +18,8 @@ from fastarch.nn.mamba import Mamba as _Mamba
 from fastarch.nn.mamba import MambaLayerCache, mixer_step
 
 from ..._missing import missing_attribute
-from .block import Block
 
-__all__ = ["Block", "Mamba"]
+__all__ = ["Mamba"]
 
 __getattr__ = missing_attribute("mamba_ssm", "mamba_ssm.modules.mamba_simple")
 

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.nn import init
 
 from .._missing import missing_attribute
-from .layer_norm import _dropout_add_norm, _parallel_residual
+from .layer_norm import DropoutAddLayerNorm, _dropout_add_norm, _parallel_residual
 
 __all__ = ["DropoutAddRMSNorm", "RMSNorm", "dropout_add_rms_norm", "dropout_add_rms_norm_parallel_residual",
            "rms_norm"]
@@ -37,20 +37,15 @@ def dropout_add_rms_norm_parallel_residual(x0, x1, residual, weight0, bias0, wei
                               residual_in_fp32, return_dropout_mask, True)
 
 
-class DropoutAddRMSNorm(torch.nn.Module):
-    """flash-attn's ``DropoutAddRMSNorm``: ``weight`` (ones) ``(hidden_size,)``, no bias;
-    ``forward(x0, residual=None)``."""
+class DropoutAddRMSNorm(DropoutAddLayerNorm):
+    """flash-attn's ``DropoutAddRMSNorm``: :class:`DropoutAddLayerNorm` without a bias (``weight`` (ones)
+    ``(hidden_size,)``); ``forward(x0, residual=None)`` is :func:`dropout_add_rms_norm`."""
 
     def __init__(self, hidden_size: int, prenorm: bool = False, p: float = 0.0, eps: float = 1e-5,
                  residual_in_fp32: bool = False, device=None, dtype=None) -> None:
-        super().__init__()
-        self.prenorm = prenorm
-        self.p = p
-        self.epsilon = eps
-        self.residual_in_fp32 = residual_in_fp32
-        self.weight = torch.nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
+        super().__init__(hidden_size, prenorm, p, eps, residual_in_fp32, device, dtype)
+        del self.bias
         self.register_parameter("bias", None)
-        self.reset_parameters()
 
     def reset_parameters(self) -> None:
         init.ones_(self.weight)

@@ -94,8 +94,8 @@ if os.environ.get("FASTARCH_NO_AOT") != "1":
 csrc_packages = ["fastarch._csrc"] + [f"fastarch._csrc.{p}" for p in find_namespace_packages(where=str(HERE / "csrc"))]
 
 setup(
-    packages=find_packages(include=["fastarch", "fastarch.*"]) + ["fastarch.kernels"] + csrc_packages,
-    package_dir={"fastarch.kernels": "kernels", "fastarch._csrc": "csrc"},
+    packages=find_packages(include=["fastarch", "fastarch.*"]) + csrc_packages,
+    package_dir={"fastarch._csrc": "csrc"},
     package_data={"fastarch._csrc": ["cpu/*.cpp", "cpu/include/*", "cuda/*.cu", "cuda/include/*"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -10,10 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from ._source_tree import map_kernels
 from .backend import BackendUnavailableError, ExtensionBuildError, use_backend
-
-map_kernels()
 
 __version__ = "0.1.0"
 __all__ = ["BackendUnavailableError", "ExtensionBuildError", "use_backend", "__version__", "explain"]

@@ -12,14 +12,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Where each package's sources live in a checkout (fastarch.kernels is installed from ./kernels).
-PACKAGE_ROOTS = {"fastarch": ROOT / "fastarch", "fastarch.kernels": ROOT / "kernels"}
+# Where each package's sources live in a checkout.
+PACKAGE_ROOTS = {"fastarch": ROOT / "fastarch"}
 
 # Bottom to top. A module may import its own layer and the layers below it. A name matches a module and
 # every module under it; the longest match wins.
 LAYERS: list[tuple[str, ...]] = [
     ("fastarch.kernels",),
-    ("fastarch._files", "fastarch._source_tree", "fastarch.backend", "fastarch.extensions"),
+    ("fastarch._files", "fastarch.backend", "fastarch.extensions"),
     ("fastarch.ops",),
     ("fastarch.nn",),
     ("fastarch.models",),
@@ -36,8 +36,6 @@ def module_files() -> dict[str, Path]:
         for path in sorted(folder.rglob("*.py")):
             rel = path.relative_to(folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
-            if pkg == "fastarch" and parts and parts[0] == "kernels":
-                continue  # a link to ./kernels in older checkouts; listed under its own root
             out[".".join([pkg, *parts])] = path
     return out
 

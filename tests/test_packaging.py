@@ -1,5 +1,5 @@
-"""Build flags and package layout: ahead-of-time builds stay portable, and fastarch.kernels is this
-checkout's kernels/."""
+"""Build flags and package layout: ahead-of-time builds stay portable, and no top-level folder of the
+checkout shadows an installed package."""
 
 from __future__ import annotations
 
@@ -43,6 +43,10 @@ def test_ahead_of_time_module_name_changes_with_the_flags():
     assert fx.source_hash(name, kind, ahead_of_time=True) != fx.source_hash(name, kind)
 
 
-def test_kernels_subpackage_is_this_checkouts_kernels_folder():
-    assert Path(fastarch.kernels.__file__).resolve() == ROOT / "kernels" / "__init__.py"
-    assert not (ROOT / "fastarch" / "kernels").exists(), "fastarch/kernels must not exist: package_dir maps it"
+def test_the_triton_kernels_are_a_subpackage_and_no_top_level_folder_is_importable():
+    # A checkout's root is on sys.path when Python runs from it (pytest, scripts); a top-level package folder
+    # there would shadow an installed package of the same name (``kernels`` is Hugging Face's, which
+    # transformers imports).
+    assert Path(fastarch.kernels.__file__).resolve() == ROOT / "fastarch" / "kernels" / "__init__.py"
+    packages = sorted(p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file())
+    assert packages == ["fastarch", "tests"], packages

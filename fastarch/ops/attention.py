@@ -16,7 +16,7 @@
 
 Backends: ``aten`` (PyTorch's fused SDPA kernels, for full and causal attention with or without GQA),
 ``cpp`` (banded tiled online-softmax C++ kernel, forward and backward, every feature), ``triton``
-(kernels/attention.py; on CPU only under ``TRITON_INTERPRET=1``) and ``torch`` (dense masked attention in
+(fastarch/kernels/attention.py; on CPU only under ``TRITON_INTERPRET=1``) and ``torch`` (dense masked attention in
 fp32, chunked over query rows, for what no kernel takes).
 """
 
@@ -1182,7 +1182,7 @@ class TritonAttention(TritonImplementation):
     op, kernel_module = OP, "attention"
     max_head_dim = MAX_TRITON_HEAD_DIM
     supports_dropout = supports_bias_grad = supports_varlen = True
-    description = ("Triton FlashAttention-2 style kernels (kernels/attention.py), fp32 accumulation; "
+    description = ("Triton FlashAttention-2 style kernels (fastarch/kernels/attention.py), fp32 accumulation; "
                    "variable-length batches launch per sequence on strided views (dropout hashes the packed "
                    "row and key indices, as the other backends do)")
 

@@ -8,8 +8,9 @@ return_final_states=False, final_states_out=None)``:
   ``out[b, d, t] = bias[d] + sum_k weight[d, k] * v[b, d, t + k]``, then SiLU when ``activation`` is
   ``"silu"`` or ``"swish"``; output ``(B, D, L)`` in ``x.dtype``;
 - ``seq_idx`` ``(B, L)`` integer: several sequences packed in one row; a tap only reads positions of the
-  same sequence (equal ``seq_idx``), so no sequence sees its predecessor. Not combinable with initial or
-  final states (the package refuses that too);
+  same sequence (equal ``seq_idx``), so no sequence sees its predecessor. A negative ``seq_idx`` marks
+  padding: its outputs are 0 (bias and activation not applied) and no sequence reads it. Not combinable with
+  initial or final states (the package refuses that too);
 - ``return_final_states`` also returns the last ``W - 1`` entries of that virtual sequence, ``(B, D, W - 1)``
   in ``x.dtype``, written into ``final_states_out`` when given; the states a later call continues from.
 
@@ -18,7 +19,8 @@ Differentiable in ``x``, ``weight``, ``bias`` and ``initial_states`` (the final 
 ``causal_conv1d_update(x, conv_state, weight, bias=None, activation=None, cache_seqlens=None,
 conv_state_indices=None)``: T decode steps. ``x`` ``(B, D)`` or ``(B, D, T)``; ``conv_state``
 ``(B_state, D, S)``, ``S >= W - 1``, updated in place; row ``b`` uses ``conv_state[conv_state_indices[b]]``
-(distinct indices) or ``conv_state[b]``. Without ``cache_seqlens`` the state holds the last S inputs in
+(distinct indices) or ``conv_state[b]``; an index of -1 marks a padded row: its outputs are 0 and no state
+is touched. Without ``cache_seqlens`` the state holds the last S inputs in
 order and is shifted; with ``cache_seqlens`` ``(B,)`` it is a circular buffer: the i-th new input goes to
 ``(cache_seqlens[b] + i) % S`` and the window before it is read from just below. Every argument is
 validated before ``conv_state`` is touched.
@@ -27,12 +29,17 @@ Backends (both ops; ``aten`` only for the convolution without ``seq_idx`` or ini
 (PyTorch's native grouped convolution and its backward), ``torch`` (composed PyTorch; an analytic backward in
 composed PyTorch), ``cpp``
 (the ``causal_conv1d`` C++ extension: loops parallel over batch x channel) and ``triton`` (tiled kernels in
-``kernels/causal_conv1d.py``; the backward sums per-tile partials of dw/dbias, no atomics). The compiled
+``fastarch/kernels/causal_conv1d.py``; the backward sums per-tile partials of dw/dbias, no atomics). The compiled
 backends take fp32 contiguous tensors (other inputs are converted), except that the ``cpp`` forward and
 backward read a channel-last ``x`` (unit stride over ``D``, e.g. a transposed slice of a ``(B, L, D')``
 projection) in place, and the forward then returns ``out`` channel-last (``(B, L, D)`` transposed), so
 ``out.transpose(1, 2)`` is contiguous; the update works on ``conv_state`` in
 place when it is fp32 contiguous and through an fp32 copy written back otherwise (after validation).
+
+``causal_conv1d_varlen_states(x, cu_seqlens, state_len)``: the conv states of packed variable-length
+sequences (prefill of a batch laid out as ``(total, D)``): for sequence ``b`` the last ``state_len`` rows of
+``x[cu_seqlens[b]:cu_seqlens[b + 1]]``, right-aligned, zeros before a shorter sequence's start; returns
+``(B, D, state_len)`` (channel-last: ``(B, state_len, D)`` transposed), differentiable in ``x``.
 """
 
 from __future__ import annotations
@@ -48,13 +55,14 @@ from ._checks import check_same_device, check_tensor, check_writable, fail
 from ._dispatch import call_of, dispatch, in_layout_of, resolve, run, run_backward
 
 __all__ = ["causal_conv1d", "causal_conv1d_fn", "causal_conv1d_ref", "causal_conv1d_update",
-           "causal_conv1d_update_ref"]
+           "causal_conv1d_update_ref", "causal_conv1d_varlen_states", "causal_conv1d_varlen_states_ref"]
 
 OP = "causal_conv1d"
 OP_UPDATE = "causal_conv1d_update"
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_WIDTH = 64
 _INT32_MAX = 2**31 - 1
+PAD_SLOT = -1  # a conv_state_indices entry marking a padded batch row
 
 
 def _check_activation(op: str, activation: str | None) -> bool:
@@ -102,7 +110,10 @@ def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         out = torch.einsum("bdlw,dw->bdl", windows * _same_sequence(seq_idx, width)[:, None], weight)
         if bias is not None:
             out = out + bias[:, None]
-    out = (F.silu(out) if silu else out).to(x.dtype)
+    out = F.silu(out) if silu else out
+    if seq_idx is not None:
+        out = out.masked_fill((seq_idx < 0)[:, None, :], 0)  # padding positions
+    out = out.to(x.dtype)
     if not return_final_states:
         return out
     final = full[..., full.shape[-1] - (width - 1):].to(x.dtype)
@@ -223,7 +234,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         weight: one filter of width ``W`` (1 to 64) per channel.
         bias: optional per-channel bias.
         activation: None, ``"silu"`` or ``"swish"``.
-        seq_idx: optional sequence index of every step; taps never cross a change of sequence.
+        seq_idx: optional sequence index of every step; taps never cross a change of sequence; a negative
+            index marks padding, whose outputs are 0.
         initial_states: optional ``W - 1`` steps before the start.
         return_final_states: also return the last ``W - 1`` steps, the state a later call continues from.
         final_states_out: optional tensor the final states are written into.
@@ -247,6 +259,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     name = resolve(OP, lambda: _call(x, weight, seq, init), backend)
     # channel-last x stays as it is: the C++ backend reads it in place and answers in the same layout
     out = _conv_fwd(x if _channel_last(x) else x.contiguous(), weight, bias, seq, init, silu, name)
+    if seq is not None:
+        pad = seq < 0
+        if bool(pad.any()):  # padding positions answer 0 (and pass no gradient)
+            out = out.masked_fill(pad[:, None, :], 0)
     if not return_final_states:
         return out
     # A slice of the inputs: autograd carries its gradient back to x and initial_states.
@@ -282,6 +298,13 @@ def causal_conv1d_update_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: 
                              conv_state_indices: torch.Tensor | None = None) -> torch.Tensor:
     """Reference decode step (see the module docstring); updates ``conv_state`` in place."""
     silu = _check_activation(OP_UPDATE, activation)
+    if conv_state_indices is not None and bool((conv_state_indices == PAD_SLOT).any()):
+        keep = conv_state_indices != PAD_SLOT  # padded rows: outputs 0, no state touched
+        out = torch.zeros_like(x)
+        out[keep] = causal_conv1d_update_ref(x[keep], conv_state, weight, bias, activation,
+                                             None if cache_seqlens is None else cache_seqlens[keep],
+                                             conv_state_indices[keep])
+        return out
     squeeze = x.dim() == 2
     xs = x.unsqueeze(-1) if squeeze else x
     batch, dim, T = xs.shape
@@ -342,10 +365,12 @@ def _validate_update(x, conv_state, weight, bias, cache_seqlens, conv_state_indi
         check_tensor(op, "conv_state", conv_state, shape=(None, dim, None))
         check_tensor(op, "conv_state_indices", conv_state_indices, dtypes=INDEX_DTYPES, shape=(batch,))
         n = conv_state.shape[0]
-        if batch and (int(conv_state_indices.min()) < 0 or int(conv_state_indices.max()) >= n):
-            fail(op, f"argument 'conv_state_indices' must lie in [0, {n}) (conv_state has {n} rows), got "
-                     f"values in [{int(conv_state_indices.min())}, {int(conv_state_indices.max())}]", IndexError)
-        if conv_state_indices.unique().numel() != batch:
+        if batch and (int(conv_state_indices.min()) < PAD_SLOT or int(conv_state_indices.max()) >= n):
+            fail(op, f"argument 'conv_state_indices' must lie in [0, {n}) (conv_state has {n} rows) or be "
+                     f"{PAD_SLOT} (a padded row), got values in [{int(conv_state_indices.min())}, "
+                     f"{int(conv_state_indices.max())}]", IndexError)
+        used = conv_state_indices[conv_state_indices != PAD_SLOT]
+        if used.unique().numel() != used.numel():
             fail(op, "argument 'conv_state_indices' must not repeat a row (two rows would write one state)")
     if conv_state.shape[-1] < weight.shape[1] - 1:
         fail(op, f"argument 'conv_state' must hold at least width - 1 = {weight.shape[1] - 1} steps, "
@@ -379,7 +404,8 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
         bias: optional per-channel bias.
         activation: None, ``"silu"`` or ``"swish"``.
         cache_seqlens: optional steps already in each row's circular buffer.
-        conv_state_indices: optional row of ``conv_state`` for each batch row (distinct).
+        conv_state_indices: optional row of ``conv_state`` for each batch row (distinct; -1: a padded row,
+            whose outputs are 0 and which touches no state).
         backend: force 'cpp', 'triton' or 'torch' (default: the selector's choice).
 
     Returns:
@@ -395,12 +421,79 @@ def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torc
         if x.numel() == 0:
             return causal_conv1d_update_ref(x, conv_state, weight, bias, activation, cache_seqlens,
                                             conv_state_indices)
+        if conv_state_indices is not None and bool((conv_state_indices == PAD_SLOT).any()):
+            keep = conv_state_indices != PAD_SLOT  # padded rows: outputs 0, no state touched
+            out = torch.zeros_like(x)
+            if bool(keep.any()):
+                out[keep] = causal_conv1d_update(x[keep], conv_state, weight, bias, activation,
+                                                 None if cache_seqlens is None else cache_seqlens[keep],
+                                                 conv_state_indices[keep], backend=backend)
+            return out
         cs = None if cache_seqlens is None else cache_seqlens.to(torch.int32).contiguous()
         idx = None if conv_state_indices is None else conv_state_indices.to(torch.int32).contiguous()
         impl, name = dispatch(OP_UPDATE, lambda: _update_call(x, weight, cs, idx), backend, x, conv_state)
         if impl is not None:
             return in_layout_of(x, impl.update(x, conv_state, weight, bias, silu, cs, idx))
         return _conv_update(x, conv_state, weight, bias, silu, cs, idx, name)
+
+
+# -- states of packed variable-length sequences -------------------------------------------------------------
+def _validate_varlen_states(x, cu_seqlens, state_len) -> None:
+    op = "causal_conv1d_varlen_states"
+    check_tensor(op, "x", x, ndim=2)
+    check_tensor(op, "cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, ndim=1)
+    if cu_seqlens.shape[0] < 1:
+        fail(op, "argument 'cu_seqlens' must have batch + 1 >= 1 entries, got 0")
+    if isinstance(state_len, bool) or not isinstance(state_len, int) or state_len < 0:
+        fail(op, f"argument 'state_len' must be an int >= 0, got {state_len!r}")
+    check_same_device(op, "x", x, cu_seqlens=cu_seqlens)
+    total = x.shape[0]
+    if cu_seqlens.numel():
+        lo, hi = int(cu_seqlens[0]), int(cu_seqlens[-1])
+        if lo < 0 or hi > total or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+            fail(op, f"argument 'cu_seqlens' must be non-decreasing offsets in [0, {total}] (x has {total} "
+                     f"rows), got {cu_seqlens.tolist() if cu_seqlens.numel() <= 8 else 'values'} from {lo} to {hi}")
+
+
+def causal_conv1d_varlen_states_ref(x: torch.Tensor, cu_seqlens: torch.Tensor, state_len: int) -> torch.Tensor:
+    """Reference of :func:`causal_conv1d_varlen_states`, one sequence at a time."""
+    batch, dim = cu_seqlens.shape[0] - 1, x.shape[1]
+    states = x.new_zeros(batch, state_len, dim)
+    for b in range(batch):
+        end = int(cu_seqlens[b + 1])
+        start = max(int(cu_seqlens[b]), end - state_len)
+        if end > start:
+            states[b, state_len - (end - start):] = x[start:end]
+    return states.transpose(1, 2)
+
+
+def causal_conv1d_varlen_states(x: torch.Tensor, cu_seqlens: torch.Tensor, state_len: int) -> torch.Tensor:
+    """The conv states of packed variable-length sequences: for sequence ``b`` the last ``state_len`` rows of
+    ``x[cu_seqlens[b]:cu_seqlens[b + 1]]``, right-aligned, zeros before the start of a shorter sequence
+    (the ``causal_conv1d`` package's ``causal_conv1d_varlen_states``).
+
+    Args:
+        x: the packed inputs of every sequence, one row per step.
+        cu_seqlens: offsets of the sequences in ``x`` (non-decreasing, in ``[0, total]``).
+        state_len: how many steps each state keeps (e.g. the conv width - 1).
+
+    Returns:
+        The states in ``x.dtype``, channel-last (a ``(B, state_len, D)`` tensor transposed); differentiable
+        in ``x``.
+
+    Shapes:
+        x: ``(total, D)``; cu_seqlens: ``(B + 1,)``; out: ``(B, D, state_len)``.
+    """
+    _validate_varlen_states(x, cu_seqlens, state_len)
+    batch, (total, dim) = cu_seqlens.shape[0] - 1, x.shape
+    if batch == 0 or state_len == 0 or total == 0:
+        return x.new_zeros(batch, state_len, dim).transpose(1, 2)
+    cu = cu_seqlens.long()
+    end, begin = cu[1:, None], cu[:-1, None]
+    src = end - state_len + torch.arange(state_len, device=x.device)  # (B, state_len): the row of each slot
+    inside = src >= begin  # slots before the sequence's start stay zero
+    rows = x[src.clamp(0, total - 1)]  # (B, state_len, D)
+    return torch.where(inside[..., None], rows, rows.new_zeros(())).transpose(1, 2)
 
 
 # -- backends ---------------------------------------------------------------------------------------------

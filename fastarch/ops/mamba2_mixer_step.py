@@ -225,7 +225,7 @@ class TorchMamba2MixerStep(TorchImplementation):
 
 
 class CppMamba2MixerStep(CppImplementation):
-    op, extension = OP, "mamba_step"
+    op, extension = OP, "decode_step"
     dtypes = (torch.float32,)
     description = ("one fused C++ call per step (weights read once, loops split over the task pool); fp32, "
                    "contiguous, without autograd")

@@ -343,3 +343,73 @@ def test_rotary_tables_made_once_per_cos_sin_pair(monkeypatch):
         q2, k2, cos2, sin2 = _qkcs(tables=1)
         module.apply_rotary_pos_emb(q2, k2, cos2.clone(), sin2.clone())
         assert len(made) == 3
+
+
+# -- the fused decode step ------------------------------------------------------------------------------------
+def _step_model(name: str, seed: int = 0):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = {"llama": lambda: transformers.LlamaConfig(attention_bias=True, **common),
+              "mistral": lambda: transformers.MistralConfig(sliding_window=6, **common),
+              "qwen2": lambda: transformers.Qwen2Config(**common),
+              "qwen3": lambda: transformers.Qwen3Config(head_dim=16, **common),
+              "phi3": lambda: transformers.Phi3Config(partial_rotary_factor=0.5, pad_token_id=0, **common)}[name]()
+    torch.manual_seed(seed)
+    cls = getattr(transformers, {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+                                 "phi3": "Phi3"}[name] + "ForCausalLM")
+    model = cls(config).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
+def test_fused_decode_step_generates_what_transformers_does(name, padding, monkeypatch):
+    steps = []
+    real = fh.decoder.llama_out_step
+
+    def counting(*args, **kwargs):
+        steps.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fh.decoder, "llama_out_step", counting)
+    model = _step_model(name)
+    ids, mask = _batch(padding)
+    # 12 new tokens: past Mistral's 6-token window
+    kw = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0,
+              output_scores=True, return_dict_in_generate=True)
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(ids, **kw)
+    fh.register()
+    model.set_attn_implementation("fastarch")
+    out = model.generate(ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    for got, want in zip(out.scores, ref.scores):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    # every decode step of every layer is fused without padding; a padded batch takes the original forward
+    # while a padded key is in view (Mistral's window leaves the padding behind after a few steps)
+    if padding == "none":
+        assert len(steps) == 11 * LAYERS
+    elif name != "mistral":
+        assert not steps
+    assert "decode step" in fh.report(model)
+
+
+def test_fused_decode_step_is_not_taken_under_autograd_or_other_attention(monkeypatch):
+    taken = []
+    monkeypatch.setattr(fh.decoder, "llama_qkv_step", lambda *a, **k: taken.append(1))
+    model = _step_model("llama")
+    ids, mask = _batch("none")
+    fh.register()
+    for impl in ("sdpa", "eager"):
+        model.set_attn_implementation(impl)
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    model.set_attn_implementation("fastarch")
+    with torch.enable_grad():
+        cache = transformers.DynamicCache(config=model.config)
+        out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+    assert taken == []

@@ -51,6 +51,11 @@ and :func:`fastarch.ops.rms_norm_gated` (CPU; fp32, bf16 and fp16).
 bf16, fp16; constant ``(1 or B, L, D)`` cos/sin whose halves repeat), and the MLPs of :data:`LLAMA_MLPS`
 with the SiLU and the product in place when autograd is off.
 
+**Llama-family decode steps.** With ``llama=True`` and fastarch's attention, the decoder layers of
+:data:`DECODER_LAYERS` (Llama, Mistral, Qwen2, Qwen3, Phi-3) run a single-token CPU fp32 step without autograd
+as two fused calls, :func:`fastarch.ops.llama_qkv_step` and :func:`fastarch.ops.llama_out_step`, around the
+``DynamicCache``'s own ``update`` (conditions: :mod:`.decoder`).
+
 :func:`report` lists, for a model, what runs on fastarch and why anything does not.
 """
 
@@ -73,8 +78,9 @@ if not SUPPORTED_TRANSFORMERS[0] <= _tf_version < SUPPORTED_TRANSFORMERS[1]:
         "pip install 'fastarch[hf]' (or pip install 'transformers>=5.21,<6')"
     )
 
-from . import attention, kernels, llama, mamba, norms, patches, registry  # noqa: E402
+from . import attention, decoder, kernels, llama, mamba, norms, patches, registry  # noqa: E402
 from .attention import CompactMask, attention_forward, attention_mask, hf_window  # noqa: E402
+from .decoder import DECODER_LAYERS  # noqa: E402
 from .kernels import KERNEL_EXCEPTIONS, KERNEL_GLOBALS  # noqa: E402
 from .llama import LLAMA_MLPS, LLAMA_MODULES  # noqa: E402
 from .norms import NORM_MODULES  # noqa: E402
@@ -83,6 +89,7 @@ from .registry import register, registered, report, unregister  # noqa: E402
 
 __all__ = [
     "CompactMask",
+    "DECODER_LAYERS",
     "KERNEL_EXCEPTIONS",
     "KERNEL_GLOBALS",
     "LLAMA_MLPS",
@@ -94,6 +101,7 @@ __all__ = [
     "attention",
     "attention_forward",
     "attention_mask",
+    "decoder",
     "hf_window",
     "kernels",
     "llama",

@@ -13,6 +13,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .decoder import DECODER_LAYERS, _decoder_layer_forward
 from .kernels import KERNEL_EXCEPTIONS, KERNEL_GLOBALS, _dispatcher, _real_package
 from .llama import LLAMA_MLPS, LLAMA_MODULES, _apply_rotary_pos_emb, _swiglu_mlp_forward
 from .mamba import _mamba2_mixer_forward, _mamba_mixer_forward
@@ -69,6 +70,9 @@ PATCHES: tuple[Patch, ...] = (
             "apply_rotary_pos_emb on fastarch.ops.rotary_embedding (CPU; fp32, bf16, fp16)") for modname, _ in LLAMA_MODULES),
     *(Patch("llama", modname, clsname, "forward", _cpu_rms_norm_forward,
             f"{clsname}.forward on fastarch.ops.rms_norm (CPU; fp32, bf16, fp16)") for modname, clsname in LLAMA_MODULES),
+    *(Patch("llama", modname, clsname, "forward", functools.partial(_decoder_layer_forward, norm_cls_name=norm),
+            f"{clsname}: the CPU fp32 decode step (fastarch attention, DynamicCache) as two fused calls "
+            "(fastarch.ops.llama_qkv_step, llama_out_step)") for modname, clsname, norm in DECODER_LAYERS),
     *(Patch("llama", modname, clsname, "forward", _swiglu_mlp_forward,
             f"{clsname}: SiLU and product in place without autograd") for modname, clsname in LLAMA_MLPS),
 )

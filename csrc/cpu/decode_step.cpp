@@ -1,6 +1,10 @@
-// One decode step of a Mamba-1 (and below, Mamba-2) mixer on CPU, fused: (optional RMS norm) -> in_proj -> causal conv update + SiLU
-// -> x_proj -> dt_proj (+ bias, softplus) -> selective state update (D skip, silu(z) gate) -> out_proj
-// (-> optional residual), in one call.
+// Fused decode steps on CPU, one call each:
+// - a Mamba-1 mixer: (optional RMS norm) -> in_proj -> causal conv update + SiLU -> x_proj -> dt_proj (+ bias,
+//   softplus) -> selective state update (D skip, silu(z) gate) -> out_proj (-> optional residual);
+// - a Mamba-2 mixer (below);
+// - a Llama-family decoder layer, in two halves around the caller's KV-cache write: RMS norm -> q, k, v
+//   projections -> rotary; then attention over the cache -> o_proj + residual -> RMS norm -> SwiGLU MLP +
+//   residual.
 // A decode step reads every weight once and does little arithmetic, so its time is the time to stream the
 // weights from memory plus whatever each separate call adds; one call per layer leaves only the weights.
 // The conv and SSM states advance in place.
@@ -11,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "fastarch_math.h"
 #include "fastarch_tensor.h"
@@ -81,15 +86,15 @@ void matvec(const float* W, const float* bias, int64_t N, int64_t K, const float
 const float* opt_ptr(const c10::optional<torch::Tensor>& t, int64_t numel, const char* name) {
   if (!t.has_value() || !t->defined()) return nullptr;
   check_cpu_contig(*t, name);
-  TORCH_CHECK(t->scalar_type() == torch::kFloat && t->numel() == numel, "mamba_step: ", name, " must be fp32 with ",
+  TORCH_CHECK(t->scalar_type() == torch::kFloat && t->numel() == numel, "decode_step: ", name, " must be fp32 with ",
               numel, " elements");
   return t->data_ptr<float>();
 }
 
 void check_f32(const torch::Tensor& t, const char* name, std::initializer_list<int64_t> shape) {
   check_cpu_contig(t, name);
-  TORCH_CHECK(t.scalar_type() == torch::kFloat, "mamba_step: ", name, " must be fp32");
-  TORCH_CHECK(t.sizes() == c10::IntArrayRef(shape), "mamba_step: ", name, " must have shape ", c10::IntArrayRef(shape),
+  TORCH_CHECK(t.scalar_type() == torch::kFloat, "decode_step: ", name, " must be fp32");
+  TORCH_CHECK(t.sizes() == c10::IntArrayRef(shape), "decode_step: ", name, " must have shape ", c10::IntArrayRef(shape),
               ", got ", t.sizes());
 }
 
@@ -347,10 +352,198 @@ torch::Tensor mamba2_step(const torch::Tensor& x, const torch::Tensor& in_w, con
   return out;
 }
 
+// RMS norm of each row of x (rows, n): y = x * rsqrt(mean(x^2) + eps) * w.
+void rms_rows(const float* x, const float* w, int64_t rows, int64_t n, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t k = 0; k < n; ++k) ss += xr[k] * xr[k];
+    const float rstd = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    float* yr = y + r * n;
+    for (int64_t k = 0; k < n; ++k) yr[k] = xr[k] * rstd * w[k];
+  }
+}
+
+// Rotates each of the rows (rows, D) of v by the angles (cos, sin) (R / 2 each): channel pairs (i, i + R / 2) for
+// i < R / 2 (rotate-half pairs over the first R channels; the rest pass through).
+void rotate_rows(float* v, int64_t rows, int64_t D, const float* c, const float* s, int64_t half) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* x = v + r * D;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x[i], b = x[i + half];
+      x[i] = a * c[i] - b * s[i];
+      x[i + half] = b * c[i] + a * s[i];
+    }
+  }
+}
+
+// First half of a Llama-family decoder layer's decode step. x (B, d); norm_w (d); q_w (H D, d), k_w and v_w
+// (Hk D, d), biases optional; q_norm_w and k_norm_w (D), optional: a per-head RMS norm of q and k before the
+// rotation (epsilon head_eps); cos and sin (Bc, R / 2), Bc 1 or B, R <= D even: the rotation's angles.
+// Returns q (B, H, D), k (B, Hk, D) rotated and v (B, Hk, D).
+std::vector<torch::Tensor> llama_qkv_step(const torch::Tensor& x, const torch::Tensor& norm_w, double norm_eps,
+                                          const torch::Tensor& q_w, const c10::optional<torch::Tensor>& q_b,
+                                          const torch::Tensor& k_w, const c10::optional<torch::Tensor>& k_b,
+                                          const torch::Tensor& v_w, const c10::optional<torch::Tensor>& v_b,
+                                          const c10::optional<torch::Tensor>& q_norm_w,
+                                          const c10::optional<torch::Tensor>& k_norm_w, double head_eps,
+                                          const torch::Tensor& cos, const torch::Tensor& sin, int64_t H, int64_t Hk,
+                                          bool parallel) {
+  TORCH_CHECK(x.dim() == 2 && q_w.dim() == 2 && cos.dim() == 2 && H >= 1 && Hk >= 1,
+              "llama_qkv_step: x (B, d), q_w (H D, d), cos (Bc, R/2)");
+  const int64_t Bsz = x.size(0), Dm = x.size(1);
+  TORCH_CHECK(q_w.size(0) % H == 0, "llama_qkv_step: q_w rows must be H * D");
+  const int64_t D = q_w.size(0) / H, half = cos.size(1), Bc = cos.size(0);
+  TORCH_CHECK(2 * half <= D && (Bc == 1 || Bc == Bsz), "llama_qkv_step: cos must be (1 or B, <= D / 2)");
+  check_f32(x, "x", {Bsz, Dm});
+  check_f32(norm_w, "norm_w", {Dm});
+  check_f32(q_w, "q_w", {H * D, Dm});
+  check_f32(k_w, "k_w", {Hk * D, Dm});
+  check_f32(v_w, "v_w", {Hk * D, Dm});
+  check_f32(cos, "cos", {Bc, half});
+  check_f32(sin, "sin", {Bc, half});
+  const float* pqb = opt_ptr(q_b, H * D, "q_b");
+  const float* pkb = opt_ptr(k_b, Hk * D, "k_b");
+  const float* pvb = opt_ptr(v_b, Hk * D, "v_b");
+  const float* pqn = opt_ptr(q_norm_w, D, "q_norm_w");
+  const float* pkn = opt_ptr(k_norm_w, D, "k_norm_w");
+
+  auto opts = x.options();
+  auto xn = torch::empty({Bsz, Dm}, opts);
+  auto q = torch::empty({Bsz, H, D}, opts);
+  auto k = torch::empty({Bsz, Hk, D}, opts);
+  auto v = torch::empty({Bsz, Hk, D}, opts);
+  float* pxn = xn.data_ptr<float>();
+  rms_rows(x.data_ptr<float>(), norm_w.data_ptr<float>(), Bsz, Dm, static_cast<float>(norm_eps), pxn);
+  matvec(q_w.data_ptr<float>(), pqb, H * D, Dm, pxn, Bsz, q.data_ptr<float>(), parallel);
+  matvec(k_w.data_ptr<float>(), pkb, Hk * D, Dm, pxn, Bsz, k.data_ptr<float>(), parallel);
+  matvec(v_w.data_ptr<float>(), pvb, Hk * D, Dm, pxn, Bsz, v.data_ptr<float>(), parallel);
+  float* pq = q.data_ptr<float>();
+  float* pk = k.data_ptr<float>();
+  if (pqn) rms_rows(pq, pqn, Bsz * H, D, static_cast<float>(head_eps), pq);
+  if (pkn) rms_rows(pk, pkn, Bsz * Hk, D, static_cast<float>(head_eps), pk);
+  const float* pc = cos.data_ptr<float>();
+  const float* ps = sin.data_ptr<float>();
+  for (int64_t b = 0; b < Bsz; ++b) {
+    const int64_t t = Bc == 1 ? 0 : b;
+    rotate_rows(pq + b * H * D, H, D, pc + t * half, ps + t * half, half);
+    rotate_rows(pk + b * Hk * D, Hk, D, pc + t * half, ps + t * half, half);
+  }
+  return {q, k, v};
+}
+
+// Second half of the step. q (B, H, D); key and value (B, Hk, S, D), unit stride in D, S >= n: the query (at
+// position n - 1) attends keys [j0, n) with j0 = max(0, n - 1 - left) (left < 0: all), scaled by scale, its head
+// reading key head h / (H / Hk). Then h = residual + attn @ o_w^T (+ o_b); with gate_w: the result is
+// h + down(silu(gate(m)) * up(m)) with m = rms_norm(h) * norm_w, else h. residual (B, d); o_w (d, H D);
+// gate_w, up_w (I, d); down_w (d, I). Returns (B, d).
+torch::Tensor llama_out_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value, int64_t n,
+                             int64_t left, double scale, const torch::Tensor& residual, const torch::Tensor& o_w,
+                             const c10::optional<torch::Tensor>& o_b, const c10::optional<torch::Tensor>& norm_w,
+                             double norm_eps, const c10::optional<torch::Tensor>& gate_w,
+                             const c10::optional<torch::Tensor>& up_w, const c10::optional<torch::Tensor>& down_w,
+                             bool parallel) {
+  TORCH_CHECK(q.dim() == 3 && key.dim() == 4 && value.dim() == 4 && residual.dim() == 2 && o_w.dim() == 2,
+              "llama_out_step: q (B, H, D), key and value (B, Hk, S, D), residual (B, d), o_w (d, H D)");
+  const int64_t Bsz = q.size(0), H = q.size(1), D = q.size(2), Hk = key.size(1), Dm = residual.size(1);
+  TORCH_CHECK(Hk >= 1 && H % Hk == 0, "llama_out_step: key heads must divide the query heads");
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == Bsz && key.size(3) == D && n >= 1 && n <= key.size(2),
+              "llama_out_step: key and value must be (B, Hk, S >= n, D)");
+  TORCH_CHECK(key.scalar_type() == torch::kFloat && value.scalar_type() == torch::kFloat && key.stride(3) == 1 &&
+                  value.stride(3) == 1 && key.device().is_cpu() && value.device().is_cpu(),
+              "llama_out_step: key and value must be fp32 CPU tensors with unit stride over D");
+  check_f32(q, "q", {Bsz, H, D});
+  check_f32(residual, "residual", {Bsz, Dm});
+  check_f32(o_w, "o_w", {Dm, H * D});
+  const float* pob = opt_ptr(o_b, Dm, "o_b");
+  const bool mlp = gate_w.has_value() && gate_w->defined();
+  int64_t I = 0;
+  if (mlp) {
+    I = gate_w->size(0);
+    check_f32(*gate_w, "gate_w", {I, Dm});
+    TORCH_CHECK(up_w.has_value() && down_w.has_value(), "llama_out_step: the MLP needs gate_w, up_w and down_w");
+    check_f32(*up_w, "up_w", {I, Dm});
+    check_f32(*down_w, "down_w", {Dm, I});
+  }
+  const float* pnw = opt_ptr(norm_w, Dm, "norm_w");
+  TORCH_CHECK(!mlp || pnw, "llama_out_step: the MLP needs norm_w");
+
+  auto opts = q.options();
+  auto attn = torch::empty({Bsz, H * D}, opts);
+  float* pa = attn.data_ptr<float>();
+  const float* pq = q.data_ptr<float>();
+  const float* pk = key.data_ptr<float>();
+  const float* pv = value.data_ptr<float>();
+  const int64_t ksb = key.stride(0), ksh = key.stride(1), kss = key.stride(2);
+  const int64_t vsb = value.stride(0), vsh = value.stride(1), vss = value.stride(2);
+  const int64_t j0 = left < 0 ? 0 : std::max<int64_t>(0, n - 1 - left);
+  const int64_t L = n - j0, group = H / Hk;
+  const float sc = static_cast<float>(scale);
+  const int64_t head_grain = parallel ? std::max<int64_t>(1, GRAIN / std::max<int64_t>(2 * L * D, 1))
+                                      : std::max<int64_t>(Bsz * H, 1);
+  fastarch::parallel_for(0, Bsz * H, head_grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> p(static_cast<size_t>(L));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / H, h = t % H, g = h / group;
+      const float* qh = pq + t * D;
+      const float* kh = pk + b * ksb + g * ksh + j0 * kss;
+      const float* vh = pv + b * vsb + g * vsh + j0 * vss;
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < L; ++j) {
+        const float* kr = kh + j * kss;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qh[d] * kr[d];
+        p[j] = s * sc;
+        mx = std::max(mx, p[j]);
+      }
+      float sum = 0.f;
+      for (int64_t j = 0; j < L; ++j) {
+        p[j] = std::exp(p[j] - mx);
+        sum += p[j];
+      }
+      float* out = pa + t * D;
+      std::fill(out, out + D, 0.f);
+      for (int64_t j = 0; j < L; ++j) {
+        const float w = p[j] / sum;
+        const float* vr = vh + j * vss;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) out[d] += w * vr[d];
+      }
+    }
+  });
+
+  auto hid = torch::empty({Bsz, Dm}, opts);
+  float* ph = hid.data_ptr<float>();
+  matvec(o_w.data_ptr<float>(), pob, Dm, H * D, pa, Bsz, ph, parallel);
+  const float* pr = residual.data_ptr<float>();
+  for (int64_t i = 0; i < Bsz * Dm; ++i) ph[i] += pr[i];
+  if (!mlp) return hid;
+
+  auto m = torch::empty({Bsz, Dm}, opts);
+  auto gu = torch::empty({2, Bsz, I}, opts);
+  auto out = torch::empty({Bsz, Dm}, opts);
+  float* pm = m.data_ptr<float>();
+  float* pg = gu.data_ptr<float>();
+  float* pu = pg + Bsz * I;
+  float* po = out.data_ptr<float>();
+  rms_rows(ph, pnw, Bsz, Dm, static_cast<float>(norm_eps), pm);
+  matvec(gate_w->data_ptr<float>(), nullptr, I, Dm, pm, Bsz, pg, parallel);
+  matvec(up_w->data_ptr<float>(), nullptr, I, Dm, pm, Bsz, pu, parallel);
+  for (int64_t i = 0; i < Bsz * I; ++i) pg[i] = pg[i] * sigmoid_f(pg[i]) * pu[i];
+  matvec(down_w->data_ptr<float>(), nullptr, Dm, I, pg, Bsz, po, parallel);
+  for (int64_t i = 0; i < Bsz * Dm; ++i) po[i] += ph[i];
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fastarch: one fused decode step of a Mamba-1 or Mamba-2 mixer on CPU";
+  m.doc() = "fastarch: fused decode steps on CPU (Mamba-1 and Mamba-2 mixers, Llama-family decoder layers)";
   m.def("mamba_step", &mamba_step, "Mamba-1 mixer decode step (conv and SSM states in place) -> out");
   m.def("mamba2_step", &mamba2_step, "Mamba-2 mixer decode step (conv and SSM states in place) -> out");
+  m.def("llama_qkv_step", &llama_qkv_step, "Llama-family decode step, first half: norm, q/k/v, rotary -> (q, k, v)");
+  m.def("llama_out_step", &llama_out_step, "Llama-family decode step, second half: attention, o_proj, MLP -> out");
 }

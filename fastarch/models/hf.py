@@ -4,7 +4,10 @@
 Supported ``model_type``: ``bert`` (``fastarch.nn.BERT``), ``gpt2`` (``fastarch.nn.GPTModel`` with
 ``activation="gelu_new"``), ``mamba`` (``fastarch.nn.MambaLM``), ``mamba2`` (``fastarch.nn.Mamba2LM``) and,
 for ``from_hf`` only, ``vit``
-(``fastarch.nn.PreNormViT``). Every checkpoint key maps to a parameter
+(``fastarch.nn.PreNormViT``). mamba-ssm's own checkpoint format (``config.json`` with ``d_model``, ``n_layer``,
+``ssm_cfg``..., ``pytorch_model.bin``) is read by ``from_hf`` too (``MambaLM`` / ``Mamba2LM`` per
+``ssm_cfg["layer"]``) and written by ``to_hf(model, path, format="mamba_ssm")``, so a checkpoint converts between
+the two formats through fastarch. Every checkpoint key maps to a parameter
 or the load fails, and a config value the fastarch model cannot honour raises: no partial loads.
 """
 
@@ -361,6 +364,85 @@ def _mamba2_to_hf(model: Mamba2LM) -> tuple[dict[str, torch.Tensor], dict[str, A
     return sd, config
 
 
+# ---------------------------------------------------------------------------------------------- mamba-ssm's format
+_MAMBA_SSM_FIELDS = ("d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_layer_idx", "attn_cfg",
+                     "rms_norm", "residual_in_fp32", "fused_add_norm", "pad_vocab_size_multiple", "tie_embeddings")
+_MAMBA_SSM_EPS = 1e-5  # mamba-ssm's MixerModel norm_epsilon, which its config cannot change
+
+
+def _is_mamba_ssm(config: dict[str, Any]) -> bool:
+    """A mamba-ssm ``MambaConfig`` dump (no ``model_type``; ``d_model`` and ``n_layer``)."""
+    return "model_type" not in config and "d_model" in config and "n_layer" in config
+
+
+def _mamba_ssm(sd: dict[str, torch.Tensor], config: dict[str, Any], overrides: dict[str, Any]
+               ) -> MambaLM | Mamba2LM:
+    """A mamba-ssm checkpoint as ``MambaLM`` (``ssm_cfg["layer"]`` ``"Mamba1"``) or ``Mamba2LM`` (``"Mamba2"``):
+    RMS norms, no MLP or attention layers (those need ``fastarch.compat.mamba_ssm``'s ``MambaLMHeadModel``)."""
+    t = "mamba-ssm"
+    unknown = sorted(set(config) - set(_MAMBA_SSM_FIELDS))
+    if unknown:
+        raise ValueError(f"from_hf: {t} config has fields MambaConfig does not know: {unknown}")
+    if config.get("d_intermediate", 0) != 0 or config.get("attn_layer_idx") or not config.get("rms_norm", True):
+        raise ValueError(f"from_hf: {t} config with d_intermediate={config.get('d_intermediate', 0)}, "
+                         f"attn_layer_idx={config.get('attn_layer_idx', [])}, rms_norm={config.get('rms_norm', True)} "
+                         "has no MambaLM/Mamba2LM form (needs d_intermediate=0, no attention layers, rms_norm=True); "
+                         "load it with fastarch.compat.mamba_ssm's MambaLMHeadModel.from_pretrained")
+    ssm = dict(config.get("ssm_cfg") or {})
+    layer = ssm.pop("layer", "Mamba1")
+    if layer not in ("Mamba1", "Mamba2"):
+        raise ValueError(f"from_hf: {t} ssm_cfg layer={layer!r} is not supported (expected 'Mamba1' or 'Mamba2')")
+    vocab, multiple = config.get("vocab_size", 50277), config.get("pad_vocab_size_multiple", 8)
+    if vocab % multiple:
+        vocab += multiple - vocab % multiple
+    tie = config.get("tie_embeddings", True)
+    sd = _strip(sd, "backbone.")
+    if tie and not _tied(sd, "lm_head.weight", "embedding.weight"):
+        raise ValueError(f"from_hf: {t} config ties the embeddings but lm_head.weight differs from embedding.weight")
+    kw: dict[str, Any] = dict(vocab_size=vocab, d_model=config.get("d_model", 2560),
+                              n_layers=config.get("n_layer", 64), tie_embeddings=tie, norm_eps=_MAMBA_SSM_EPS, **ssm)
+    kw.update(overrides)
+    if layer == "Mamba1":
+        return _load(lambda: MambaLM(**kw), _map_mamba_lm(sd, tie, _MAMBA_MIXER, "embedding.weight", t), t)
+    return _load(lambda: Mamba2LM(**kw), _map_mamba_lm(sd, tie, _MAMBA2_MIXER, "embedding.weight", t), t)
+
+
+def _to_mamba_ssm(model: MambaLM | Mamba2LM) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(state dict, config) of a MambaLM or Mamba2LM in mamba-ssm's format (``lm_head.weight`` always written,
+    as mamba-ssm's ``save_pretrained`` does)."""
+    eps = {model.norm_f.eps, *(layer.norm.eps for layer in model.layers)}
+    if eps != {_MAMBA_SSM_EPS}:
+        raise ValueError(f"to_hf: mamba-ssm's format fixes every norm's eps at {_MAMBA_SSM_EPS}, the model has "
+                         f"{sorted(eps)}")
+    mixers = [layer.mixer for layer in model.layers]
+    if isinstance(model, MambaLM):
+        def cfg_of(m) -> dict[str, Any]:
+            return dict(layer="Mamba1", d_state=m.d_state, d_conv=m.d_conv, expand=m.expand, dt_rank=m.dt_rank,
+                        bias=m.in_proj.bias is not None, conv_bias=m.conv1d.bias is not None)
+    else:
+        def cfg_of(m) -> dict[str, Any]:
+            if m.rmsnorm and m.norm.eps != _MAMBA_SSM_EPS:
+                raise ValueError(f"to_hf: mamba-ssm's Mamba2 gated norm has eps {_MAMBA_SSM_EPS}, the model's "
+                                 f"{m.norm.eps}")
+            out = dict(layer="Mamba2", d_state=m.d_state, d_conv=m.d_conv, expand=m.expand, headdim=m.headdim,
+                       d_ssm=m.d_ssm, ngroups=m.ngroups, D_has_hdim=m.D_has_hdim, rmsnorm=m.rmsnorm,
+                       norm_before_gate=m.norm_before_gate, bias=m.in_proj.bias is not None,
+                       conv_bias=m.conv1d.bias is not None, chunk_size=m.chunk_size)
+            if tuple(m.dt_limit) != (0.0, math.inf):
+                out["dt_limit"] = list(m.dt_limit)
+            return out
+    cfgs = [cfg_of(m) for m in mixers]
+    if any(c != cfgs[0] for c in cfgs):
+        raise ValueError("to_hf: mamba-ssm's format has one ssm_cfg for every layer; the model's mixers differ")
+    tied = model.lm_head.weight is model.embedding.weight
+    sd = {("backbone.embedding.weight" if k == "embedding.weight" else k if k == "lm_head.weight"
+           else f"backbone.{k}"): v for k, v in model.state_dict().items()}
+    config = dict(d_model=model.d_model, d_intermediate=0, n_layer=model.n_layers, vocab_size=model.vocab_size,
+                  ssm_cfg=cfgs[0] if cfgs else {}, attn_layer_idx=[], attn_cfg={}, rms_norm=True,
+                  residual_in_fp32=True, fused_add_norm=True, pad_vocab_size_multiple=1, tie_embeddings=tied)
+    return sd, config
+
+
 # ---------------------------------------------------------------------------------------------- ViT
 # Layer names on disk (``encoder.layer.N.``) and in transformers 5's modules (``layers.N.``).
 _VIT_LAYER = {"layernorm_before": "norm1", "attention.output.dense": "attention.out_proj",
@@ -505,14 +587,16 @@ def from_hf(path_or_model: Any, **overrides: Any) -> nn.Module:
             read with ``torch.load(weights_only=True)``), or an in-memory transformers model.
         overrides: constructor arguments of the fastarch class, over the ones the config gives.
 
-    Returns: ``BERT`` (``model_type`` ``bert``), ``GPTModel`` (``gpt2``), ``MambaLM`` (``mamba``), ``Mamba2LM``
-    (``mamba2``) or
+    Returns: ``BERT`` (``model_type`` ``bert``), ``GPTModel`` (``gpt2``), ``MambaLM`` (``mamba``, or a mamba-ssm
+    checkpoint with ``Mamba1`` layers), ``Mamba2LM`` (``mamba2``, or a mamba-ssm checkpoint with ``Mamba2``) or
     ``PreNormViT`` (``vit``; ``ViTForImageClassification`` with its classifier, ``ViTModel`` without a pooler).
 
     Raises ``ValueError`` for another ``model_type`` or a config value fastarch cannot honour, ``KeyError``
     for a checkpoint key that maps to no parameter or a parameter the checkpoint lacks.
     """
     sd, config = _read_checkpoint(path_or_model)
+    if _is_mamba_ssm(config):
+        return _mamba_ssm(sd, config, overrides)
     model_type = config.get("model_type")
     if model_type not in _FROM:
         raise ValueError(f"from_hf: model_type {model_type!r} is not supported (fastarch loads "
@@ -526,7 +610,7 @@ _WEIGHT_FILE = re.compile(r"^(pytorch_model|model|tf_model|flax_model)([-.].*)?\
                           r"(\.index\.json)?$")
 
 
-def to_hf(model: nn.Module, path: str | os.PathLike) -> None:
+def to_hf(model: nn.Module, path: str | os.PathLike, *, format: str = "hf") -> None:
     """Write ``model`` (``BERT``, ``GPTModel``, ``MambaLM``, ``Mamba2LM`` or ``PreNormViT``) to the directory
     ``path`` as ``config.json`` and ``model.safetensors`` that transformers' ``from_pretrained`` loads
     (``BertModel``, ``GPT2LMHeadModel``, ``MambaForCausalLM``, ``Mamba2ForCausalLM``,
@@ -534,7 +618,28 @@ def to_hf(model: nn.Module, path: str | os.PathLike) -> None:
     ``add_pooling_layer=False``). The directory is written whole into a sibling temporary directory and renamed
     into place (an existing one is replaced; its files other than weights, such as a tokenizer's, are kept), so
     a reader never sees a half-written export and a failure leaves ``path`` as it was with no temporary left
-    behind; ``from_hf(path)`` gives back the same tensors."""
+    behind; ``from_hf(path)`` gives back the same tensors.
+
+    ``format="mamba_ssm"`` writes a ``MambaLM`` or ``Mamba2LM`` in mamba-ssm's format instead (``config.json`` of
+    ``MambaConfig``'s fields and ``pytorch_model.bin``), which mamba-ssm's and ``fastarch.compat.mamba_ssm``'s
+    ``MambaLMHeadModel.from_pretrained`` load."""
+    if format not in ("hf", "mamba_ssm"):
+        raise ValueError(f"to_hf: argument 'format' must be 'hf' or 'mamba_ssm', got {format!r}")
+    if format == "mamba_ssm":
+        if not isinstance(model, (MambaLM, Mamba2LM)):
+            raise TypeError(f"to_hf: format='mamba_ssm' takes a MambaLM or Mamba2LM, got {type(model).__name__}")
+        sd, config = _to_mamba_ssm(model)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in sd.items()}
+        if config["tie_embeddings"]:  # one tensor under both names, as mamba-ssm saves a tied head
+            tensors["lm_head.weight"] = tensors["backbone.embedding.weight"]
+
+        def fill_mamba_ssm(tmp: Path) -> None:
+            torch.save(tensors, tmp / "pytorch_model.bin")
+            with open(tmp / "config.json", "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=2)
+
+        atomic_directory(path, fill_mamba_ssm, replaces=lambda name: bool(_WEIGHT_FILE.match(name)))
+        return
     from safetensors.torch import save_file
 
     if isinstance(model, GPTModel):

@@ -536,3 +536,62 @@ def test_root_names_and_not_provided():
         "d_model", "d_intermediate", "n_layer", "vocab_size", "ssm_cfg", "attn_layer_idx", "attn_cfg", "rms_norm",
         "residual_in_fp32", "fused_add_norm", "pad_vocab_size_multiple", "tie_embeddings"]
     assert math.isclose(MambaConfig().d_model, 2560) and MambaConfig().tie_embeddings
+
+
+# -- fastarch.models.from_hf / to_hf: mamba-ssm's format both ways ----------------------------------------------
+@pytest.mark.parametrize("layer", ["Mamba1", "Mamba2"])
+@pytest.mark.parametrize("tie", [True, False])
+def test_from_hf_to_hf_mamba_ssm_format(tmp_path, layer, tie):
+    from fastarch.models import from_hf, to_hf
+    from fastarch.nn import Mamba2LM, MambaLM
+
+    ssm = {"d_state": 8} if layer == "Mamba1" else {"layer": "Mamba2", "d_state": 8, "headdim": 16, "chunk_size": 4}
+    torch.manual_seed(0)
+    ref = MambaLMHeadModel(_tiny_config(ssm_cfg=ssm, tie_embeddings=tie)).eval()
+    ref.save_pretrained(tmp_path / "ssm")
+    ours = from_hf(tmp_path / "ssm")
+    assert isinstance(ours, MambaLM if layer == "Mamba1" else Mamba2LM)
+    assert (ours.lm_head.weight is ours.embedding.weight) == tie
+    ids = torch.randint(0, 61, (2, 9))
+    with torch.no_grad():
+        want = ref(ids).logits
+        torch.testing.assert_close(ours(ids), want, atol=1e-5, rtol=1e-5)
+    to_hf(ours, tmp_path / "back", format="mamba_ssm")
+    again = MambaLMHeadModel.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(again.generate(ids, max_length=14), ref.generate(ids, max_length=14))
+
+
+def test_from_hf_mamba_ssm_refusals(tmp_path):
+    from fastarch.models import from_hf, to_hf
+    from fastarch.nn import MambaLM
+
+    torch.manual_seed(0)
+    MambaLMHeadModel(_tiny_config(d_intermediate=32)).save_pretrained(tmp_path / "mlp")
+    with pytest.raises(ValueError, match="d_intermediate=32"):
+        from_hf(tmp_path / "mlp")
+    model = MambaLMHeadModel(_tiny_config())
+    model.save_pretrained(tmp_path / "ok")
+    cfg = json.loads((tmp_path / "ok" / "config.json").read_text())
+    sd = torch.load(tmp_path / "ok" / "pytorch_model.bin", weights_only=True)
+    _write_checkpoint(tmp_path / "odd", {**cfg, "ssm_cfg": {"d_state": 8, "bogus": 3}}, sd)
+    with pytest.raises(TypeError, match="bogus"):
+        from_hf(tmp_path / "odd")
+    _write_checkpoint(tmp_path / "extra", cfg, {**sd, "backbone.layers.0.mixer.extra": torch.ones(2)})
+    with pytest.raises(KeyError, match="mixer.extra"):
+        from_hf(tmp_path / "extra")
+    with pytest.raises(ValueError, match="eps"):
+        to_hf(MambaLM(61, 32, 1, norm_eps=1e-6), tmp_path / "eps", format="mamba_ssm")
+    with pytest.raises(ValueError, match="format"):
+        to_hf(MambaLM(61, 32, 1), tmp_path / "x", format="onnx")
+
+
+def test_mamba3_at_the_root_when_fastarch_has_it():
+    from fastarch import nn as fnn
+
+    if hasattr(fnn, "Mamba3"):
+        assert mamba_ssm.Mamba3 is fnn.Mamba3
+    else:
+        with pytest.raises(NotProvidedError, match="Mamba3"):
+            mamba_ssm.Mamba3  # noqa: B018

@@ -11,7 +11,9 @@ Cases and providers:
   PyTorch path (the reference);
 - ``mamba generate``: the same model, greedy generation of 64 tokens after a 512-token prompt; a third
   provider, ``fastarch-MambaLM``, is fastarch's own ``MambaLM`` loaded from it (``from_hf``) and its
-  ``generate``;
+  ``generate``; a fourth, ``mamba-ssm-compat``, is the same weights in mamba-ssm's format loaded by
+  ``fastarch.compat.mamba_ssm``'s ``MambaLMHeadModel.from_pretrained`` and its ``generate`` (mamba-ssm's decode
+  loop, greedy);
 - ``gpt2 generate``: GPT-2 124M-shaped (``GPT2Config()`` defaults, random weights), greedy generation of 64
   tokens after a 128-token prompt with a KV cache: fastarch's ``GPTModel`` loaded from it (``from_hf``) and
   its ``generate`` against transformers' ``generate`` (``transformers``, the reference);
@@ -186,9 +188,22 @@ def _mamba_generate_case(cfg: BenchConfig, prompt: int, new: int) -> Case:
         model = from_hf(_mamba_model(cfg)[0]).eval()
         return lambda: model.generate(ids, max_new_tokens=new)
 
-    return _mamba_case(cfg, "mamba generate", f"mamba generate prompt={prompt},new={new}",
+    def compat_setup() -> Callable[[], Any]:
+        import tempfile
+
+        from fastarch.compat.mamba_ssm import MambaLMHeadModel
+        from fastarch.models import from_hf, to_hf
+
+        with tempfile.TemporaryDirectory() as tmp:
+            to_hf(from_hf(_mamba_model(cfg)[0]), tmp, format="mamba_ssm")
+            model = MambaLMHeadModel.from_pretrained(tmp).to(device=cfg.device, dtype=cfg.dtype).eval()
+        return lambda: model.generate(ids, max_length=prompt + new)
+
+    case = _mamba_case(cfg, "mamba generate", f"mamba generate prompt={prompt},new={new}",
                        {"L": prompt, "new_tokens": new}, make_run,
                        own=Provider("fastarch-MambaLM", "fastarch", own_setup))
+    case.providers.append(Provider("mamba-ssm-compat", "fastarch", compat_setup))
+    return case
 
 
 def _own_model_case(name: str, params: dict, model: str, provider, reference: Provider) -> Case:

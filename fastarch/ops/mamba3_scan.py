@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import FLOAT_DTYPES, Call, register
-from ._backends import TorchImplementation
+from ._backends import CppImplementation, TorchImplementation
 from ._checks import check_same_device, check_tensor, fail
 from ._delta_rule import _autograd_enabled
 from ._dispatch import call_of, dispatch, in_layout_of, run, run_backward
@@ -571,4 +571,35 @@ class TorchMamba3Scan(TorchImplementation):
         return grads_by_recompute(chunked_forward, douts, inputs, chunk_size, pairwise, mimo)
 
 
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float().contiguous()
+
+
+def cpp_forward(lib: Any, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state, k_state,
+                v_state, mimo_v, mimo_z, mimo_o, pairwise: bool):
+    """The C++ recurrence on canonical inputs (with the ``L`` dimension): (out, angle, ssm, k, v) in the
+    dtypes :func:`chunked_forward` gives."""
+    cdt = compute_dtype(Q, K, V, ADT, DT, Angles)
+    out, angle, ssm, k, v = lib.mamba3_scan_fwd(*(_f32(t) for t in (
+        Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state, k_state, v_state, mimo_v,
+        mimo_z, mimo_o)), pairwise)
+    return out.to(V.dtype), angle.to(cdt), ssm.to(cdt), k.to(K.dtype), v.to(V.dtype)
+
+
+class CppMamba3Scan(CppImplementation):
+    op, extension = OP, "mamba3"  # csrc/cpu/mamba3.cpp
+    dtypes = FLOAT_DTYPES
+    description = ("C++: the recurrence one step at a time per (batch, head) in parallel, fp32 state in place; "
+                   "backward by autograd through the torch chunked form")
+
+    def forward(self, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state, k_state, v_state,
+                mimo_v, mimo_z, mimo_o, chunk_size, pairwise, mimo):
+        return cpp_forward(self.lib, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state,
+                           k_state, v_state, mimo_v, mimo_z, mimo_o, pairwise)
+
+    def backward(self, douts, inputs, chunk_size, pairwise, mimo):
+        return grads_by_recompute(chunked_forward, douts, inputs, chunk_size, pairwise, mimo)
+
+
 register(TorchMamba3Scan)
+register(CppMamba3Scan)

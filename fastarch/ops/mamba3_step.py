@@ -17,10 +17,18 @@ from typing import Any
 
 import torch
 
-from ..backend import Call, register
-from ._backends import TorchImplementation
+from ..backend import FLOAT_DTYPES, Call, register
+from ._backends import CppImplementation, TorchImplementation
 from ._dispatch import call_of, dispatch, run, run_backward
-from .mamba3_scan import DTYPES, canonical, compute_dtype, grads_by_recompute, step_math, validate
+from .mamba3_scan import (
+    DTYPES,
+    canonical,
+    compute_dtype,
+    cpp_forward,
+    grads_by_recompute,
+    step_math,
+    validate,
+)
 
 __all__ = ["mamba3_step", "mamba3_step_ref"]
 
@@ -179,4 +187,22 @@ class TorchMamba3Step(TorchImplementation):
         return grads_by_recompute(_step, douts, inputs, pairwise, mimo)
 
 
+class CppMamba3Step(CppImplementation):
+    op, extension = OP, "mamba3"  # csrc/cpu/mamba3.cpp: the scan's recurrence for one step
+    dtypes = FLOAT_DTYPES
+    description = "C++: the recurrence for one step, per (batch, head) in parallel; backward by autograd (torch)"
+
+    def forward(self, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state, k_state, v_state,
+                mimo_v, mimo_z, mimo_o, pairwise, mimo):
+        out, angle, ssm, k, v = cpp_forward(
+            self.lib, Q[:, None], K[:, None], V[:, None], ADT[..., None], DT[..., None], Trap[..., None], Q_bias,
+            K_bias, Angles[:, None], D, None if Z is None else Z[:, None], angle_state, ssm_state, k_state, v_state,
+            mimo_v, mimo_z, mimo_o, pairwise)
+        return out[:, 0], angle, ssm, k, v
+
+    def backward(self, douts, inputs, pairwise, mimo):
+        return grads_by_recompute(_step, douts, inputs, pairwise, mimo)
+
+
 register(TorchMamba3Step)
+register(CppMamba3Step)

@@ -60,10 +60,11 @@ def mha_reference(sd, x, num_heads, num_heads_kv, causal, rotary_dim=0, key_padd
     scores = torch.einsum("bthd,bshd->bhts", q, k * scale)
     if key_padding_mask is not None:
         scores = scores + torch.where(key_padding_mask, 0.0, -10000.0)[:, None, None, :]
-    if causal:
+    if causal:  # cross-attention aligns on each row's key count, as flash-attn's CrossAttention
         row = torch.arange(Lq)[:, None]
         col = torch.arange(Lk)[None, :]
-        scores = scores.masked_fill(col > row + Lk - Lq, -10000.0)
+        sk = Lk if key_padding_mask is None or Lq == Lk else key_padding_mask.sum(-1)[:, None, None, None]
+        scores = scores.masked_fill(col > row + sk - Lq, -10000.0)
     out = torch.einsum("bhts,bshd->bthd", torch.softmax(scores, dim=-1), v)
     return F.linear(out.reshape(B, Lq, E), sd["out_proj.weight"], sd.get("out_proj.bias"))
 
@@ -121,6 +122,10 @@ def test_mha_cross_attention_and_padding(causal):
     mha.load_state_dict(sd)
     x, x_kv = torch.randn(2, 3, E), torch.randn(2, 7, E)
     torch.testing.assert_close(mha(x, x_kv=x_kv), mha_reference(sd, x, H, Hk, causal, x_kv=x_kv),
+                               rtol=1e-4, atol=1e-4)
+    kv_mask = torch.arange(7)[None, :] < torch.tensor([7, 5])[:, None]  # right-padded keys
+    torch.testing.assert_close(mha(x, x_kv=x_kv, key_padding_mask=kv_mask),
+                               mha_reference(sd, x, H, Hk, causal, x_kv=x_kv, key_padding_mask=kv_mask),
                                rtol=1e-4, atol=1e-4)
     # self-attention with a key padding mask (the non-flash path); rows of padded queries are not compared
     sd2 = _peer_state_dict(E, H, H, seed=1)

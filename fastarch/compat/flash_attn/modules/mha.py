@@ -120,7 +120,14 @@ class SelfAttention(nn.Module):
     def _attend(self, q, k, v, causal, key_padding_mask):
         causal = self.causal if causal is None else causal
         kpm = key_padding_mask.bool() if key_padding_mask is not None else None
-        return attention(q, k, v, layout="blhd", causal=causal, key_padding_mask=kpm,
+        lengths = None
+        if causal and kpm is not None and q.shape[1] != k.shape[1]:
+            # flash-attn aligns the causal mask on each row's key count; for right-padded keys that is the
+            # op's per-row key length (with holes in the mask the alignment stays on the padded length)
+            counts = kpm.sum(-1)
+            if torch.equal(kpm, torch.arange(kpm.shape[1], device=kpm.device)[None, :] < counts[:, None]):
+                kpm, lengths = None, counts.to(torch.int32)
+        return attention(q, k, v, layout="blhd", causal=causal, key_padding_mask=kpm, seqlens_k=lengths,
                          dropout_p=self.drop.p if self.training else 0.0, scale=self.softmax_scale)
 
     def forward(self, qkv: Tensor, causal: bool | None = None, key_padding_mask: Tensor | None = None) -> Tensor:

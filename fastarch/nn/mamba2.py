@@ -262,7 +262,7 @@ class Mamba2(nn.Module):
     def _get_states_from_cache(self, inference_params: InferenceParams, batch_size: int,
                                initialize_states: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         if self.layer_idx is None:
-            raise ValueError("Mamba2: decoding with inference_params needs the layer's 'layer_idx'")
+            raise ValueError(f"{type(self).__name__}: decoding with inference_params needs the layer's 'layer_idx'")
         states = inference_params.key_value_memory_dict.get(self.layer_idx)
         if states is None:
             states = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)

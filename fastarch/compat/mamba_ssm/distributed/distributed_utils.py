@@ -68,36 +68,28 @@ def all_reduce_raw(input_: Tensor, process_group, async_op: bool = False):
     return input_, dist.all_reduce(input_, group=process_group, async_op=async_op)
 
 
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_: Tensor, process_group) -> Tensor:
-        ctx.process_group = process_group
-        return all_gather_raw(input_, process_group)[0]
+def _collective(forward_raw, backward_raw) -> type[torch.autograd.Function]:
+    """An autograd function running ``forward_raw`` forward and ``backward_raw`` on the gradient (None: the
+    gradient passes through)."""
 
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        return reduce_scatter_raw(grad_output, ctx.process_group)[0], None
+    class _Collective(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, input_: Tensor, process_group) -> Tensor:
+            ctx.process_group = process_group
+            return forward_raw(input_, process_group)[0]
 
+        @staticmethod
+        def backward(ctx, grad_output: Tensor):
+            if backward_raw is None:
+                return grad_output, None
+            return backward_raw(grad_output, ctx.process_group)[0], None
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_: Tensor, process_group) -> Tensor:
-        ctx.process_group = process_group
-        return reduce_scatter_raw(input_, process_group)[0]
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        return all_gather_raw(grad_output, ctx.process_group)[0], None
+    return _Collective
 
 
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, input_: Tensor, process_group) -> Tensor:
-        return all_reduce_raw(input_, process_group)[0]
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        return grad_output, None
+_AllGather = _collective(all_gather_raw, reduce_scatter_raw)
+_ReduceScatter = _collective(reduce_scatter_raw, all_gather_raw)
+_AllReduce = _collective(all_reduce_raw, None)
 
 
 def all_gather(input_: Tensor, process_group) -> Tensor:

@@ -13,12 +13,10 @@ at once, so the two differ when ``ngroups > 1``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 
-from fastarch.nn.linear import Linear
+from fastarch.nn.mamba2 import Mamba2 as _Mamba2
 from fastarch.nn.mamba2 import RMSNormGated
 from fastarch.ops.causal_conv1d import causal_conv1d
 from fastarch.ops.mamba_split_conv1d_scan import mamba_split_conv1d_scan_combined
@@ -31,10 +29,10 @@ __all__ = ["Mamba2Simple"]
 __getattr__ = missing_attribute("mamba_ssm", "mamba_ssm.modules.mamba2_simple")
 
 
-class Mamba2Simple(nn.Module):
-    """mamba-ssm's ``Mamba2Simple`` (see the module docstring); the same constructor arguments, defaults and
-    initialisation (dt bias the inverse softplus of dt ~ logUniform(dt_min, dt_max) floored at
-    ``dt_init_floor``, ``A_log = log(U(A_init_range))``, ``D`` ones)."""
+class Mamba2Simple(_Mamba2):
+    """mamba-ssm's ``Mamba2Simple`` (see the module docstring): :class:`fastarch.nn.Mamba2` without the gated-MLP
+    channels (``d_ssm = d_inner``), the gated norm after the scan, with mamba-ssm's ``Mamba2Simple`` constructor
+    (defaults ``d_state=64``, ``headdim=128``, ``activation="swish"``), initialisation and ``forward``."""
 
     def __init__(self, d_model: int, d_state: int = 64, d_conv: int = 4, conv_init: float | None = None,
                  expand: int = 2, headdim: int = 128, ngroups: int = 1, A_init_range: tuple[float, float] = (1, 16),
@@ -42,45 +40,19 @@ class Mamba2Simple(nn.Module):
                  dt_limit: tuple[float, float] = (0.0, float("inf")), learnable_init_states: bool = False,
                  activation: str = "swish", bias: bool = False, conv_bias: bool = True, chunk_size: int = 256,
                  use_mem_eff_path: bool = True, layer_idx: int | None = None, device=None, dtype=None):
-        super().__init__()
-        fk = {"device": device, "dtype": dtype}
-        self.d_model, self.d_state, self.d_conv, self.conv_init, self.expand = d_model, d_state, d_conv, conv_init, expand
-        self.d_inner = expand * d_model
-        self.headdim, self.ngroups = headdim, ngroups
-        if self.d_inner % headdim != 0:
-            raise ValueError(f"Mamba2Simple: d_inner={self.d_inner} must be a multiple of headdim={headdim}")
-        self.nheads = self.d_inner // headdim
-        if self.nheads % ngroups != 0:
-            raise ValueError(f"Mamba2Simple: ngroups={ngroups} must divide the number of heads {self.nheads}")
         if activation not in ("silu", "swish"):
             raise ValueError(f"Mamba2Simple: activation must be 'silu' or 'swish', got {activation!r}")
-        if not (A_init_range[0] > 0 and A_init_range[1] >= A_init_range[0]):
-            raise ValueError(f"Mamba2Simple: A_init_range must be (low, high) with 0 < low <= high, got {A_init_range}")
-        self.dt_limit = tuple(dt_limit)
-        self.learnable_init_states, self.activation = learnable_init_states, activation
-        self.chunk_size, self.use_mem_eff_path, self.layer_idx = chunk_size, use_mem_eff_path, layer_idx
-        d_in_proj = 2 * self.d_inner + 2 * ngroups * d_state + self.nheads
-        self.in_proj = Linear(d_model, d_in_proj, bias=bias, **fk)
-        conv_dim = self.d_inner + 2 * ngroups * d_state
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel_size=d_conv, groups=conv_dim, padding=d_conv - 1,
-                                bias=conv_bias, **fk)
-        if conv_init is not None:
-            nn.init.uniform_(self.conv1d.weight, -conv_init, conv_init)
+        super().__init__(d_model, d_state=d_state, d_conv=d_conv, conv_init=conv_init, expand=expand,
+                         headdim=headdim, ngroups=ngroups, A_init_range=A_init_range, dt_min=dt_min, dt_max=dt_max,
+                         dt_init_floor=dt_init_floor, dt_limit=dt_limit, bias=bias, conv_bias=conv_bias,
+                         chunk_size=chunk_size, use_mem_eff_path=use_mem_eff_path, layer_idx=layer_idx,
+                         device=device, dtype=dtype)
+        self.activation, self.learnable_init_states = activation, learnable_init_states
+        # one norm over all of d_inner (the fused op groups it by ngroups itself), as in mamba-ssm
+        self.norm = RMSNormGated(self.d_inner, eps=1e-5, norm_before_gate=False, device=device, dtype=dtype)
         if learnable_init_states:
-            self.init_states = nn.Parameter(torch.zeros(self.nheads, headdim, d_state, **fk))
+            self.init_states = nn.Parameter(torch.zeros(self.nheads, headdim, d_state, device=device, dtype=dtype))
             self.init_states._no_weight_decay = True
-        self.act = nn.SiLU()
-        dt = torch.exp(torch.rand(self.nheads, **fk) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
-        dt = torch.clamp(dt, min=dt_init_floor)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) == dt
-        self.dt_bias._no_weight_decay = True
-        A = torch.empty(self.nheads, dtype=torch.float32, device=device).uniform_(*A_init_range)
-        self.A_log = nn.Parameter(torch.log(A).to(dtype=dtype))
-        self.A_log._no_weight_decay = True
-        self.D = nn.Parameter(torch.ones(self.nheads, device=device))
-        self.D._no_weight_decay = True
-        self.norm = RMSNormGated(self.d_inner, eps=1e-5, norm_before_gate=False, **fk)
-        self.out_proj = Linear(self.d_inner, d_model, bias=bias, **fk)
 
     def forward(self, u: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         """u: ``(batch, L, d_model)`` -> ``(batch, L, d_model)``; ``seq_idx`` ``(batch, L)`` keeps packed

@@ -16,6 +16,7 @@ import torch
 
 from fastarch.nn.mamba import Mamba as _Mamba
 from fastarch.nn.mamba import MambaLayerCache, mixer_step
+from fastarch.nn.mamba2 import Mamba2 as _Mamba2
 
 from ..._missing import missing_attribute
 
@@ -60,15 +61,5 @@ class Mamba(_Mamba):
             cache.ssm_state = cache.ssm_state.to(dtype)
         return cache.conv_state, cache.ssm_state
 
-    def _get_states_from_cache(self, inference_params, batch_size: int, initialize_states: bool = False
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.layer_idx is None:
-            raise ValueError("Mamba: decoding with inference_params needs the layer's 'layer_idx'")
-        states = inference_params.key_value_memory_dict.get(self.layer_idx)
-        if states is None:
-            states = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
-            inference_params.key_value_memory_dict[self.layer_idx] = states
-        elif initialize_states:
-            for s in states:
-                s.zero_()
-        return states
+    # mamba-ssm's lookup: the layer's states in key_value_memory_dict[layer_idx], allocated on first use
+    _get_states_from_cache = _Mamba2._get_states_from_cache

@@ -595,3 +595,45 @@ def test_mamba3_at_the_root_when_fastarch_has_it():
     else:
         with pytest.raises(NotProvidedError, match="Mamba3"):
             mamba_ssm.Mamba3  # noqa: B018
+
+
+@pytest.fixture
+def installed():
+    import importlib.util
+    import sys
+
+    from fastarch import compat
+
+    if importlib.util.find_spec("mamba_ssm") is not None and not compat.installed():
+        pytest.skip("the real mamba_ssm is installed here")
+    compat.install()
+    yield
+    compat.uninstall()
+    for n in [n for n in sys.modules if n.partition(".")[0] == "mamba_ssm"]:
+        del sys.modules[n]
+
+
+def test_mamba_ssm_2x_import_paths_after_install(installed):
+    """The imports mamba-ssm 2.x's own modules and user code make, through ``import mamba_ssm``."""
+    from mamba_ssm import Mamba as M1
+    from mamba_ssm import Mamba2 as M2
+    from mamba_ssm import MambaLMHeadModel as LM
+    from mamba_ssm.distributed.distributed_utils import all_reduce, reduce_scatter  # noqa: F401
+    from mamba_ssm.distributed.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: F401
+    from mamba_ssm.models.config_mamba import MambaConfig as Cfg
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+    from mamba_ssm.modules.block import Block as B
+    from mamba_ssm.modules.mamba2_simple import Mamba2Simple  # noqa: F401
+    from mamba_ssm.modules.mha import MHA as A
+    from mamba_ssm.modules.mlp import GatedMLP as G
+    from mamba_ssm.ops.triton.layer_norm import RMSNorm, layer_norm_fn, rms_norm_fn  # noqa: F401
+    from mamba_ssm.utils.generation import GenerationMixin, InferenceParams  # noqa: F401
+    from mamba_ssm.utils.hf import load_config_hf, load_state_dict_hf  # noqa: F401
+
+    assert M1 is Mamba and M2 is Mamba2 and LM is MambaLMHeadModel is MambaLMHeadModel and Cfg is MambaConfig
+    assert B is Block and A is MHA and G is GatedMLP
+    with pytest.raises(ImportError):  # mamba-ssm 1.x's module name: code probing for it falls back
+        from mamba_ssm.ops.triton.layernorm import RMSNorm as _old  # noqa: F401
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(Cfg(d_model=32, n_layer=1, vocab_size=40, ssm_cfg={"d_state": 8}))
+    assert model.generate(torch.zeros(1, 3, dtype=torch.long), max_length=6).shape == (1, 6)

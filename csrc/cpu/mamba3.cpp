@@ -107,7 +107,21 @@ std::vector<torch::Tensor> mamba3_scan_fwd(const torch::Tensor& Q, const torch::
         }
         const float lam = 1.f / (1.f + std::exp(-trap[hl]));
         const float alpha = std::exp(adt[hl]), beta = (1.f - lam) * dt * alpha, gamma = lam * dt;
-        for (int64_t p = 0; p < P; ++p) {
+        if (R == 1) {  // SISO (and rank 1): decay, both rank-1 terms and the readout in one pass over each row
+          const float *kpr = kp.data(), *kcr = kr.data(), *qq = qr.data();
+          for (int64_t p = 0; p < P; ++p) {
+            float* row = st + p * N;
+            const float wp = beta * vp[p], wc = gamma * vr[p];
+            float acc = 0.f;
+            _Pragma("omp simd reduction(+ : acc)") for (int64_t n = 0; n < N; ++n) {
+              const float x = alpha * row[n] + wp * kpr[n] + wc * kcr[n];
+              row[n] = x;
+              acc += x * qq[n];
+            }
+            y[p] = acc + (d ? d[h] * vr[p] : 0.f);
+          }
+        }
+        for (int64_t p = 0; p < P && R > 1; ++p) {
           float* row = st + p * N;
           for (int64_t n = 0; n < N; ++n) row[n] *= alpha;
           for (int64_t r = 0; r < R; ++r) {

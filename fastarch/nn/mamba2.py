@@ -196,7 +196,19 @@ class Mamba2(nn.Module):
             else:
                 conv_state.copy_(_varlen_conv_states(xBC[0], cu_seqlens, self.d_conv))
         want_states = ssm_state is not None
-        res = mamba_split_conv1d_scan_combined(
+        res = self._mix(zxbcdt, seq_idx, cu_seqlens, want_states)
+        if want_states:
+            out, states = res
+            ssm_state.copy_(states)
+        else:
+            out = res
+        return out.reshape(u.shape[0], -1) if u.dim() == 2 else out
+
+    def _mix(self, zxbcdt: torch.Tensor, seq_idx: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+             want_states: bool = False):
+        """The mixer after ``in_proj``: ``zxbcdt`` ``(batch, L, d_in_proj)`` -> ``(batch, L, d_model)`` (and the
+        final or per-sequence SSM states with ``want_states``)."""
+        return mamba_split_conv1d_scan_combined(
             zxbcdt, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.dt_bias, -torch.exp(self.A_log.float()),
             self._D(), self.chunk_size, seq_idx=seq_idx, dt_limit=self.dt_limit,
             return_final_states=want_states and cu_seqlens is None, activation=self.activation,
@@ -205,12 +217,6 @@ class Mamba2(nn.Module):
             outproj_bias=self.out_proj.bias, headdim=None if self.D_has_hdim else self.headdim,
             ngroups=self.ngroups, norm_before_gate=self.norm_before_gate, cu_seqlens=cu_seqlens,
             return_varlen_states=want_states and cu_seqlens is not None)
-        if want_states:
-            out, states = res
-            ssm_state.copy_(states)
-        else:
-            out = res
-        return out.reshape(u.shape[0], -1) if u.dim() == 2 else out
 
     def step(self, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

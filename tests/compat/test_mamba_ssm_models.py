@@ -637,3 +637,69 @@ def test_mamba_ssm_2x_import_paths_after_install(installed):
     torch.manual_seed(0)
     model = MambaLMHeadModel(Cfg(d_model=32, n_layer=1, vocab_size=40, ssm_cfg={"d_state": 8}))
     assert model.generate(torch.zeros(1, 3, dtype=torch.long), max_length=6).shape == (1, 6)
+
+
+# -- Mamba2 sharded over two gloo processes equals the unsharded layer ---------------------------------------
+def _shard_mamba2(full: dict, rank: int, world: int, H: int, P: int, G: int, N: int) -> dict:
+    """Rank ``rank``'s part of an unsharded Mamba2's state dict: its heads of z, x, dt, D, A_log, dt_bias, the
+    norm and out_proj's columns, its groups of B and C (in_proj rows and conv channels)."""
+    d = H * P
+    heads, groups = slice(rank * H // world, (rank + 1) * H // world), slice(rank * G // world, (rank + 1) * G // world)
+    chans = slice(heads.start * P, heads.stop * P)
+
+    def xbc(t, with_z_dt=False):
+        parts = torch.split(t, [d, d, G * N, G * N, H] if with_z_dt else [d, G * N, G * N])
+        if with_z_dt:
+            z, x, b, c, dt = parts
+        else:
+            x, b, c = parts
+        rest = t.shape[1:]
+        mid = [x[chans], b.view(G, N, *rest)[groups].reshape(-1, *rest), c.view(G, N, *rest)[groups].reshape(-1, *rest)]
+        return torch.cat([z[chans], *mid, dt[heads]] if with_z_dt else mid)
+
+    return {"in_proj.weight": xbc(full["in_proj.weight"], True), "conv1d.weight": xbc(full["conv1d.weight"]),
+            "conv1d.bias": xbc(full["conv1d.bias"]), "dt_bias": full["dt_bias"][heads], "A_log": full["A_log"][heads],
+            "D": full["D"][heads], "norm.weight": full["norm.weight"][chans],
+            "out_proj.weight": full["out_proj.weight"][:, chans]}
+
+
+def _tp_worker(rank: int, world: int, store_path: str, queue) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        ref = Mamba2(16, d_state=8, headdim=8, ngroups=2, chunk_size=4).eval()
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.normal_(0, 0.3)
+        x = torch.randn(2, 6, 16)
+        errors = {}
+        for sp in (False, True):
+            m = Mamba2(16, d_state=8, headdim=8, ngroups=2, chunk_size=4, process_group=dist.group.WORLD,
+                       sequence_parallel=sp).eval()
+            m.load_state_dict(_shard_mamba2(ref.state_dict(), rank, world, H=4, P=8, G=2, N=8))
+            with torch.no_grad():
+                want = ref(x)
+                if sp:  # each rank holds its rows of (batch * seqlen) and gets them back
+                    rows = slice(rank * 6, (rank + 1) * 6)
+                    errors[sp] = (m(x.reshape(12, 16)[rows], seqlen=6) - want.reshape(12, 16)[rows]).abs().max().item()
+                else:
+                    errors[sp] = (m(x) - want).abs().max().item()
+        queue.put((rank, errors))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mamba2_tensor_parallel_two_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_tp_worker, args=(r, 2, str(tmp_path / "store"), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=180) for _ in procs)
+    for p in procs:
+        p.join(30)
+    assert sorted(results) == [0, 1]
+    for errors in results.values():
+        assert errors[False] < 1e-5 and errors[True] < 1e-5, errors

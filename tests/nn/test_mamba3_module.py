@@ -221,3 +221,17 @@ def test_compat_path_is_the_module():
     from fastarch.compat.mamba_ssm.modules.mamba3 import Mamba3 as CompatMamba3
 
     assert CompatMamba3 is Mamba3
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(is_mimo=True, mimo_rank=2, is_outproj_norm=True)], ids=["siso", "mimo"])
+def test_bf16_layer_forward_backward_and_decode(kw):
+    torch.manual_seed(0)
+    m = Mamba3(32, d_state=16, headdim=8, layer_idx=0, dtype=torch.bfloat16, **kw)
+    u = torch.randn(2, 9, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = m(u)
+    assert y.dtype == torch.bfloat16 and y.shape == u.shape
+    y.float().square().sum().backward()
+    assert torch.isfinite(u.grad.float()).all() and m.dt_bias.grad.dtype == torch.float32
+    with torch.no_grad():
+        got, _ = _prefill_decode(m, u.detach(), 5)
+    torch.testing.assert_close(got.float(), y.detach().float(), rtol=0.05, atol=0.05)

@@ -235,3 +235,19 @@ def test_bf16_layer_forward_backward_and_decode(kw):
     with torch.no_grad():
         got, _ = _prefill_decode(m, u.detach(), 5)
     torch.testing.assert_close(got.float(), y.detach().float(), rtol=0.05, atol=0.05)
+
+
+def test_compile_fullgraph_forward_backward():
+    torch.manual_seed(0)
+    m = Mamba3(32, d_state=16, headdim=8)
+    u = torch.randn(2, 9, 32)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    y = compiled(u)
+    y.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    m.zero_grad()
+    ref = m(u)
+    ref.square().sum().backward()
+    torch.testing.assert_close(y, ref)
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6)

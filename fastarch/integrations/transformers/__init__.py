@@ -27,16 +27,17 @@ modeling module, a class or the module itself, an attribute, the function that m
 the original, and what then runs on fastarch); :func:`unregister` undoes them all. Patches apply to the
 modeling modules already imported and, through an import hook, to those imported later.
 
-**Kernel functions.** transformers' state-space and convolution layers call module-level kernel functions
-that ``use_kernel_func_from_hub_with_fallback(kernel_name, package)`` resolved when the modeling module was
-imported: a hub kernel when ``kernels`` is enabled, else the original package (``mamba_ssm``,
-``causal_conv1d``) when it imports, else transformers' PyTorch function. Their global names are the same in
-every family (:data:`KERNEL_GLOBALS`); :func:`register` replaces each one transformers made (it has
-``__wrapped__``) in every modeling module (Mamba, Mamba-2, Jamba, Bamba, FalconMamba, Zamba, NemotronH,
-LFM2, ...) with a dispatcher onto :mod:`fastarch.compat` (the packages' signatures on fastarch's ops). Where
-the real package is installed, tensors on an accelerator still go to it; CPU tensors, and every call where
-the package is absent, go to fastarch. The gated delta rule and KDA (fla) are not provided yet:
-:func:`report` says so.
+**Kernel functions.** transformers' state-space, convolution and delta-rule layers call module-level kernel
+functions that ``use_kernel_func_from_hub_with_fallback(kernel_name, package)`` resolved when the modeling
+module was imported: a hub kernel when ``kernels`` is enabled, else the original package (``mamba_ssm``,
+``causal_conv1d``, ``fla``) when it imports (from 5.25, only for inputs on the devices the package runs on),
+else transformers' PyTorch function. Their global names are the same in every family (:data:`KERNEL_GLOBALS`);
+:func:`register` replaces each one transformers made (:func:`~.kernels.is_kernel_function`: a wrapper with
+``__wrapped__``, or the ``kernels`` package's layer around it) in every modeling module (Mamba, Mamba-2,
+Jamba, Bamba, FalconMamba, Zamba, NemotronH, LFM2, Qwen3-Next, Kimi-Linear, ...) with a dispatcher onto
+:mod:`fastarch.compat` (the packages' signatures on fastarch's ops). Where the real package is installed,
+tensors on an accelerator still go to it; CPU tensors, and every call where the package is absent, go to
+fastarch.
 
 **Mamba's decode step, the mixers' projections, the norms.** ``MambaMixer``'s single-token decode step on
 CPU in fp32 runs as one :func:`fastarch.nn.mamba.mixer_step`; ``Mamba2Mixer``'s forward and

@@ -8,6 +8,7 @@ import functools
 import importlib.util
 import inspect
 import sys
+import types
 from collections.abc import Callable
 
 from transformers.utils.import_utils import is_torchdynamo_exporting
@@ -22,7 +23,7 @@ from ...compat.mamba_ssm.ops.triton.ssd_combined import (
     mamba_split_conv1d_scan_combined,
 )
 
-__all__ = ["KERNEL_EXCEPTIONS", "KERNEL_GLOBALS"]
+__all__ = ["KERNEL_EXCEPTIONS", "KERNEL_GLOBALS", "is_kernel_function"]
 
 _KERNELS: dict[str, Callable] = {
     "causal_conv1d_fn": causal_conv1d_fn,
@@ -42,8 +43,8 @@ _KERNELS: dict[str, Callable] = {
 # -- Mamba kernel functions -------------------------------------------------------------------------------
 # transformers' modeling modules bind each kernel function, made by
 # ``use_kernel_func_from_hub_with_fallback(kernel, package)``, to a module global whose name is the same in
-# every family: global name -> (kernel name, package). Only globals that transformers made that way (a
-# ``functools.wraps`` wrapper with ``__wrapped__``) are replaced.
+# every family: global name -> (kernel name, package). Only globals that transformers made that way
+# (:func:`is_kernel_function`) are replaced.
 KERNEL_GLOBALS: dict[str, tuple[str, str]] = {
     "causal_conv1d_fn": ("causal_conv1d_fn", "causal_conv1d"),
     "causal_conv1d_update": ("causal_conv1d_update", "causal_conv1d"),
@@ -70,6 +71,13 @@ KERNEL_EXCEPTIONS: dict[tuple[str, str], str] = {
 }
 
 
+def is_kernel_function(obj: object) -> bool:
+    """Did transformers make ``obj`` with its kernel lookup? Its wrapper is a ``functools.wraps`` function
+    (``__wrapped__``) or, when Hugging Face's ``kernels`` package is installed (transformers 5.25 requires it),
+    that package's hub-replaceable layer around it (``kernel_layer_name``)."""
+    return callable(obj) and (hasattr(obj, "__wrapped__") or isinstance(getattr(obj, "kernel_layer_name", None), str))
+
+
 def _real_package(package: str) -> bool:
     """Is the original package (not fastarch's alias of it, :func:`fastarch.compat.install`) importable?
     transformers resolved its kernel functions to it then."""
@@ -91,13 +99,17 @@ def _dispatcher(original: Callable, name: str, real_package: bool) -> Callable:
     target = _KERNELS[name]
     params = frozenset(inspect.signature(target).parameters)
 
-    @functools.wraps(original)
     def run(*args, **kwargs):
         first = args[0] if args else next(iter(kwargs.values()))
         if is_torchdynamo_exporting() or (real_package and first.device.type != "cpu"):
             return original(*args, **kwargs)
         return target(*args, **{k: v for k, v in kwargs.items() if k in params})
 
+    if isinstance(original, types.FunctionType):
+        functools.update_wrapper(run, original)
+    else:  # a kernels-package layer object: its name, not its module state
+        run.__name__ = run.__qualname__ = name
+        run.__wrapped__ = original
     run.__fastarch_original__ = original
     return run
 

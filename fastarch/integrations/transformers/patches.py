@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .decoder import DECODER_LAYERS, _decoder_layer_forward
-from .kernels import KERNEL_EXCEPTIONS, KERNEL_GLOBALS, _dispatcher, _real_package
+from .kernels import KERNEL_EXCEPTIONS, KERNEL_GLOBALS, _dispatcher, _real_package, is_kernel_function
 from .llama import LLAMA_MLPS, LLAMA_MODULES, _apply_rotary_pos_emb, _swiglu_mlp_forward
 from .mamba import _mamba2_mixer_forward, _mamba_mixer_forward
 from .norms import _NORMS, NORM_MODULES, _cpu_rms_norm_forward, _norm_forward
@@ -97,7 +97,7 @@ def _apply(module: types.ModuleType) -> None:
         original = vars(owner).get(p.attr)
         if original is None or hasattr(original, "__fastarch_original__"):
             continue
-        if p.kernel and (not hasattr(original, "__wrapped__")  # not a kernel function transformers made
+        if p.kernel and (not is_kernel_function(original)  # not a kernel function transformers made
                          or (module.__name__, p.attr) in KERNEL_EXCEPTIONS):
             continue
         _SAVED[(p.group, owner, p.attr)] = original

@@ -13,7 +13,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from . import patches as _patches
 from .attention import attention_forward, attention_mask
-from .kernels import _MISSING_KERNELS, KERNEL_EXCEPTIONS, KERNEL_GLOBALS
+from .kernels import _MISSING_KERNELS, KERNEL_EXCEPTIONS, KERNEL_GLOBALS, is_kernel_function
 from .patches import PATCHES, _is_modeling_module
 
 __all__ = ["register", "registered", "report", "unregister"]
@@ -111,11 +111,11 @@ def report(model: torch.nn.Module) -> str:
                 continue
             if hasattr(fn, "__fastarch_original__") and attr in KERNEL_GLOBALS:
                 lines.append(f"{modname.rsplit('.', 1)[-1]}.{attr}: fastarch ({KERNEL_GLOBALS[attr][0]})")
-            elif attr in KERNEL_GLOBALS and hasattr(fn, "__wrapped__"):
+            elif attr in KERNEL_GLOBALS and is_kernel_function(fn):
                 why = KERNEL_EXCEPTIONS.get((modname, attr)) or (
                     "register(mamba=False)" if _STATE else "register() has not been called")
                 lines.append(f"{modname.rsplit('.', 1)[-1]}.{attr}: transformers' resolution, not fastarch ({why})")
-            elif attr in _MISSING_KERNELS and hasattr(fn, "__wrapped__"):
+            elif attr in _MISSING_KERNELS and is_kernel_function(fn):
                 lines.append(f"{modname.rsplit('.', 1)[-1]}.{attr}: transformers' PyTorch path: fastarch has no "
                              f"{_MISSING_KERNELS[attr]} yet")
     text = "\n".join(lines)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ..ops.mamba3_scan import mamba3_scan
 from ..ops.mamba3_step import mamba3_step
 from .linear import Linear
-from .mamba2 import InferenceParams, RMSNormGated
+from .mamba2 import InferenceParams, Mamba2, RMSNormGated
 
 __all__ = ["Mamba3"]
 
@@ -213,15 +213,5 @@ class Mamba3(nn.Module):
                 torch.zeros(batch_size, self.mimo_rank, H, self.d_state, device=device, dtype=dtype),
                 torch.zeros(batch_size, H, self.headdim, device=device, dtype=dtype))
 
-    def _get_states_from_cache(self, inference_params: InferenceParams, batch_size: int,
-                               initialize_states: bool = False) -> tuple[torch.Tensor, ...]:
-        if self.layer_idx is None:
-            raise ValueError("Mamba3: decoding with inference_params needs the layer's 'layer_idx'")
-        states = inference_params.key_value_memory_dict.get(self.layer_idx)
-        if states is None:
-            states = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
-            inference_params.key_value_memory_dict[self.layer_idx] = states
-        elif initialize_states:
-            for s in states:
-                s.zero_()
-        return states
+    # the cache protocol is Mamba2's: key_value_memory_dict[layer_idx], filled by allocate_inference_cache
+    _get_states_from_cache = Mamba2._get_states_from_cache

@@ -703,3 +703,19 @@ def test_mamba2_tensor_parallel_two_ranks(tmp_path):
     assert sorted(results) == [0, 1]
     for errors in results.values():
         assert errors[False] < 1e-5 and errors[True] < 1e-5, errors
+
+
+def test_package_imports_a_submodule_not_yet_loaded(monkeypatch):
+    """``from mamba_ssm.utils import hf`` imports the submodule when the package does not hold it yet (a module
+    __getattr__ that raised for it would break that import)."""
+    import sys
+
+    from fastarch.compat.mamba_ssm import utils
+
+    monkeypatch.delitem(sys.modules, "fastarch.compat.mamba_ssm.utils.hf")
+    monkeypatch.delattr(utils, "hf")
+    from fastarch.compat.mamba_ssm.utils import hf as fresh
+
+    assert fresh.__name__ == "fastarch.compat.mamba_ssm.utils.hf" and callable(fresh.load_config_hf)
+    with pytest.raises(NotProvidedError, match=r"mamba_ssm\.utils\.nope"):
+        from fastarch.compat.mamba_ssm.utils import nope  # noqa: F401

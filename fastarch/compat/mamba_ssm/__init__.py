@@ -22,8 +22,8 @@ A name this namespace does not provide raises an ImportError naming it and listi
 
 from __future__ import annotations
 
-from .._missing import missing_attribute as _missing_attribute
 from . import distributed, models, modules, ops, utils  # noqa: F401
+from ._package import package_getattr as _package_getattr
 from .models.mixer_seq_simple import MambaLMHeadModel
 from .modules.mamba2 import Mamba2
 from .modules.mamba_simple import Mamba
@@ -31,7 +31,7 @@ from .ops.selective_scan_interface import mamba_inner_fn, selective_scan_fn
 
 __all__ = ["Mamba", "Mamba2", "MambaLMHeadModel", "mamba_inner_fn", "selective_scan_fn"]
 
-_missing = _missing_attribute("mamba_ssm", "mamba_ssm")
+_package = _package_getattr(__name__, "mamba_ssm")
 
 
 def __getattr__(name: str) -> object:
@@ -40,4 +40,4 @@ def __getattr__(name: str) -> object:
 
         if hasattr(_nn, "Mamba3"):
             return _nn.Mamba3
-    return _missing(name)
+    return _package(name)

@@ -14,6 +14,12 @@ Code that imports the originals by name can be pointed at them with an opt-in::
 imports nothing) before aliasing, and its finder asks the other finders again before it resolves a package,
 so a real package on the path always wins, even one installed later. :func:`uninstall` removes the finder and the aliased modules from ``sys.modules``.
 Nothing is written to disk.
+
+A submodule a stand-in lacks: ``import mamba_ssm.nope`` raises
+:class:`~fastarch.compat._missing.ModuleNotProvidedError` (a ``ModuleNotFoundError``) naming it and listing the
+stand-in's modules, while a probe (``importlib.util.find_spec("mamba_ssm.nope")``) still answers None; a name
+a stand-in module lacks (``from mamba_ssm.ops import nope``) raises
+:class:`~fastarch.compat._missing.NotProvidedError` the same way.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import importlib.machinery
 import importlib.util
 import sys
 from types import ModuleType
+
+from ._missing import ModuleNotProvidedError, provided_modules
 
 __all__ = ["install", "installed", "uninstall"]
 
@@ -69,14 +77,32 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
             return None
         real = base + ("." + rest if rest else "")
         real_spec = _find(real)
-        if real_spec is None:  # a submodule the stand-in lacks: "No module named '<fullname>'" (find_spec: None)
+        if real_spec is None:  # a submodule the stand-in lacks
+            if rest and _import_statement() and not self._real_exists(fullname, path):
+                # an import says what is missing and what the stand-in offers; a probe
+                # (importlib.util.find_spec, pkgutil) still gets None
+                offered = provided_modules(top)
+                raise ModuleNotProvidedError(
+                    f"No module named '{fullname}': fastarch's stand-in for '{top}' ({base}) does not provide it; "
+                    f"it provides {', '.join(offered) if offered else 'no submodules'}", name=fullname)
             return None
         return importlib.util.spec_from_loader(fullname, _AliasLoader(real),
                                                is_package=real_spec.submodule_search_locations is not None)
 
-    def _real_exists(self, name: str) -> bool:
-        return any(f.find_spec(name, None) is not None for f in sys.meta_path
+    def _real_exists(self, name: str, path=None) -> bool:
+        return any(f.find_spec(name, path) is not None for f in sys.meta_path
                    if f is not self and hasattr(f, "find_spec"))
+
+
+def _import_statement() -> bool:
+    """Is the finder being asked by the import system loading a module (``import x.y``, ``from x import y``),
+    rather than by a probe such as ``importlib.util.find_spec``? The import system's loader asks through its
+    spec search, two frames above the finder."""
+    try:
+        frame = sys._getframe(3)  # this function <- find_spec <- the spec search <- its caller
+    except ValueError:  # find_spec called directly near the bottom of the stack
+        return False
+    return frame.f_code.co_name == "_find_and_load_unlocked" and "importlib" in frame.f_code.co_filename
 
 
 def _find(name: str) -> importlib.machinery.ModuleSpec | None:

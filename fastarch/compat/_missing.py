@@ -8,13 +8,15 @@ A stand-in module wires it as its module ``__getattr__``::
 
 ``from mamba_ssm.ops.triton import nope`` (and ``mamba_ssm.ops.triton.nope``, and ``hasattr`` on the module) then
 raises :class:`NotProvidedError` naming ``mamba_ssm.ops.triton.nope`` and what the stand-in offers: ``provided``
-when given, else the module's ``__all__`` and its submodules. Private and dunder names stay plain attribute misses
-(copy, pickle and inspect probe them). :func:`fastarch.compat.install`'s finder raises
+when given, else the module's ``__all__`` and its submodules. A submodule not yet imported is imported and
+returned (``from pkg import sub`` asks the package for it first). Private and dunder names stay plain attribute
+misses (copy, pickle and inspect probe them). :func:`fastarch.compat.install`'s finder raises
 :class:`ModuleNotProvidedError` for a submodule a stand-in lacks, listing :func:`provided_modules`.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import pkgutil
 import sys
@@ -53,6 +55,12 @@ def provided_modules(package: str) -> list[str]:
     return found
 
 
+def _is_submodule(module: str, name: str) -> bool:
+    """Is ``name`` a submodule of the stand-in for ``module`` (on disk, imported or not)?"""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), *module.split("."))
+    return os.path.isfile(os.path.join(path, name + ".py")) or os.path.isfile(os.path.join(path, name, "__init__.py"))
+
+
 def _provided_names(module: str) -> list[str]:
     """What the stand-in for ``module`` offers: its ``__all__`` (when it is imported) and its submodules."""
     mod = sys.modules.get(_PREFIX + module)
@@ -80,6 +88,8 @@ def missing_attribute(package: str, module: str, provided: Sequence[str] | None 
     def __getattr__(name: str) -> object:
         if name.startswith("_"):  # private and dunder probes (copy, pickle, inspect) are plain attribute misses
             raise AttributeError(name)
+        if _is_submodule(module, name):  # ``from pkg import sub`` asks hasattr(pkg, "sub") before importing it
+            return importlib.import_module(f"{_PREFIX}{module}.{name}")
         offered = list(provided) if provided is not None else _provided_names(module)
         raise error(
             f"fastarch.compat.{package} (installed as '{package}') does not provide {module}.{name}; "

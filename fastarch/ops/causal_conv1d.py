@@ -163,7 +163,8 @@ def _empty_out(x: torch.Tensor) -> torch.Tensor:
     """The forward's output for ``x`` ``(B, D, L)``: dense channel-last (``(B, L, D)`` transposed) when ``x``
     is channel-last, else contiguous."""
     batch, dim, L = x.shape
-    return x.new_empty(batch, L, dim).transpose(1, 2) if _channel_last(x) else x.new_empty(x.shape)
+    # new_empty_strided, not a transposed view: callers may update the op's output in place
+    return x.new_empty_strided((batch, dim, L), (L * dim, 1, dim)) if _channel_last(x) else x.new_empty(x.shape)
 
 
 def _call(x: torch.Tensor, weight: torch.Tensor, seq_idx: torch.Tensor | None,
@@ -179,7 +180,9 @@ def _conv_fwd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
               initial_states, silu)
     # the fake's layout: the F.conv1d backends may return other strides
     want = _empty_out(x)
-    return out if out.stride() == want.stride() else want.copy_(out)
+    out = out if out.stride() == want.stride() else want.copy_(out)
+    # a backend's transposed buffer is a view of it: autograd forbids in-place updates of a custom op's view
+    return out.detach() if out._is_view() else out
 
 
 @_conv_fwd.register_fake

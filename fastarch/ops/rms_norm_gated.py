@@ -23,29 +23,30 @@ from ..backend import register
 from ._backends import CppImplementation, TorchImplementation
 from ._checks import check_same_device, check_tensor, fail
 from ._dispatch import call_of, resolve, run, run_backward
+from .layer_norm import layer_norm, layer_norm_ref
 from .rms_norm import _rms_norm_bwd, _rms_norm_fwd, rms_norm_ref
 
-__all__ = ["rms_norm_gated", "rms_norm_gated_ref"]
+__all__ = ["layer_norm_gated", "layer_norm_gated_ref", "rms_norm_gated", "rms_norm_gated_ref"]
 
 OP = "rms_norm_gated"
 
 
-def _validate(x, weight, bias, z, eps, group_size) -> int:
-    check_tensor(OP, "x", x)
+def _validate(x, weight, bias, z, eps, group_size, op: str = OP) -> int:
+    check_tensor(op, "x", x)
     if x.dim() < 1:
-        fail(OP, "argument 'x' must have at least 1 dimension")
+        fail(op, "argument 'x' must have at least 1 dimension")
     n = x.shape[-1]
-    check_tensor(OP, "weight", weight, shape=(n,))
+    check_tensor(op, "weight", weight, shape=(n,))
     if bias is not None:
-        check_tensor(OP, "bias", bias, shape=(n,))
+        check_tensor(op, "bias", bias, shape=(n,))
     if z is not None:
-        check_tensor(OP, "z", z, shape=tuple(x.shape))
+        check_tensor(op, "z", z, shape=tuple(x.shape))
     gs = n if group_size is None else group_size
     if isinstance(gs, bool) or not isinstance(gs, int) or gs < 1 or n % gs != 0:
-        fail(OP, f"argument 'group_size' must be a positive int dividing the last dimension {n}, got {group_size!r}")
+        fail(op, f"argument 'group_size' must be a positive int dividing the last dimension {n}, got {group_size!r}")
     if not eps >= 0:
-        fail(OP, f"argument 'eps' must be >= 0, got {eps}")
-    check_same_device(OP, "x", x, weight=weight, bias=bias, z=z)
+        fail(op, f"argument 'eps' must be >= 0, got {eps}")
+    check_same_device(op, "x", x, weight=weight, bias=bias, z=z)
     return gs
 
 
@@ -236,3 +237,64 @@ class CppRMSNormGated(CppImplementation):
 
 for _impl in (TorchRMSNormGated, CppRMSNormGated):
     register(_impl)
+
+
+# -- the layer-norm variant ---------------------------------------------------------------------------------
+OP_LN = "layer_norm_gated"
+
+
+def _layer_norm_gated(x, weight, bias, z, eps, gs, norm_before_gate, norm) -> torch.Tensor:
+    """The gated, grouped layer norm with ``norm`` (:func:`layer_norm` or its reference) per group, in fp32."""
+    xf = x.float()
+    gate = None if z is None else F.silu(z.float())
+    if gate is not None and not norm_before_gate:
+        xf = xf * gate
+    n = x.shape[-1]
+    y = norm(xf.unflatten(-1, (n // gs, gs)), None, None, eps).flatten(-2) * weight.float()
+    if bias is not None:
+        y = y + bias.float()
+    if gate is not None and norm_before_gate:
+        y = y * gate
+    return y.to(x.dtype)
+
+
+def layer_norm_gated_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         z: torch.Tensor | None = None, eps: float = 1e-6, group_size: int | None = None,
+                         norm_before_gate: bool = True, is_rms_norm: bool = False) -> torch.Tensor:
+    """The oracle of :func:`layer_norm_gated`, on :func:`fastarch.ops.layer_norm_ref` (or
+    :func:`rms_norm_gated_ref`), in fp32."""
+    if is_rms_norm:
+        return rms_norm_gated_ref(x, weight, bias, z, eps, group_size, norm_before_gate)
+    gs = _validate(x, weight, bias, z, eps, group_size, OP_LN)
+    return _layer_norm_gated(x, weight, bias, z, eps, gs, norm_before_gate, layer_norm_ref)
+
+
+def layer_norm_gated(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     z: torch.Tensor | None = None, eps: float = 1e-6, group_size: int | None = None,
+                     norm_before_gate: bool = True, is_rms_norm: bool = False) -> torch.Tensor:
+    """Gated, grouped layer (or RMS) normalisation, mamba-ssm's ``layernorm_fn`` arguments::
+
+        norm(v) = (v - mean_group(v)) / sqrt(var_group(v) + eps) * weight (+ bias)   (is_rms_norm: no mean)
+        norm_before_gate: out = norm(x) * silu(z);  else out = norm(x * silu(z));  z None: out = norm(x)
+
+    Args:
+        x: the input, normalised over groups of its last dimension.
+        weight: the scale, one per channel.
+        bias: optional shift, one per channel.
+        z: optional gate, in ``x``'s shape.
+        eps: added to each group's (biased) variance, or mean square with ``is_rms_norm``.
+        group_size: channels per group (dividing the last dimension); None for one group.
+        norm_before_gate: gate after the norm when True, before it when False.
+        is_rms_norm: :func:`rms_norm_gated` instead of the layer norm.
+
+    Returns:
+        The output in ``x``'s shape and dtype (fp32 math); differentiable in ``x``, ``weight``, ``bias`` and
+        ``z``.
+
+    Shapes:
+        x, z, out: ``(..., N)``; weight, bias: ``(N,)``.
+    """
+    if is_rms_norm:
+        return rms_norm_gated(x, weight, bias, z, eps, group_size, norm_before_gate)
+    gs = _validate(x, weight, bias, z, eps, group_size, OP_LN)
+    return _layer_norm_gated(x, weight, bias, z, eps, gs, norm_before_gate, layer_norm)

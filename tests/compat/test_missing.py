@@ -48,3 +48,23 @@ def test_provided_modules_imports_nothing():
     assert provided_modules("fla.ops.kda.chunk") == []  # a module, not a package
     assert issubclass(ModuleNotProvidedError, ModuleNotFoundError) and issubclass(ModuleNotProvidedError,
                                                                                   NotProvidedError)
+
+
+def test_submodule_is_imported_not_refused():
+    """``from pkg import sub`` asks the package for ``sub`` before importing it: the stand-in answers with the
+    submodule."""
+    import sys
+
+    import fastarch.compat.causal_conv1d as pkg
+
+    name = "fastarch.compat.causal_conv1d.causal_conv1d_varlen"
+    saved = sys.modules.pop(name, None)
+    had = pkg.__dict__.pop("causal_conv1d_varlen", None)
+    try:
+        sub = missing_attribute("causal_conv1d", "causal_conv1d")("causal_conv1d_varlen")
+        assert sub.__name__ == name and hasattr(sub, "causal_conv1d_varlen_states")
+    finally:
+        if saved is not None:
+            sys.modules[name] = saved
+        if had is not None:
+            pkg.causal_conv1d_varlen = had

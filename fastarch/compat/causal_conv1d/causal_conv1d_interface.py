@@ -20,8 +20,11 @@ from ...ops.causal_conv1d import causal_conv1d_fn
 from ...ops.causal_conv1d import causal_conv1d_ref as _ref
 from ...ops.causal_conv1d import causal_conv1d_update as _update
 from ...ops.causal_conv1d import causal_conv1d_update_ref as _update_ref
+from .._missing import missing_attribute
 
 __all__ = ["causal_conv1d_fn", "causal_conv1d_ref", "causal_conv1d_update", "causal_conv1d_update_ref"]
+
+__getattr__ = missing_attribute("causal_conv1d", "causal_conv1d.causal_conv1d_interface")
 
 
 def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

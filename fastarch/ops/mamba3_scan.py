@@ -586,11 +586,26 @@ def cpp_forward(lib: Any, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, 
     return out.to(V.dtype), angle.to(cdt), ssm.to(cdt), k.to(K.dtype), v.to(V.dtype)
 
 
+def cpp_backward(lib: Any, douts, inputs, pairwise: bool) -> tuple[torch.Tensor, ...]:
+    """The C++ reverse recurrence on canonical inputs (with the ``L`` dimension): the 18 gradients as
+    :func:`grads_by_recompute` gives them (an empty tensor for an absent input)."""
+    grads = list(lib.mamba3_scan_bwd(*(_f32(t) for t in douts), *(_f32(t) for t in inputs), pairwise))
+    Q, V = inputs[0], inputs[2]
+    b, L, R, G, N = Q.shape
+    H = V.shape[2]
+    for i in (0, 1):  # per head -> per group
+        grads[i] = grads[i].view(b, L, R, G, H // G, N).sum(4)
+    for i in (6, 7, 9, 15, 16, 17):  # shared by the batch rows
+        grads[i] = grads[i].sum(0)
+    return tuple(inputs[0].new_empty(0) if t is None else in_layout_of(t, g.to(t.dtype))
+                 for g, t in zip(grads, inputs))
+
+
 class CppMamba3Scan(CppImplementation):
     op, extension = OP, "mamba3"  # csrc/cpu/mamba3.cpp
     dtypes = FLOAT_DTYPES
     description = ("C++: the recurrence one step at a time per (batch, head) in parallel, fp32 state in place; "
-                   "backward by autograd through the torch chunked form")
+                   "backward by the reverse recurrence from states kept every 32 steps")
 
     def forward(self, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state, k_state, v_state,
                 mimo_v, mimo_z, mimo_o, chunk_size, pairwise, mimo):
@@ -598,7 +613,7 @@ class CppMamba3Scan(CppImplementation):
                            k_state, v_state, mimo_v, mimo_z, mimo_o, pairwise)
 
     def backward(self, douts, inputs, chunk_size, pairwise, mimo):
-        return grads_by_recompute(chunked_forward, douts, inputs, chunk_size, pairwise, mimo)
+        return cpp_backward(self.lib, douts, inputs, pairwise)
 
 
 register(TorchMamba3Scan)

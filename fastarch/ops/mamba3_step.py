@@ -19,11 +19,12 @@ import torch
 
 from ..backend import FLOAT_DTYPES, Call, register
 from ._backends import CppImplementation, TorchImplementation
-from ._dispatch import call_of, dispatch, run, run_backward
+from ._dispatch import call_of, dispatch, in_layout_of, run, run_backward
 from .mamba3_scan import (
     DTYPES,
     canonical,
     compute_dtype,
+    cpp_backward,
     cpp_forward,
     grads_by_recompute,
     step_math,
@@ -190,7 +191,7 @@ class TorchMamba3Step(TorchImplementation):
 class CppMamba3Step(CppImplementation):
     op, extension = OP, "mamba3"  # csrc/cpu/mamba3.cpp: the scan's recurrence for one step
     dtypes = FLOAT_DTYPES
-    description = "C++: the recurrence for one step, per (batch, head) in parallel; backward by autograd (torch)"
+    description = "C++: the recurrence for one step, per (batch, head) in parallel; backward by its reverse"
 
     def forward(self, Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, angle_state, ssm_state, k_state, v_state,
                 mimo_v, mimo_z, mimo_o, pairwise, mimo):
@@ -201,7 +202,17 @@ class CppMamba3Step(CppImplementation):
         return out[:, 0], angle, ssm, k, v
 
     def backward(self, douts, inputs, pairwise, mimo):
-        return grads_by_recompute(_step, douts, inputs, pairwise, mimo)
+        Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D, Z, *rest = inputs
+        dout, *dstates = douts
+        with_l = (Q[:, None], K[:, None], V[:, None], ADT[..., None], DT[..., None], Trap[..., None], Q_bias, K_bias,
+                  Angles[:, None], D, None if Z is None else Z[:, None], *rest)
+        grads = list(cpp_backward(self.lib, (None if dout is None else dout[:, None], *dstates), with_l, pairwise))
+        for i in (0, 1, 2, 8, 10):  # drop the L dimension again
+            if inputs[i] is not None:
+                grads[i] = in_layout_of(inputs[i], grads[i][:, 0])
+        for i in (3, 4, 5):
+            grads[i] = in_layout_of(inputs[i], grads[i][..., 0])
+        return tuple(grads)
 
 
 register(TorchMamba3Step)

@@ -142,10 +142,12 @@ def _run_with_grads(fn, x, st, kw, chunk_size, seed=1, **extra):
     return outs, dict(zip(names, grads))
 
 
-@pytest.mark.parametrize("R", [None, 2])
-@pytest.mark.parametrize("chunk_size", [3, 64])
-def test_backend_matches_oracle_fwd_bwd(backend, R, chunk_size):
-    x, st, kw = make(L=10, R=R, dtype=torch.float32)
+@pytest.mark.parametrize("R,keep_ranks", [(None, False), (2, False), (2, True)])
+@pytest.mark.parametrize("L,chunk_size", [(10, 3), (10, 64), (70, 16)])  # 70: several of cpp's 32-step blocks
+def test_backend_matches_oracle_fwd_bwd(backend, R, keep_ranks, L, chunk_size):
+    x, st, kw = make(L=L, R=R, dtype=torch.float32)
+    if keep_ranks:
+        kw["mimo_o"] = None
     outs, grads = _run_with_grads(mamba3_scan, x, st, kw, chunk_size, backend=backend)
     routs, rgrads = _run_with_grads(mamba3_scan_ref, x, st, kw, chunk_size)
     for a, r in zip(outs, routs):

@@ -2,8 +2,8 @@
 // - a Mamba-1 mixer: (optional RMS norm) -> in_proj -> causal conv update + SiLU -> x_proj -> dt_proj (+ bias,
 //   softplus) -> selective state update (D skip, silu(z) gate) -> out_proj (-> optional residual);
 // - a Mamba-2 mixer (below);
-// - a Llama-family decoder layer, in two halves around the caller's KV-cache write: RMS norm -> q, k, v
-//   projections -> rotary; then attention over the cache -> o_proj + residual -> RMS norm -> SwiGLU MLP +
+// - a pre-norm decoder layer (the Llama family, GPT-2), in two halves around the caller's KV-cache write: norm
+//   -> q, k, v projections -> rotary; then attention over the cache -> o_proj + residual -> norm -> MLP +
 //   residual.
 // A decode step reads every weight once and does little arithmetic, so its time is the time to stream the
 // weights from memory plus whatever each separate call adds; one call per layer leaves only the weights.
@@ -352,17 +352,82 @@ torch::Tensor mamba2_step(const torch::Tensor& x, const torch::Tensor& in_w, con
   return out;
 }
 
-// RMS norm of each row of x (rows, n): y = x * rsqrt(mean(x^2) + eps) * w.
-void rms_rows(const float* x, const float* w, int64_t rows, int64_t n, float eps, float* y) {
+// Norm of each row of x (rows, n) into y: RMS (x * rsqrt(mean(x^2) + eps) * w) or, with bias b (layer),
+// (x - mean) * rsqrt(var + eps) * w + b.
+void norm_rows(const float* x, const float* w, const float* b, bool rms, int64_t rows, int64_t n, float eps,
+               float* y) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
+    float mean = 0.f;
+    if (!rms) {
+#pragma omp simd reduction(+ : mean)
+      for (int64_t k = 0; k < n; ++k) mean += xr[k];
+      mean /= static_cast<float>(n);
+    }
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-    for (int64_t k = 0; k < n; ++k) ss += xr[k] * xr[k];
+    for (int64_t k = 0; k < n; ++k) ss += (xr[k] - mean) * (xr[k] - mean);
     const float rstd = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
     float* yr = y + r * n;
-    for (int64_t k = 0; k < n; ++k) yr[k] = xr[k] * rstd * w[k];
+    for (int64_t k = 0; k < n; ++k) yr[k] = (xr[k] - mean) * rstd * w[k] + (b ? b[k] : 0.f);
   }
+}
+
+// A projection's weight, logically (N, K) as nn.Linear keeps it: row-major (unit stride over K), or a
+// column-major view of a (K, >= N) matrix (unit stride over N: a Conv1D weight, or a column block of one).
+struct Weight {
+  const float* data;
+  int64_t N, K, ld;  // ld: the stride of the non-unit dimension
+  bool columns;      // column-major: element (n, k) at data[k * ld + n]
+};
+
+Weight weight_of(const torch::Tensor& w, const char* name, int64_t N, int64_t K) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat && w.dim() == 2 && w.size(0) == N &&
+                  w.size(1) == K,
+              "decode_step: ", name, " must be an fp32 CPU (", N, ", ", K, ") tensor, got ", w.sizes());
+  if (w.stride(1) == 1 && (w.stride(0) >= K || N == 1)) return {w.data_ptr<float>(), N, K, w.stride(0), false};
+  TORCH_CHECK(w.stride(0) == 1 && (w.stride(1) >= N || K == 1), "decode_step: ", name,
+              " must have unit stride over one dimension (row- or column-major)");
+  return {w.data_ptr<float>(), N, K, w.stride(1), true};
+}
+
+// Y (M, N) = X (M, K) W^T + bias for either layout of W.
+void project(const Weight& w, const float* bias, const float* X, int64_t M, float* Y, bool parallel) {
+  if (!w.columns && w.ld == w.K) {
+    matvec(w.data, bias, w.N, w.K, X, M, Y, parallel);
+    return;
+  }
+  if (!w.columns) {
+    for (int64_t n = 0; n < w.N; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        const float* row = w.data + n * w.ld;
+        const float* x = X + m * w.K;
+        float a = 0.f;
+#pragma omp simd reduction(+ : a)
+        for (int64_t k = 0; k < w.K; ++k) a += row[k] * x[k];
+        Y[m * w.N + n] = a + (bias ? bias[n] : 0.f);
+      }
+    return;
+  }
+  // Column-major: y += x[k] * W[k, :], streaming each row of the (K, N) matrix once per batch row; columns
+  // split over threads in blocks of at least GRAIN elements.
+  const int64_t block = 64;
+  const int64_t blocks = (w.N + block - 1) / block;
+  const int64_t grain = parallel ? std::max<int64_t>(1, GRAIN / (block * std::max<int64_t>(w.K, 1))) : blocks;
+  fastarch::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t m = 0; m < M; ++m) {
+      const float* x = X + m * w.K;
+      float* y = Y + m * w.N;
+      const int64_t n0 = b0 * block, n1 = std::min(w.N, b1 * block);
+      for (int64_t n = n0; n < n1; ++n) y[n] = bias ? bias[n] : 0.f;
+      for (int64_t k = 0; k < w.K; ++k) {
+        const float xk = x[k];
+        const float* row = w.data + k * w.ld;
+#pragma omp simd
+        for (int64_t n = n0; n < n1; ++n) y[n] += xk * row[n];
+      }
+    }
+  });
 }
 
 // Rotates each of the rows (rows, D) of v by the angles (cos, sin) (R / 2 each): channel pairs (i, i + R / 2) for
@@ -379,36 +444,45 @@ void rotate_rows(float* v, int64_t rows, int64_t D, const float* c, const float*
   }
 }
 
-// First half of a Llama-family decoder layer's decode step. x (B, d); norm_w (d); q_w (H D, d), k_w and v_w
-// (Hk D, d), biases optional; q_norm_w and k_norm_w (D), optional: a per-head RMS norm of q and k before the
-// rotation (epsilon head_eps); cos and sin (Bc, R / 2), Bc 1 or B, R <= D even: the rotation's angles.
+// First half of a pre-norm decoder layer's decode step. x (B, d); norm_w (d), norm_b (d) for a layer norm
+// (else RMS); q_w (H D, d), k_w and v_w (Hk D, d), each row- or column-major (see Weight), biases optional;
+// q_norm_w and k_norm_w (D), optional: a per-head RMS norm of q and k before the rotation (epsilon head_eps);
+// cos and sin (Bc, R / 2), Bc 1 or B, R <= D even, optional: the rotation's angles.
 // Returns q (B, H, D), k (B, Hk, D) rotated and v (B, Hk, D).
-std::vector<torch::Tensor> llama_qkv_step(const torch::Tensor& x, const torch::Tensor& norm_w, double norm_eps,
-                                          const torch::Tensor& q_w, const c10::optional<torch::Tensor>& q_b,
-                                          const torch::Tensor& k_w, const c10::optional<torch::Tensor>& k_b,
-                                          const torch::Tensor& v_w, const c10::optional<torch::Tensor>& v_b,
-                                          const c10::optional<torch::Tensor>& q_norm_w,
-                                          const c10::optional<torch::Tensor>& k_norm_w, double head_eps,
-                                          const torch::Tensor& cos, const torch::Tensor& sin, int64_t H, int64_t Hk,
-                                          bool parallel) {
-  TORCH_CHECK(x.dim() == 2 && q_w.dim() == 2 && cos.dim() == 2 && H >= 1 && Hk >= 1,
-              "llama_qkv_step: x (B, d), q_w (H D, d), cos (Bc, R/2)");
+std::vector<torch::Tensor> decoder_qkv_step(const torch::Tensor& x, const torch::Tensor& norm_w,
+                                            const c10::optional<torch::Tensor>& norm_b, double norm_eps,
+                                            const torch::Tensor& q_w, const c10::optional<torch::Tensor>& q_b,
+                                            const torch::Tensor& k_w, const c10::optional<torch::Tensor>& k_b,
+                                            const torch::Tensor& v_w, const c10::optional<torch::Tensor>& v_b,
+                                            const c10::optional<torch::Tensor>& q_norm_w,
+                                            const c10::optional<torch::Tensor>& k_norm_w, double head_eps,
+                                            const c10::optional<torch::Tensor>& cos,
+                                            const c10::optional<torch::Tensor>& sin, int64_t H, int64_t Hk,
+                                            bool parallel) {
+  TORCH_CHECK(x.dim() == 2 && q_w.dim() == 2 && H >= 1 && Hk >= 1, "decoder_qkv_step: x (B, d), q_w (H D, d)");
   const int64_t Bsz = x.size(0), Dm = x.size(1);
-  TORCH_CHECK(q_w.size(0) % H == 0, "llama_qkv_step: q_w rows must be H * D");
-  const int64_t D = q_w.size(0) / H, half = cos.size(1), Bc = cos.size(0);
-  TORCH_CHECK(2 * half <= D && (Bc == 1 || Bc == Bsz), "llama_qkv_step: cos must be (1 or B, <= D / 2)");
+  TORCH_CHECK(q_w.size(0) % H == 0, "decoder_qkv_step: q_w rows must be H * D");
+  const int64_t D = q_w.size(0) / H;
   check_f32(x, "x", {Bsz, Dm});
   check_f32(norm_w, "norm_w", {Dm});
-  check_f32(q_w, "q_w", {H * D, Dm});
-  check_f32(k_w, "k_w", {Hk * D, Dm});
-  check_f32(v_w, "v_w", {Hk * D, Dm});
-  check_f32(cos, "cos", {Bc, half});
-  check_f32(sin, "sin", {Bc, half});
+  const Weight wq = weight_of(q_w, "q_w", H * D, Dm), wk = weight_of(k_w, "k_w", Hk * D, Dm),
+               wv = weight_of(v_w, "v_w", Hk * D, Dm);
+  const float* pnb = opt_ptr(norm_b, Dm, "norm_b");
   const float* pqb = opt_ptr(q_b, H * D, "q_b");
   const float* pkb = opt_ptr(k_b, Hk * D, "k_b");
   const float* pvb = opt_ptr(v_b, Hk * D, "v_b");
   const float* pqn = opt_ptr(q_norm_w, D, "q_norm_w");
   const float* pkn = opt_ptr(k_norm_w, D, "k_norm_w");
+  const bool rotary = cos.has_value() && cos->defined();
+  int64_t half = 0, Bc = 1;
+  if (rotary) {
+    TORCH_CHECK(cos->dim() == 2 && sin.has_value(), "decoder_qkv_step: cos and sin must be (Bc, R/2)");
+    half = cos->size(1);
+    Bc = cos->size(0);
+    TORCH_CHECK(2 * half <= D && (Bc == 1 || Bc == Bsz), "decoder_qkv_step: cos must be (1 or B, <= D / 2)");
+    check_f32(*cos, "cos", {Bc, half});
+    check_f32(*sin, "sin", {Bc, half});
+  }
 
   auto opts = x.options();
   auto xn = torch::empty({Bsz, Dm}, opts);
@@ -416,59 +490,79 @@ std::vector<torch::Tensor> llama_qkv_step(const torch::Tensor& x, const torch::T
   auto k = torch::empty({Bsz, Hk, D}, opts);
   auto v = torch::empty({Bsz, Hk, D}, opts);
   float* pxn = xn.data_ptr<float>();
-  rms_rows(x.data_ptr<float>(), norm_w.data_ptr<float>(), Bsz, Dm, static_cast<float>(norm_eps), pxn);
-  matvec(q_w.data_ptr<float>(), pqb, H * D, Dm, pxn, Bsz, q.data_ptr<float>(), parallel);
-  matvec(k_w.data_ptr<float>(), pkb, Hk * D, Dm, pxn, Bsz, k.data_ptr<float>(), parallel);
-  matvec(v_w.data_ptr<float>(), pvb, Hk * D, Dm, pxn, Bsz, v.data_ptr<float>(), parallel);
+  norm_rows(x.data_ptr<float>(), norm_w.data_ptr<float>(), pnb, pnb == nullptr, Bsz, Dm,
+            static_cast<float>(norm_eps), pxn);
+  project(wq, pqb, pxn, Bsz, q.data_ptr<float>(), parallel);
+  project(wk, pkb, pxn, Bsz, k.data_ptr<float>(), parallel);
+  project(wv, pvb, pxn, Bsz, v.data_ptr<float>(), parallel);
   float* pq = q.data_ptr<float>();
   float* pk = k.data_ptr<float>();
-  if (pqn) rms_rows(pq, pqn, Bsz * H, D, static_cast<float>(head_eps), pq);
-  if (pkn) rms_rows(pk, pkn, Bsz * Hk, D, static_cast<float>(head_eps), pk);
-  const float* pc = cos.data_ptr<float>();
-  const float* ps = sin.data_ptr<float>();
-  for (int64_t b = 0; b < Bsz; ++b) {
-    const int64_t t = Bc == 1 ? 0 : b;
-    rotate_rows(pq + b * H * D, H, D, pc + t * half, ps + t * half, half);
-    rotate_rows(pk + b * Hk * D, Hk, D, pc + t * half, ps + t * half, half);
+  if (pqn) norm_rows(pq, pqn, nullptr, true, Bsz * H, D, static_cast<float>(head_eps), pq);
+  if (pkn) norm_rows(pk, pkn, nullptr, true, Bsz * Hk, D, static_cast<float>(head_eps), pk);
+  if (rotary) {
+    const float* pc = cos->data_ptr<float>();
+    const float* ps = sin->data_ptr<float>();
+    for (int64_t b = 0; b < Bsz; ++b) {
+      const int64_t t = Bc == 1 ? 0 : b;
+      rotate_rows(pq + b * H * D, H, D, pc + t * half, ps + t * half, half);
+      rotate_rows(pk + b * Hk * D, Hk, D, pc + t * half, ps + t * half, half);
+    }
   }
   return {q, k, v};
 }
 
+inline float gelu_tanh(float x) {
+  const float u = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+  return 0.5f * x * (1.f + std::tanh(u));
+}
+
 // Second half of the step. q (B, H, D); key and value (B, Hk, S, D), unit stride in D, S >= n: the query (at
 // position n - 1) attends keys [j0, n) with j0 = max(0, n - 1 - left) (left < 0: all), scaled by scale, its head
-// reading key head h / (H / Hk). Then h = residual + attn @ o_w^T (+ o_b); with gate_w: the result is
-// h + down(silu(gate(m)) * up(m)) with m = rms_norm(h) * norm_w, else h. residual (B, d); o_w (d, H D);
-// gate_w, up_w (I, d); down_w (d, I). Returns (B, d).
-torch::Tensor llama_out_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value, int64_t n,
-                             int64_t left, double scale, const torch::Tensor& residual, const torch::Tensor& o_w,
-                             const c10::optional<torch::Tensor>& o_b, const c10::optional<torch::Tensor>& norm_w,
-                             double norm_eps, const c10::optional<torch::Tensor>& gate_w,
-                             const c10::optional<torch::Tensor>& up_w, const c10::optional<torch::Tensor>& down_w,
-                             bool parallel) {
+// reading key head h / (H / Hk). Then h = residual + attn @ o_w^T (+ o_b). With the MLP (up_w and down_w):
+// m = norm(h) (norm_w, norm_b as in decoder_qkv_step) and the result is h + down(a) + down_b with
+// a = silu(gate(m)) * up(m) (gate_w given: SwiGLU, no biases) or a = gelu_tanh(up(m) + up_b) (no gate: GPT-2's
+// MLP); without it, h. residual (B, d); o_w (d, H D); gate_w, up_w (I, d); down_w (d, I): any layout of Weight.
+torch::Tensor decoder_out_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
+                               int64_t n, int64_t left, double scale, const torch::Tensor& residual,
+                               const torch::Tensor& o_w, const c10::optional<torch::Tensor>& o_b,
+                               const c10::optional<torch::Tensor>& norm_w, const c10::optional<torch::Tensor>& norm_b,
+                               double norm_eps, const c10::optional<torch::Tensor>& gate_w,
+                               const c10::optional<torch::Tensor>& up_w, const c10::optional<torch::Tensor>& up_b,
+                               const c10::optional<torch::Tensor>& down_w, const c10::optional<torch::Tensor>& down_b,
+                               bool parallel) {
   TORCH_CHECK(q.dim() == 3 && key.dim() == 4 && value.dim() == 4 && residual.dim() == 2 && o_w.dim() == 2,
-              "llama_out_step: q (B, H, D), key and value (B, Hk, S, D), residual (B, d), o_w (d, H D)");
+              "decoder_out_step: q (B, H, D), key and value (B, Hk, S, D), residual (B, d), o_w (d, H D)");
   const int64_t Bsz = q.size(0), H = q.size(1), D = q.size(2), Hk = key.size(1), Dm = residual.size(1);
-  TORCH_CHECK(Hk >= 1 && H % Hk == 0, "llama_out_step: key heads must divide the query heads");
+  TORCH_CHECK(Hk >= 1 && H % Hk == 0, "decoder_out_step: key heads must divide the query heads");
   TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == Bsz && key.size(3) == D && n >= 1 && n <= key.size(2),
-              "llama_out_step: key and value must be (B, Hk, S >= n, D)");
+              "decoder_out_step: key and value must be (B, Hk, S >= n, D)");
   TORCH_CHECK(key.scalar_type() == torch::kFloat && value.scalar_type() == torch::kFloat && key.stride(3) == 1 &&
                   value.stride(3) == 1 && key.device().is_cpu() && value.device().is_cpu(),
-              "llama_out_step: key and value must be fp32 CPU tensors with unit stride over D");
+              "decoder_out_step: key and value must be fp32 CPU tensors with unit stride over D");
   check_f32(q, "q", {Bsz, H, D});
   check_f32(residual, "residual", {Bsz, Dm});
-  check_f32(o_w, "o_w", {Dm, H * D});
+  const Weight wo = weight_of(o_w, "o_w", Dm, H * D);
   const float* pob = opt_ptr(o_b, Dm, "o_b");
-  const bool mlp = gate_w.has_value() && gate_w->defined();
+  const bool mlp = up_w.has_value() && up_w->defined();
+  const bool gated = gate_w.has_value() && gate_w->defined();
   int64_t I = 0;
+  Weight wg{}, wu{}, wd{};
+  const float* pub = nullptr;
+  const float* pdb = nullptr;
+  const float* pnw = nullptr;
+  const float* pnb = nullptr;
   if (mlp) {
-    I = gate_w->size(0);
-    check_f32(*gate_w, "gate_w", {I, Dm});
-    TORCH_CHECK(up_w.has_value() && down_w.has_value(), "llama_out_step: the MLP needs gate_w, up_w and down_w");
-    check_f32(*up_w, "up_w", {I, Dm});
-    check_f32(*down_w, "down_w", {Dm, I});
+    I = up_w->size(0);
+    wu = weight_of(*up_w, "up_w", I, Dm);
+    if (gated) wg = weight_of(*gate_w, "gate_w", I, Dm);
+    TORCH_CHECK(down_w.has_value() && down_w->defined(), "decoder_out_step: the MLP needs down_w");
+    wd = weight_of(*down_w, "down_w", Dm, I);
+    pub = opt_ptr(up_b, I, "up_b");
+    pdb = opt_ptr(down_b, Dm, "down_b");
+    pnw = opt_ptr(norm_w, Dm, "norm_w");
+    pnb = opt_ptr(norm_b, Dm, "norm_b");
+    TORCH_CHECK(pnw, "decoder_out_step: the MLP needs norm_w");
   }
-  const float* pnw = opt_ptr(norm_w, Dm, "norm_w");
-  TORCH_CHECK(!mlp || pnw, "llama_out_step: the MLP needs norm_w");
 
   auto opts = q.options();
   auto attn = torch::empty({Bsz, H * D}, opts);
@@ -517,23 +611,27 @@ torch::Tensor llama_out_step(const torch::Tensor& q, const torch::Tensor& key, c
 
   auto hid = torch::empty({Bsz, Dm}, opts);
   float* ph = hid.data_ptr<float>();
-  matvec(o_w.data_ptr<float>(), pob, Dm, H * D, pa, Bsz, ph, parallel);
+  project(wo, pob, pa, Bsz, ph, parallel);
   const float* pr = residual.data_ptr<float>();
   for (int64_t i = 0; i < Bsz * Dm; ++i) ph[i] += pr[i];
   if (!mlp) return hid;
 
   auto m = torch::empty({Bsz, Dm}, opts);
-  auto gu = torch::empty({2, Bsz, I}, opts);
+  auto gu = torch::empty({gated ? 2 : 1, Bsz, I}, opts);
   auto out = torch::empty({Bsz, Dm}, opts);
   float* pm = m.data_ptr<float>();
-  float* pg = gu.data_ptr<float>();
-  float* pu = pg + Bsz * I;
+  float* pu = gu.data_ptr<float>();
   float* po = out.data_ptr<float>();
-  rms_rows(ph, pnw, Bsz, Dm, static_cast<float>(norm_eps), pm);
-  matvec(gate_w->data_ptr<float>(), nullptr, I, Dm, pm, Bsz, pg, parallel);
-  matvec(up_w->data_ptr<float>(), nullptr, I, Dm, pm, Bsz, pu, parallel);
-  for (int64_t i = 0; i < Bsz * I; ++i) pg[i] = pg[i] * sigmoid_f(pg[i]) * pu[i];
-  matvec(down_w->data_ptr<float>(), nullptr, Dm, I, pg, Bsz, po, parallel);
+  norm_rows(ph, pnw, pnb, pnb == nullptr, Bsz, Dm, static_cast<float>(norm_eps), pm);
+  project(wu, pub, pm, Bsz, pu, parallel);
+  if (gated) {
+    float* pg = pu + Bsz * I;
+    project(wg, nullptr, pm, Bsz, pg, parallel);
+    for (int64_t i = 0; i < Bsz * I; ++i) pu[i] *= pg[i] * sigmoid_f(pg[i]);
+  } else {
+    for (int64_t i = 0; i < Bsz * I; ++i) pu[i] = gelu_tanh(pu[i]);
+  }
+  project(wd, pdb, pu, Bsz, po, parallel);
   for (int64_t i = 0; i < Bsz * Dm; ++i) po[i] += ph[i];
   return out;
 }
@@ -541,9 +639,9 @@ torch::Tensor llama_out_step(const torch::Tensor& q, const torch::Tensor& key, c
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fastarch: fused decode steps on CPU (Mamba-1 and Mamba-2 mixers, Llama-family decoder layers)";
+  m.doc() = "fastarch: fused decode steps on CPU (Mamba-1 and Mamba-2 mixers, pre-norm decoder layers)";
   m.def("mamba_step", &mamba_step, "Mamba-1 mixer decode step (conv and SSM states in place) -> out");
   m.def("mamba2_step", &mamba2_step, "Mamba-2 mixer decode step (conv and SSM states in place) -> out");
-  m.def("llama_qkv_step", &llama_qkv_step, "Llama-family decode step, first half: norm, q/k/v, rotary -> (q, k, v)");
-  m.def("llama_out_step", &llama_out_step, "Llama-family decode step, second half: attention, o_proj, MLP -> out");
+  m.def("decoder_qkv_step", &decoder_qkv_step, "decoder layer decode step, first half: norm, q/k/v, rotary -> (q, k, v)");
+  m.def("decoder_out_step", &decoder_out_step, "decoder layer decode step, second half: attention, o_proj, MLP -> out");
 }

@@ -8,12 +8,12 @@ from . import (
     _orders,
     attention,
     causal_conv1d,
+    decoder_layer_step,
     gated_delta_rule,
     kda,
     layer_norm,
     linear,
     linear_attention,
-    llama_layer_step,
     lsh_attention,
     mamba2_mixer_step,
     mamba3_scan,
@@ -30,9 +30,8 @@ from . import (
     ssm_convolution,
 )
 
-_OPS = (attention, causal_conv1d, gated_delta_rule, kda, layer_norm, linear, linear_attention, llama_layer_step,
-        lsh_attention,
-        mamba2_mixer_step, mamba3_scan, mamba3_step, mamba_mixer_step, mamba_split_conv1d_scan,
+_OPS = (attention, causal_conv1d, decoder_layer_step, gated_delta_rule, kda, layer_norm, linear, linear_attention,
+        lsh_attention, mamba2_mixer_step, mamba3_scan, mamba3_step, mamba_mixer_step, mamba_split_conv1d_scan,
         rms_norm, rms_norm_gated, rotary, s4_kernel, selective_scan, selective_state_update, ssd_scan,
         ssm_convolution)
 

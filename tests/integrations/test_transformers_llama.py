@@ -369,13 +369,13 @@ def _step_model(name: str, seed: int = 0):
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_fused_decode_step_generates_what_transformers_does(name, padding, monkeypatch):
     steps = []
-    real = fh.decoder.llama_out_step
+    real = fh.decoder.decoder_out_step
 
     def counting(*args, **kwargs):
         steps.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fh.decoder, "llama_out_step", counting)
+    monkeypatch.setattr(fh.decoder, "decoder_out_step", counting)
     model = _step_model(name)
     ids, mask = _batch(padding)
     # 12 new tokens: past Mistral's 6-token window
@@ -400,7 +400,7 @@ def test_fused_decode_step_generates_what_transformers_does(name, padding, monke
 
 def test_fused_decode_step_is_not_taken_under_autograd_or_other_attention(monkeypatch):
     taken = []
-    monkeypatch.setattr(fh.decoder, "llama_qkv_step", lambda *a, **k: taken.append(1))
+    monkeypatch.setattr(fh.decoder, "decoder_qkv_step", lambda *a, **k: taken.append(1))
     model = _step_model("llama")
     ids, mask = _batch("none")
     fh.register()

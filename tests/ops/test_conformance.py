@@ -559,6 +559,68 @@ def _mixer2_step_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Ten
         out = ops.mamba2_mixer_step(*args, *tail, backend=backend)
     return out, conv_state, ssm_state
 
+# -- pre-norm decoder layer decode step (Llama family, GPT-2) -------------------------------------------------
+@st.composite
+def _decoder_step_cases(draw, tiny: bool) -> dict:
+    Hk = draw(st.sampled_from([1, 2]))
+    D = 2 * draw(st.integers(1, 4))
+    return dict(B=draw(st.integers(1, 3)), d_model=draw(st.integers(2, 10)), Hk=Hk, H=Hk * draw(st.integers(1, 3)),
+                D=D, R=draw(st.integers(1, D // 2)), per_row=draw(st.booleans()), bias=draw(st.booleans()),
+                qk_norm=draw(st.booleans()), S=draw(st.integers(1, 9)), cut=draw(st.integers(0, 2)),
+                left=draw(st.sampled_from([-1, 0, 1, 3])), I=draw(st.integers(1, 12)), mlp=draw(st.booleans()),
+                gpt2=draw(st.booleans()), rotary=draw(st.booleans()), layout=draw(st.sampled_from(LAYOUTS)))
+
+
+def _decoder_step_build(c: dict, dtype: torch.dtype, g: torch.Generator) -> Inputs:
+    B, Dm, H, Hk, D, R, I, S = c["B"], c["d_model"], c["H"], c["Hk"], c["D"], c["R"], c["I"], c["S"]
+
+    def w(*shape: int) -> torch.Tensor:
+        return _randn(g, *shape, scale=shape[-1] ** -0.5).to(dtype)
+
+    def conv1d(*shape: int) -> torch.Tensor:
+        # GPT-2's Conv1D keeps (in, out): the op reads the transpose in place
+        return w(*shape[::-1]).t() if c["gpt2"] else w(*shape)
+
+    def maybe(*shape: int) -> torch.Tensor | None:
+        return _randn(g, *shape, scale=0.1).to(dtype) if c["bias"] else None
+
+    def norm_w(n: int) -> torch.Tensor:
+        return (1 + _randn(g, n, scale=0.1)).to(dtype)
+
+    angles = _randn(g, B if c["per_row"] else 1, R, scale=3.0)
+    mlp, gpt2 = c["mlp"], c["gpt2"]
+    return dict(x=_randn(g, B, Dm).to(dtype), norm_w=norm_w(Dm),
+                norm_b=_randn(g, Dm, scale=0.1).to(dtype) if gpt2 else None,
+                q_w=conv1d(H * D, Dm), k_w=conv1d(Hk * D, Dm), v_w=conv1d(Hk * D, Dm), q_b=maybe(H * D),
+                k_b=maybe(Hk * D), v_b=maybe(Hk * D),
+                cos=angles.cos().to(dtype) if c["rotary"] else None,
+                sin=angles.sin().to(dtype) if c["rotary"] else None,
+                q_norm_w=norm_w(D) if c["qk_norm"] else None, k_norm_w=norm_w(D) if c["qk_norm"] else None,
+                q=_randn(g, B, H, D).to(dtype), key=_randn(g, B, Hk, S, D).to(dtype),
+                value=_randn(g, B, Hk, S, D).to(dtype), residual=_randn(g, B, Dm).to(dtype),
+                o_w=conv1d(Dm, H * D), o_b=maybe(Dm), norm2_w=norm_w(Dm),
+                norm2_b=_randn(g, Dm, scale=0.1).to(dtype) if gpt2 else None,
+                gate_w=w(I, Dm) if mlp and not gpt2 else None, up_w=conv1d(I, Dm) if mlp else None,
+                down_w=conv1d(Dm, I) if mlp else None, up_b=maybe(I) if mlp else None,
+                down_b=maybe(Dm) if mlp else None)
+
+
+def _decoder_qkv_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tensor, ...]:
+    args = [x[k] for k in ("x", "norm_w", "q_w", "k_w", "v_w", "q_b", "k_b", "v_b", "cos", "sin")]
+    tail = (c["H"], c["Hk"], 1e-5, x["q_norm_w"], x["k_norm_w"], 1e-6, x["norm_b"])
+    if backend is None:
+        return tuple(ops.decoder_qkv_step_ref(*args, *tail))
+    return tuple(ops.decoder_qkv_step(*args, *tail, backend=backend))
+
+
+def _decoder_out_run(x: Inputs, c: dict, backend: str | None) -> tuple[torch.Tensor, ...]:
+    args = [x[k] for k in ("q", "key", "value", "residual", "o_w", "o_b", "norm2_w", "gate_w", "up_w", "down_w")]
+    tail = (max(1, c["S"] - c["cut"]), c["left"], 0.7, 1e-5, x["norm2_b"], x["up_b"], x["down_b"])
+    if backend is None:
+        return (ops.decoder_out_step_ref(*args, *tail),)
+    return (ops.decoder_out_step(*args, *tail, backend=backend),)
+
+
 # -- gated delta rule (GDN) and KDA --------------------------------------------------------------------------
 @st.composite
 def _delta_cases(draw, tiny: bool) -> dict:
@@ -728,6 +790,18 @@ SPECS: dict[str, Spec] = {
                         examples=M3_EXAMPLES),
     "mamba3_step": Spec(_m3_cases, _m3_build(True), _m3_run(True), M3_GRADS, rtol=1e-4, atol=1e-4,
                         examples=M3_EXAMPLES),
+    "decoder_qkv_step": Spec(
+        _decoder_step_cases, _decoder_step_build, _decoder_qkv_run, rtol=1e-4, atol=1e-5, dtypes=(torch.float32,),
+        examples=[dict(B=2, d_model=6, H=4, Hk=2, D=6, R=2, per_row=True, bias=True, qk_norm=True, S=4, cut=1,
+                       left=1, I=5, mlp=True, gpt2=False, rotary=True, layout="contiguous"),
+                  dict(B=1, d_model=8, H=2, Hk=2, D=4, R=1, per_row=False, bias=True, qk_norm=False, S=3, cut=0,
+                       left=-1, I=6, mlp=True, gpt2=True, rotary=False, layout="contiguous")]),
+    "decoder_out_step": Spec(
+        _decoder_step_cases, _decoder_step_build, _decoder_out_run, rtol=1e-4, atol=1e-5, dtypes=(torch.float32,),
+        examples=[dict(B=2, d_model=6, H=4, Hk=2, D=6, R=2, per_row=True, bias=True, qk_norm=True, S=4, cut=1,
+                       left=1, I=5, mlp=True, gpt2=False, rotary=True, layout="contiguous"),
+                  dict(B=1, d_model=8, H=2, Hk=2, D=4, R=1, per_row=False, bias=True, qk_norm=False, S=3, cut=0,
+                       left=-1, I=6, mlp=True, gpt2=True, rotary=False, layout="contiguous")]),
     "selective_state_update": Spec(
         _ssu_cases, _ssu_build, _ssu_run, rtol=1e-5, atol=1e-5,
         examples=[dict(B=2, heads=2, dim=3, N=5, groups=2, has_D=True, has_z=True, has_bias=True, softplus=True,

@@ -54,7 +54,7 @@ with the SiLU and the product in place when autograd is off.
 
 **Llama-family decode steps.** With ``llama=True`` and fastarch's attention, the decoder layers of
 :data:`DECODER_LAYERS` (Llama, Mistral, Qwen2, Qwen3, Phi-3) run a single-token CPU fp32 step without autograd
-as two fused calls, :func:`fastarch.ops.llama_qkv_step` and :func:`fastarch.ops.llama_out_step`, around the
+as two fused calls, :func:`fastarch.ops.decoder_qkv_step` and :func:`fastarch.ops.decoder_out_step`, around the
 ``DynamicCache``'s own ``update`` (conditions: :mod:`.decoder`).
 
 :func:`report` lists, for a model, what runs on fastarch and why anything does not.

@@ -1,5 +1,5 @@
-"""The Llama-family decoder layers' decode step on :func:`fastarch.ops.llama_qkv_step` and
-:func:`fastarch.ops.llama_out_step`: one token per sequence, two fused calls per layer around transformers' own
+"""The Llama-family decoder layers' decode step on :func:`fastarch.ops.decoder_qkv_step` and
+:func:`fastarch.ops.decoder_out_step`: one token per sequence, two fused calls per layer around transformers' own
 cache write.
 
 A decoder layer's forward runs the fused step when every condition below holds, and its original forward
@@ -27,7 +27,7 @@ from torch import nn
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ...ops.llama_layer_step import llama_out_step, llama_qkv_step
+from ...ops.decoder_layer_step import decoder_out_step, decoder_qkv_step
 from .attention import CompactMask, attention_forward
 from .llama import _SILU_TYPES, _rotary_tables
 
@@ -134,13 +134,13 @@ def _step(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, norm_cls: type) 
     (norm1, eps1, q_w, k_w, v_w, q_b, k_b, v_b, q_norm, k_norm, head_eps, H, Hk, o_w, o_b, norm2, eps2, gate, up,
      down) = w
     x = hidden[:, 0]
-    q, k, v = llama_qkv_step(x, norm1, q_w, k_w, v_w, q_b, k_b, v_b, tables[0][:, 0], tables[1][:, 0], H, Hk,
+    q, k, v = decoder_qkv_step(x, norm1, q_w, k_w, v_w, q_b, k_b, v_b, tables[0][:, 0], tables[1][:, 0], H, Hk,
                              eps1, q_norm, k_norm, head_eps)
     key, value = cache.update(k[:, :, None], v[:, :, None], attn.layer_idx)
     n, left = mask.key_length, mask.window[0]
     if n > key.shape[2]:
         raise ValueError(f"fastarch attention: the mask covers {n} keys but key has {key.shape[2]}")
-    out = llama_out_step(q, key, value, x, o_w, o_b, norm2, gate, up, down, n, left, float(attn.scaling), eps2)
+    out = decoder_out_step(q, key, value, x, o_w, o_b, norm2, gate, up, down, n, left, float(attn.scaling), eps2)
     return out[:, None]
 
 

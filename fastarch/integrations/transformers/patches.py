@@ -72,7 +72,7 @@ PATCHES: tuple[Patch, ...] = (
             f"{clsname}.forward on fastarch.ops.rms_norm (CPU; fp32, bf16, fp16)") for modname, clsname in LLAMA_MODULES),
     *(Patch("llama", modname, clsname, "forward", functools.partial(_decoder_layer_forward, norm_cls_name=norm),
             f"{clsname}: the CPU fp32 decode step (fastarch attention, DynamicCache) as two fused calls "
-            "(fastarch.ops.llama_qkv_step, llama_out_step)") for modname, clsname, norm in DECODER_LAYERS),
+            "(fastarch.ops.decoder_qkv_step, decoder_out_step)") for modname, clsname, norm in DECODER_LAYERS),
     *(Patch("llama", modname, clsname, "forward", _swiglu_mlp_forward,
             f"{clsname}: SiLU and product in place without autograd") for modname, clsname in LLAMA_MLPS),
 )

@@ -1,5 +1,5 @@
-"""llama_qkv_step and llama_out_step: a decode loop of both halves (with the cache written between them) against a
-whole-sequence Llama decoder layer in plain PyTorch, every backend against the references, gradients through the
+"""decoder_qkv_step and decoder_out_step: a decode loop of both halves (with the cache written between them) against
+whole-sequence Llama and GPT-2 decoder layers in plain PyTorch, every backend against the references, gradients through the
 torch backend, and bad input refused. (The hypothesis-drawn grid, opcheck and torch.compile are in
 test_conformance.py; transformers' decoder layers on these ops are tested in tests/integrations.)"""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fastarch import ops
 
-pytestmark = pytest.mark.op("llama_qkv_step", "llama_out_step")
+pytestmark = pytest.mark.op("decoder_qkv_step", "decoder_out_step")
 
 
 def _layer(d=24, H=4, Hk=2, D=8, I=40, bias=True, qk_norm=False, seed=0):
@@ -72,11 +72,11 @@ def _decode(p, x, cos, sin, window, backend, eps=1e-5):
     values = torch.zeros_like(keys)
     outs = []
     for t in range(T):
-        q, k, v = ops.llama_qkv_step(x[:, t], p["norm"], p["q_w"], p["k_w"], p["v_w"], p["q_b"], p["k_b"], p["v_b"],
+        q, k, v = ops.decoder_qkv_step(x[:, t], p["norm"], p["q_w"], p["k_w"], p["v_w"], p["q_b"], p["k_b"], p["v_b"],
                                      cos[t:t + 1], sin[t:t + 1], p["H"], p["Hk"], eps, p["q_norm"], p["k_norm"],
                                      backend=backend)
         keys[:, :, t], values[:, :, t] = k, v
-        outs.append(ops.llama_out_step(q, keys, values, x[:, t], p["o_w"], None, p["norm2"], p["gate"], p["up"],
+        outs.append(ops.decoder_out_step(q, keys, values, x[:, t], p["o_w"], None, p["norm2"], p["gate"], p["up"],
                                        p["down"], t + 1, window, None, eps, backend=backend))
     return torch.stack(outs, 1)
 
@@ -99,15 +99,15 @@ def test_per_sequence_angles_and_the_attention_half_alone(backend):
     x = torch.randn(3, 24, generator=g)
     cos, sin = torch.randn(3, 3, generator=g).cos(), torch.randn(3, 3, generator=g).sin()
     args = (x, p["norm"], p["q_w"], p["k_w"], p["v_w"], None, None, None, cos, sin, 4, 2, 1e-6)
-    for got, want in zip(ops.llama_qkv_step(*args, backend=backend), ops.llama_qkv_step_ref(*args)):
+    for got, want in zip(ops.decoder_qkv_step(*args, backend=backend), ops.decoder_qkv_step_ref(*args)):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     q = torch.randn(3, 4, 8, generator=g)
     cache = torch.randn(3, 2, 10, 8, generator=g)
     o_b = torch.randn(24, generator=g)
     # a strided cache (a prefix of a longer buffer), the attention half without the MLP
     key, value = cache[:, :, :6], cache.flip(2)[:, :, :6]
-    out = ops.llama_out_step(q, key, value, x, p["o_w"], o_b, None, None, None, None, 5, -1, 0.3, backend=backend)
-    ref = ops.llama_out_step_ref(q, key, value, x, p["o_w"], o_b, None, None, None, None, 5, -1, 0.3)
+    out = ops.decoder_out_step(q, key, value, x, p["o_w"], o_b, None, None, None, None, 5, -1, 0.3, backend=backend)
+    ref = ops.decoder_out_step_ref(q, key, value, x, p["o_w"], o_b, None, None, None, None, 5, -1, 0.3)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -127,8 +127,8 @@ def test_gradients_through_the_torch_backend():
         value = torch.cat([cache.flip(2), v[:, :, None]], 2)
         return fn_out(q, key, value, x, w["o_w"], None, w["norm2"], w["gate"], w["up"], w["down"], 6, 3, **kw)
 
-    out = run(ops.llama_qkv_step, ops.llama_out_step, leaves, backend="torch")
-    ref = run(ops.llama_qkv_step_ref, ops.llama_out_step_ref, ref_leaves)
+    out = run(ops.decoder_qkv_step, ops.decoder_out_step, leaves, backend="torch")
+    ref = run(ops.decoder_qkv_step_ref, ops.decoder_out_step_ref, ref_leaves)
     go = torch.randn_like(ref)
     names = sorted(leaves)
     grads = torch.autograd.grad(out, [leaves[n] for n in names], go)
@@ -148,13 +148,54 @@ def test_bad_input_is_refused_with_the_argument_named():
                          (dict(q_bias=torch.ones(4)), "q_bias"), (dict(x=x.double()), "q_weight"),
                          (dict(norm_eps=float("nan")), "norm_eps")):
         with pytest.raises((ValueError, TypeError), match=word):
-            ops.llama_qkv_step(**{**base, **change})
+            ops.decoder_qkv_step(**{**base, **change})
     q, cache = torch.randn(1, 4, 8), torch.randn(1, 2, 4, 8)
     out = dict(q=q, key=cache, value=cache, residual=x, o_weight=p["o_w"], o_bias=None, norm_weight=p["norm2"],
                gate_weight=p["gate"], up_weight=p["up"], down_weight=p["down"], key_length=4)
     for change, word in ((dict(key_length=5), "key_length"), (dict(key_length=0), "key_length"),
-                         (dict(window_left=-2), "window_left"), (dict(up_weight=None), "gate_weight"),
+                         (dict(window_left=-2), "window_left"), (dict(up_weight=None), "up_weight"),
                          (dict(value=cache[:, :1]), "value"), (dict(scale=0.0), "scale"),
                          (dict(o_weight=p["o_w"].t()), "o_weight"), (dict(key=torch.randn(1, 3, 4, 8)), "key")):
         with pytest.raises((ValueError, TypeError), match=word):
-            ops.llama_out_step(**{**out, **change})
+            ops.decoder_out_step(**{**out, **change})
+
+
+def _gpt2_layer(d=24, H=4, I=40, seed=4):
+    """GPT-2's block: layer norms with biases, Conv1D weights kept (in, out), a GELU-tanh MLP, no rotary."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, s=None):
+        return torch.randn(*shape, generator=g) * (shape[0] ** -0.5 if s is None else s)
+
+    return dict(ln1=1 + r(d, s=0.1), ln1_b=r(d, s=0.1), c_attn=r(d, 3 * d), c_attn_b=r(3 * d, s=0.1),
+                c_proj=r(d, d), c_proj_b=r(d, s=0.1), ln2=1 + r(d, s=0.1), ln2_b=r(d, s=0.1), c_fc=r(d, I),
+                c_fc_b=r(I, s=0.1), mlp_proj=r(I, d), mlp_proj_b=r(d, s=0.1), H=H, D=d // H)
+
+
+def test_gpt2_decode_loop_matches_the_whole_sequence_block(backend):
+    p = _gpt2_layer()
+    B, T, d, H, D = 2, 6, 24, p["H"], p["D"]
+    x = torch.randn(B, T, d, generator=torch.Generator().manual_seed(5))
+    # the whole sequence, as GPT-2 computes it
+    h = F.layer_norm(x, (d,), p["ln1"], p["ln1_b"], 1e-5)
+    q, k, v = (h @ p["c_attn"] + p["c_attn_b"]).split(d, dim=2)
+    q, k, v = (t.view(B, T, H, D).transpose(1, 2) for t in (q, k, v))
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, d)
+    hid = x + a @ p["c_proj"] + p["c_proj_b"]
+    m = F.layer_norm(hid, (d,), p["ln2"], p["ln2_b"], 1e-5)
+    want = hid + F.gelu(m @ p["c_fc"] + p["c_fc_b"], approximate="tanh") @ p["mlp_proj"] + p["mlp_proj_b"]
+    # one token at a time, the Conv1D weights read transposed in place (column blocks of c_attn)
+    w = p["c_attn"]
+    keys = torch.zeros(B, H, T, D)
+    values = torch.zeros_like(keys)
+    outs = []
+    for t in range(T):
+        qt, kt, vt = ops.decoder_qkv_step(x[:, t], p["ln1"], w[:, :d].t(), w[:, d:2 * d].t(), w[:, 2 * d:].t(),
+                                          *p["c_attn_b"].split(d), None, None, H, H, 1e-5, norm_bias=p["ln1_b"],
+                                          backend=backend)
+        keys[:, :, t], values[:, :, t] = kt, vt
+        outs.append(ops.decoder_out_step(qt, keys, values, x[:, t], p["c_proj"].t(), p["c_proj_b"], p["ln2"], None,
+                                         p["c_fc"].t(), p["mlp_proj"].t(), t + 1, -1, None, 1e-5,
+                                         norm_bias=p["ln2_b"], up_bias=p["c_fc_b"], down_bias=p["mlp_proj_b"],
+                                         backend=backend))
+    torch.testing.assert_close(torch.stack(outs, 1), want, atol=2e-5, rtol=1e-4)

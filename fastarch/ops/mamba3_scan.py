@@ -23,13 +23,14 @@ Shapes (as in mamba-ssm): ``Q``, ``K`` ``(batch, L, G, N)`` (SISO) or ``(batch, 
 ``mimo_v``, ``mimo_z``, ``mimo_o`` ``(H, R, P)``. States ``(angle, ssm, k, v)``: ``(batch, H, S_a)`` fp32,
 ``(batch, H, P, N)`` fp32, ``(batch, H, N)`` (SISO) or ``(batch, R, H, N)`` (MIMO), ``(batch, H, P)``.
 
-Backend: ``torch``, the chunked form. With ``S'_t = S_t + DT_{t+1} (1 - lam_{t+1}) sum_r v_{t,r} k_{t,r}^T`` the
+Backends: ``cpp`` (``csrc/cpu/mamba3.cpp``: the recurrence step by step per (batch, head) in parallel, fp32
+state; the backward runs it in reverse from states kept every 32 steps) and ``torch``, the chunked form. With ``S'_t = S_t + DT_{t+1} (1 - lam_{t+1}) sum_r v_{t,r} k_{t,r}^T`` the
 recurrence is ``S'_t = alpha_t S'_{t-1} + w_t sum_r v_{t,r} k_{t,r}^T``, ``w_t = gamma_t + DT_{t+1} (1 -
 lam_{t+1})``, so within a chunk the output is a masked ``(chunk, chunk)`` product (the diagonal weighted
 ``gamma_t``, not ``w_t``), and between chunks only ``(H, P, N)`` states pass: memory
 ``O(batch * L * H * (R * (N + P) + chunk * R^2) + batch * (L / chunk) * H * P * N)``, never
-``batch * L * H * P * N``. The backward differentiates a recomputed forward with autograd (the forward keeps
-only its inputs). Arithmetic in fp32 (float64 for float64 inputs).
+``batch * L * H * P * N``. The torch backward differentiates a recomputed forward with autograd (the forward
+keeps only its inputs). Arithmetic in fp32 (float64 for float64 inputs, torch only).
 """
 
 from __future__ import annotations

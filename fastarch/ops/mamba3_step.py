@@ -7,7 +7,8 @@ Shapes: ``Q``, ``K`` ``(batch, G, N)`` (SISO) or ``(batch, R, G, N)`` (MIMO); ``
 ``(batch, H, S_a)``; states as in :func:`fastarch.ops.mamba3_scan` (``angle`` ``(batch, H, S_a)``, ``ssm``
 ``(batch, H, P, N)``, ``k`` ``(batch, H, N)`` or ``(batch, R, H, N)``, ``v`` ``(batch, H, P)``).
 
-Backend: ``torch`` (the step as a few PyTorch products; the backward by autograd through it). Nothing is
+Backends: ``cpp`` (the scan's C++ recurrence for one step, forward and backward) and ``torch`` (the step as a
+few PyTorch products; the backward by autograd through it). Nothing is
 written in place: the caller keeps (or copies) the returned states.
 """
 

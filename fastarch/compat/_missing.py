@@ -69,7 +69,8 @@ def _provided_names(module: str) -> list[str]:
 
 
 def missing_attribute(package: str, module: str, provided: Sequence[str] | None = None,
-                      error: type[NotProvidedError] = NotProvidedError) -> Callable[[str], object]:
+                      error: type[NotProvidedError] = NotProvidedError,
+                      internal: Sequence[str] = ()) -> Callable[[str], object]:
     """A module ``__getattr__`` for the stand-in of ``module`` raising ``error`` for a public name it lacks.
 
     Args:
@@ -78,6 +79,8 @@ def missing_attribute(package: str, module: str, provided: Sequence[str] | None 
         provided: the dotted names (or short descriptions) of what the stand-in does provide; None: the module's
             ``__all__`` and its submodules, looked up when the error is raised.
         error: the :class:`NotProvidedError` subclass to raise.
+        internal: private names of the peer (its kernels' helpers, which its own tests call) refused with
+            ``error`` too, rather than as plain attribute misses.
     """
     if module != package and not module.startswith(package + "."):
         raise ValueError(f"missing_attribute: module must be the peer's dotted name under package {package!r} "
@@ -86,6 +89,11 @@ def missing_attribute(package: str, module: str, provided: Sequence[str] | None 
         raise TypeError(f"missing_attribute: error must be a NotProvidedError subclass, got {error!r}")
 
     def __getattr__(name: str) -> object:
+        if name in internal:
+            raise error(f"fastarch.compat.{package} (installed as '{package}') does not provide {module}.{name}, an "
+                        f"internal helper of the peer's kernels; it provides "
+                        f"{', '.join(list(provided) if provided is not None else _provided_names(module))}",
+                        name=name)
         if name.startswith("_"):  # private and dunder probes (copy, pickle, inspect) are plain attribute misses
             raise AttributeError(name)
         if _is_submodule(module, name):  # ``from pkg import sub`` asks hasattr(pkg, "sub") before importing it

@@ -51,7 +51,9 @@ from ._backends import CppImplementation, TorchImplementation, TritonImplementat
 from ._checks import check_same_device, check_tensor, fail
 from ._dispatch import call_of, in_layout_of, resolve, run_backward
 
-__all__ = ["mamba_chunk_scan_combined", "ssd_scan", "ssd_scan_ref"]
+__all__ = ["chunk_scan", "chunk_scan_ref", "chunk_state", "chunk_state_ref", "chunk_state_varlen",
+           "mamba_chunk_scan", "mamba_chunk_scan_combined", "ssd_chunk_scan_combined_ref", "ssd_scan",
+           "ssd_scan_ref", "ssd_selective_scan", "state_passing", "state_passing_ref"]
 
 OP = "ssd_scan"
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -658,3 +660,272 @@ class TritonSsdScan(TritonImplementation):
 
 for _impl in (TorchSsdScan, CppSsdScan, TritonSsdScan):
     register(_impl)
+
+
+# -- mamba-ssm's chunk-level pieces (ssd_chunk_state, ssd_state_passing, ssd_chunk_scan, ssd_combined) ------
+# The chunked SSD algorithm step by step, as mamba-ssm exposes it, in composed fp32 PyTorch (differentiable by
+# autograd); :func:`ssd_scan` is the fused op. Per chunk ``c`` of ``chunk_size`` steps, with ``dt`` the
+# processed steps ``(batch, H, n_chunks, chunk_size)`` and ``dA_cumsum`` the in-chunk running sum of ``dt * A``:
+#   chunk_state:   S_c = sum_l exp(dA_cumsum[c, -1] - dA_cumsum[c, l]) dt[c, l] x_l B_l^T   (states leaving c,
+#                  from a zero state)
+#   state_passing: H_0 = initial_states (or 0); H_{c+1} = exp(dA_cumsum[c, -1]) H_c + S_c  (states entering c)
+#   chunk_scan:    y_l = C_l (exp(dA_cumsum[l]) H_c) + sum_{s <= l} (C_l . B_s) exp(dA_cumsum[l] - dA_cumsum[s])
+#                  dt[s] x_s + D x_l, times silu(z_l)
+def _fail_shape(op: str, name: str, want: str, t: torch.Tensor) -> None:
+    fail(op, f"argument '{name}' must have shape {want}, got {tuple(t.shape)}")
+
+
+def _check_chunk_args(op: str, B: torch.Tensor, x: torch.Tensor, dt: torch.Tensor,
+                      dA_cumsum: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    check_tensor(op, "x", x, ndim=4)
+    batch, L, H, P = x.shape
+    check_tensor(op, "dt", dt, ndim=4)
+    if dt.shape[:2] != (batch, H):
+        _fail_shape(op, "dt", f"({batch}, {H}, n_chunks, chunk_size)", dt)
+    nc, cs = dt.shape[2:]
+    if L > nc * cs:
+        fail(op, f"argument 'dt' must cover the {L} steps of x, got {nc} chunks of {cs}")
+    check_tensor(op, "dA_cumsum", dA_cumsum, shape=tuple(dt.shape))
+    check_tensor(op, "B", B, ndim=4)
+    G = B.shape[2]
+    if B.shape[:2] != (batch, L) or G < 1 or H % G:
+        _fail_shape(op, "B", f"({batch}, {L}, G, N) with G dividing {H}", B)
+    check_same_device(op, "x", x, dt=dt, dA_cumsum=dA_cumsum, B=B)
+    return batch, L, H, P, nc, cs
+
+
+def _in_chunks(t: torch.Tensor, nc: int, cs: int) -> torch.Tensor:
+    """``(batch, L, ...)`` -> ``(batch, nc, cs, ...)`` fp32, zero-padded to ``nc * cs`` steps."""
+    pad = nc * cs - t.shape[1]
+    t = t.float()
+    if pad:
+        t = torch.cat([t, t.new_zeros(t.shape[0], pad, *t.shape[2:])], dim=1)
+    return t.unflatten(1, (nc, cs))
+
+
+def _per_head(t: torch.Tensor, H: int) -> torch.Tensor:
+    """``(batch, L, G, N)`` -> ``(batch, L, H, N)``: head ``h`` reads group ``h // (H // G)``."""
+    return t.repeat_interleave(H // t.shape[2], dim=2)
+
+
+def chunk_state(B: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, dA_cumsum: torch.Tensor,
+                states_in_fp32: bool = True) -> torch.Tensor:
+    """mamba-ssm's ``chunk_state``: the state each chunk leaves from a zero state (see above).
+
+    Shapes: B ``(batch, L, G, N)``; x ``(batch, L, H, P)``; dt, dA_cumsum ``(batch, H, n_chunks, chunk_size)``;
+    returns ``(batch, n_chunks, H, P, N)`` in fp32 (``x.dtype`` when not ``states_in_fp32``).
+    """
+    _, _, H, _, nc, cs = _check_chunk_args("chunk_state", B, x, dt, dA_cumsum)
+    weight = torch.exp(dA_cumsum[..., -1:].float() - dA_cumsum.float()) * dt.float()  # (b, H, nc, cs)
+    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", _in_chunks(_per_head(B, H), nc, cs), weight,
+                          _in_chunks(x, nc, cs))
+    return states if states_in_fp32 else states.to(x.dtype)
+
+
+def chunk_state_ref(B: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, dA_cumsum: torch.Tensor) -> torch.Tensor:
+    """Reference of :func:`chunk_state`, step by step in fp32; the result in ``x.dtype`` (as mamba-ssm's)."""
+    batch, L, H, P, nc, cs = _check_chunk_args("chunk_state_ref", B, x, dt, dA_cumsum)
+    Bh = _per_head(B, H).float()
+    states = x.new_zeros(batch, nc, H, P, B.shape[-1], dtype=torch.float32)
+    for t in range(L):
+        c, i = divmod(t, cs)
+        w = torch.exp(dA_cumsum[:, :, c, -1].float() - dA_cumsum[:, :, c, i].float()) * dt[:, :, c, i].float()
+        states[:, c] += w[..., None, None] * x[:, t].float()[..., None] * Bh[:, t, :, None, :]
+    return states.to(x.dtype)
+
+
+def chunk_state_varlen(B: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, dA_cumsum: torch.Tensor,
+                       cu_seqlens: torch.Tensor, chunk_states: torch.Tensor) -> torch.Tensor:
+    """mamba-ssm's ``chunk_state_varlen``: the final state of each packed sequence, from the states entering
+    every chunk (``chunk_states``, state passing already done with the sequences' restarts) and the steps of
+    the sequence inside its last chunk.
+
+    Shapes: B ``(total, G, N)``; x ``(total, H, P)``; dt, dA_cumsum ``(H, n_chunks, chunk_size)``;
+    cu_seqlens ``(num_seqs + 1,)``; chunk_states ``(n_chunks, H, P, N)``; returns ``(num_seqs, H, P, N)`` fp32.
+    """
+    op = "chunk_state_varlen"
+    check_tensor(op, "x", x, ndim=3)
+    total, H, P = x.shape
+    check_tensor(op, "B", B, ndim=3)
+    check_tensor(op, "dt", dt, ndim=3)
+    check_tensor(op, "dA_cumsum", dA_cumsum, shape=tuple(dt.shape))
+    nc, cs = dt.shape[1:]
+    check_tensor(op, "chunk_states", chunk_states, shape=(nc, H, P, B.shape[-1]))
+    check_tensor(op, "cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, ndim=1)
+    if B.shape[0] != total or dt.shape[0] != H or total > nc * cs:
+        fail(op, f"arguments 'B' ({tuple(B.shape)}) and 'dt' ({tuple(dt.shape)}) must match x {tuple(x.shape)}")
+    cu = cu_seqlens.long()
+    if cu.numel() < 1 or int(cu[0]) < 0 or int(cu[-1]) > total or bool((cu[1:] <= cu[:-1]).any()):
+        fail(op, f"argument 'cu_seqlens' must be increasing offsets in [0, {total}] (no empty sequence)")
+    Bh = _per_head(B[None], H)[0].float()  # (total, H, N)
+    dA = dA_cumsum.float().flatten(1)  # (H, nc * cs)
+    out = []
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        c = (end - 1) // cs
+        first = max(start, c * cs)
+        last = dA[:, end - 1]  # (H,)
+        w = torch.exp(last[:, None] - dA[:, first:end]) * dt.float().flatten(1)[:, first:end]  # (H, steps)
+        state = torch.einsum("hl,lhp,lhn->hpn", w, x[first:end].float(), Bh[first:end])
+        if start < c * cs:  # the sequence entered this chunk with a state
+            state = state + torch.exp(last)[:, None, None] * chunk_states[c].float()
+        out.append(state)
+    return torch.stack(out) if out else x.new_zeros(0, H, P, B.shape[-1], dtype=torch.float32)
+
+
+def _check_passing(op: str, states: torch.Tensor, dA_chunk_cumsum: torch.Tensor,
+                   initial_states: torch.Tensor | None) -> None:
+    check_tensor(op, "states", states, ndim=4)
+    batch, nc, H, dim = states.shape
+    check_tensor(op, "dA_chunk_cumsum", dA_chunk_cumsum, shape=(batch, H, nc))
+    if initial_states is not None:
+        check_tensor(op, "initial_states", initial_states, shape=(batch, H, dim))
+    check_same_device(op, "states", states, dA_chunk_cumsum=dA_chunk_cumsum, initial_states=initial_states)
+
+
+def state_passing(states: torch.Tensor, dA_chunk_cumsum: torch.Tensor, initial_states: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """mamba-ssm's ``state_passing``: ``H_0 = initial_states`` (or 0), ``H_{c+1} = exp(dA_chunk_cumsum[c]) H_c +
+    states[c]``; returns ``(H_0 .. H_{n-1}, H_n)``, the states entering each chunk and the final state.
+
+    Shapes: states ``(batch, n_chunks, H, dim)`` (a chunk's state flattened to ``dim``); dA_chunk_cumsum
+    ``(batch, H, n_chunks)``; initial_states ``(batch, H, dim)``; returns ``(batch, n_chunks, H, dim)`` and
+    ``(batch, H, dim)``, in ``states.dtype``.
+    """
+    _check_passing("state_passing", states, dA_chunk_cumsum, initial_states)
+    h = (states.new_zeros(states[:, 0].shape, dtype=torch.float32) if initial_states is None
+         else initial_states.float())
+    entering = []
+    for c in range(states.shape[1]):
+        entering.append(h)
+        h = torch.exp(dA_chunk_cumsum[:, :, c].float())[..., None] * h + states[:, c].float()
+    out = torch.stack(entering, dim=1) if entering else states.float()
+    return out.to(states.dtype), h.to(states.dtype)
+
+
+def state_passing_ref(states: torch.Tensor, dA_chunk_cumsum: torch.Tensor,
+                      initial_states: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`state_passing` as one matrix of chunk-to-chunk decays (fp32)."""
+    _check_passing("state_passing_ref", states, dA_chunk_cumsum, initial_states)
+    init = states.new_zeros(states[:, 0].shape) if initial_states is None else initial_states
+    seq = torch.cat([init[:, None], states], dim=1).float()  # (b, nc + 1, H, dim)
+    cum = torch.cumsum(F.pad(dA_chunk_cumsum.float(), (1, 0)), dim=-1)  # (b, H, nc + 1)
+    n = cum.shape[-1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=states.device).tril()
+    decay = torch.exp((cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, -math.inf))
+    out = torch.einsum("bhzc,bchd->bzhd", decay, seq).to(states.dtype)
+    return out[:, :-1], out[:, -1]
+
+
+def _skip_gate(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None) -> torch.Tensor:
+    if D is not None:
+        y = y + x.float() * (D.float()[:, None] if D.dim() == 1 else D.float())
+    if z is not None:
+        y = y * F.silu(z.float())
+    return y.to(x.dtype)
+
+
+def _check_scan_args(op, B, C, x, dt, dA_cumsum, prev_states, D, z):
+    batch, L, H, P, nc, cs = _check_chunk_args(op, B, x, dt, dA_cumsum)
+    check_tensor(op, "C", C, shape=tuple(B.shape))
+    check_tensor(op, "prev_states", prev_states, shape=(batch, nc, H, P, B.shape[-1]))
+    if D is not None and tuple(D.shape) not in ((H,), (H, P)):
+        _fail_shape(op, "D", f"({H},) or ({H}, {P})", D)
+    if z is not None:
+        check_tensor(op, "z", z, shape=tuple(x.shape))
+    check_same_device(op, "x", x, C=C, prev_states=prev_states, D=D, z=z)
+    return batch, L, H, P, nc, cs
+
+
+def chunk_scan(B: torch.Tensor, C: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, dA_cumsum: torch.Tensor,
+               prev_states: torch.Tensor, D: torch.Tensor | None = None, z: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """mamba-ssm's ``chunk_scan``: the outputs from the states entering each chunk (``prev_states``) and the
+    chunk's own steps, plus ``D * x``, times ``silu(z)`` (see above).
+
+    Shapes: B, C ``(batch, L, G, N)``; x, z, out ``(batch, L, H, P)``; dt, dA_cumsum ``(batch, H, n_chunks,
+    chunk_size)``; prev_states ``(batch, n_chunks, H, P, N)``; D ``(H,)`` or ``(H, P)``. Out in ``x.dtype``.
+    """
+    _, L, H, _, nc, cs = _check_scan_args("chunk_scan", B, C, x, dt, dA_cumsum, prev_states, D, z)
+    Bc, Cc = _in_chunks(_per_head(B, H), nc, cs), _in_chunks(_per_head(C, H), nc, cs)  # (b, nc, cs, H, N)
+    dA = dA_cumsum.float()
+    causal = torch.ones(cs, cs, dtype=torch.bool, device=x.device).tril()
+    decay = torch.exp((dA[..., :, None] - dA[..., None, :]).masked_fill(~causal, -math.inf))  # (b, H, nc, l, s)
+    scores = torch.einsum("bclhn,bcshn->bhcls", Cc, Bc) * decay * dt.float()[..., None, :]
+    y = torch.einsum("bhcls,bcshp->bclhp", scores, _in_chunks(x, nc, cs))
+    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", Cc, prev_states.float(), torch.exp(dA))
+    return _skip_gate(y.flatten(1, 2)[:, :L], x, D, z)
+
+
+def chunk_scan_ref(B: torch.Tensor, C: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, dA_cumsum: torch.Tensor,
+                   prev_states: torch.Tensor, D: torch.Tensor | None = None, z: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Reference of :func:`chunk_scan`: the recurrence step by step from each chunk's entering state (fp32)."""
+    _, L, H, _, _, cs = _check_scan_args("chunk_scan_ref", B, C, x, dt, dA_cumsum, prev_states, D, z)
+    Bh, Ch = _per_head(B, H).float(), _per_head(C, H).float()
+    ys, h = [], None
+    for t in range(L):
+        c, i = divmod(t, cs)
+        step = dA_cumsum[:, :, c, i].float() - (dA_cumsum[:, :, c, i - 1].float() if i else 0.0)
+        prev = prev_states[:, c].float() if i == 0 else h
+        h = torch.exp(step)[..., None, None] * prev + (dt[:, :, c, i].float()[..., None, None]
+                                                      * x[:, t].float()[..., None] * Bh[:, t, :, None, :])
+        ys.append(torch.einsum("bhpn,bhn->bhp", h, Ch[:, t]))
+    y = torch.stack(ys, dim=1) if ys else x.float()
+    return _skip_gate(y, x, D, z)
+
+
+def _chunk_steps(dt: torch.Tensor, A: torch.Tensor, chunk_size: int, dt_bias: torch.Tensor | None,
+                 dt_softplus: bool, dt_limit: tuple[float, float] = (0.0, math.inf)
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dt`` ``(batch, L, H)`` -> the processed steps and the in-chunk running sums of ``dt * A``, both
+    ``(batch, H, n_chunks, chunk_size)`` fp32 (steps past L are 0)."""
+    steps = effective_dt(dt, dt_bias, dt_softplus, dt_limit).float()
+    nc = n_chunks(dt.shape[1], chunk_size)
+    steps = _in_chunks(steps, nc, chunk_size).permute(0, 3, 1, 2)  # (b, H, nc, cs)
+    return steps, torch.cumsum(steps * A.float()[:, None, None], dim=-1)
+
+
+def mamba_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                     chunk_size: int, D: torch.Tensor | None = None, z: torch.Tensor | None = None,
+                     dt_bias: torch.Tensor | None = None, dt_softplus: bool = False) -> torch.Tensor:
+    """mamba-ssm's ``mamba_chunk_scan``: the SSD scan as its separate pieces (:func:`chunk_state`,
+    :func:`state_passing`, :func:`chunk_scan`) rather than the fused :func:`ssd_scan`; same arguments and
+    output (shapes in the module docstring)."""
+    _validate(x, dt, A, B, C, chunk_size, D, z, dt_bias, None, None, None, (0.0, math.inf), False)
+    steps, dA_cumsum = _chunk_steps(dt, A, chunk_size, dt_bias, dt_softplus)
+    states = chunk_state(B, x, steps, dA_cumsum)
+    entering, _ = state_passing(states.flatten(-2), dA_cumsum[..., -1])
+    return chunk_scan(B, C, x, steps, dA_cumsum, entering.unflatten(-1, states.shape[-2:]), D, z)
+
+
+def ssd_chunk_scan_combined_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                                C: torch.Tensor, chunk_size: int, D: torch.Tensor | None = None,
+                                z: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                                dt_softplus: bool = False) -> torch.Tensor:
+    """mamba-ssm's ``ssd_chunk_scan_combined_ref``: the output of :func:`mamba_chunk_scan_combined` from the
+    sequential oracle :func:`ssd_scan_ref`."""
+    return ssd_scan_ref(x, dt, A, B, C, chunk_size, D, z, dt_bias, dt_softplus=dt_softplus)
+
+
+def ssd_selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       D: torch.Tensor | None = None, z: torch.Tensor | None = None,
+                       dt_bias: torch.Tensor | None = None, dt_softplus: bool = False,
+                       dt_limit: tuple[float, float] = (0.0, math.inf)) -> torch.Tensor:
+    """mamba-ssm's ``ssd_selective_scan``: the SSD recurrence as Mamba-1's selective scan
+    (:func:`fastarch.ops.selective_scan`) over the ``H * P`` channels, each head's step and ``A`` repeated over
+    its ``P`` channels; same arguments and output as :func:`mamba_chunk_scan` (no chunk size)."""
+    from .selective_scan import selective_scan  # noqa: PLC0415  (ops import each other lazily)
+
+    _validate(x, dt, A, B, C, 1, D, z, dt_bias, None, None, None, dt_limit, False)
+    batch, L, H, P = x.shape
+    if tuple(dt_limit) != (0.0, math.inf):  # the clamp is not the scan's: form the steps here
+        dt, dt_bias, dt_softplus = effective_dt(dt, dt_bias, dt_softplus, dt_limit).to(x.dtype), None, False
+    u = x.permute(0, 2, 3, 1).reshape(batch, H * P, L)
+    delta = dt.permute(0, 2, 1).repeat_interleave(P, dim=1)  # (b, H * P, L)
+    A_ = A.float().repeat_interleave(P)[:, None].expand(H * P, B.shape[-1])
+    Bs, Cs = B.permute(0, 2, 3, 1), C.permute(0, 2, 3, 1)  # (b, G, N, L)
+    D_ = None if D is None else (D.repeat_interleave(P) if D.dim() == 1 else D.reshape(-1)).float()
+    z_ = None if z is None else z.permute(0, 2, 3, 1).reshape(batch, H * P, L)
+    bias = None if dt_bias is None else dt_bias.float().repeat_interleave(P)
+    out = selective_scan(u, delta, A_, Bs, Cs, D_, z_, bias, dt_softplus)
+    return out.reshape(batch, H, P, L).permute(0, 3, 1, 2)

@@ -5,7 +5,12 @@ import sys
 
 import pytest
 
-from fastarch.compat._missing import ModuleNotProvidedError, NotProvidedError, missing_attribute, provided_modules
+from fastarch.compat._missing import (
+    ModuleNotProvidedError,
+    NotProvidedError,
+    missing_attribute,
+    provided_modules,
+)
 
 
 def test_missing_public_name_names_it_and_the_offer():

@@ -14,7 +14,9 @@ from ...ops.rms_norm_gated import rms_norm_gated as _rms_norm_gated
 
 __all__ = ["NORM_MODULES"]
 
+# Mamba-2's gated norm is ``MambaRMSNormGated`` up to transformers 5.24 and ``Mamba2RMSNormGated`` from 5.25.
 NORM_MODULES: tuple[tuple[str, str], ...] = (("transformers.models.mamba2.modeling_mamba2", "MambaRMSNormGated"),
+                                            ("transformers.models.mamba2.modeling_mamba2", "Mamba2RMSNormGated"),
                                             ("transformers.models.mamba2.modeling_mamba2", "Mamba2RMSNorm"))
 
 # transformers' kernel name -> fastarch's function with the original package's signature.
@@ -23,7 +25,7 @@ NORM_MODULES: tuple[tuple[str, str], ...] = (("transformers.models.mamba2.modeli
 # -- Mamba-2's norms -----------------------------------------------------------------------------------------
 def _gated_norm(module: torch.nn.Module, hidden_states: torch.Tensor, gate: torch.Tensor | None = None
                 ) -> torch.Tensor:
-    """``MambaRMSNormGated``: ``weight * norm(x * silu(gate))``, one RMS per group of ``group_size`` channels."""
+    """Mamba-2's gated norm: ``weight * norm(x * silu(gate))``, one RMS per group of ``group_size`` channels."""
     return _rms_norm_gated(hidden_states, module.weight, z=gate, eps=module.variance_epsilon,
                            group_size=getattr(module, "group_size", hidden_states.shape[-1]),
                            norm_before_gate=False)
@@ -34,7 +36,8 @@ def _norm(module: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     return _rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
 
-_NORMS: dict[str, Callable[..., torch.Tensor]] = {"MambaRMSNormGated": _gated_norm, "Mamba2RMSNorm": _norm}
+_NORMS: dict[str, Callable[..., torch.Tensor]] = {"MambaRMSNormGated": _gated_norm, "Mamba2RMSNormGated": _gated_norm,
+                                                  "Mamba2RMSNorm": _norm}
 
 
 def _norm_forward(original: Callable, fast: Callable[..., torch.Tensor]) -> Callable:

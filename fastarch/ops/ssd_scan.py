@@ -50,6 +50,7 @@ from ..backend import Call, choose, register
 from ._backends import CppImplementation, TorchImplementation, TritonImplementation
 from ._checks import check_same_device, check_tensor, fail
 from ._dispatch import call_of, in_layout_of, resolve, run_backward
+from .selective_scan import selective_scan
 
 __all__ = ["chunk_scan", "chunk_scan_ref", "chunk_state", "chunk_state_ref", "chunk_state_varlen",
            "mamba_chunk_scan", "mamba_chunk_scan_combined", "ssd_chunk_scan_combined_ref", "ssd_scan",
@@ -914,8 +915,6 @@ def ssd_selective_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: to
     """mamba-ssm's ``ssd_selective_scan``: the SSD recurrence as Mamba-1's selective scan
     (:func:`fastarch.ops.selective_scan`) over the ``H * P`` channels, each head's step and ``A`` repeated over
     its ``P`` channels; same arguments and output as :func:`mamba_chunk_scan` (no chunk size)."""
-    from .selective_scan import selective_scan  # noqa: PLC0415  (ops import each other lazily)
-
     _validate(x, dt, A, B, C, 1, D, z, dt_bias, None, None, None, dt_limit, False)
     batch, L, H, P = x.shape
     if tuple(dt_limit) != (0.0, math.inf):  # the clamp is not the scan's: form the steps here

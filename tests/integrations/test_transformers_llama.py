@@ -413,3 +413,31 @@ def test_fused_decode_step_is_not_taken_under_autograd_or_other_attention(monkey
         out = model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         model(out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
     assert taken == []
+
+
+@pytest.mark.parametrize("padding", ["none", "left"])
+def test_fused_gpt2_decode_step_generates_what_transformers_does(padding, monkeypatch):
+    steps = []
+    real = fh.decoder.decoder_out_step
+    monkeypatch.setattr(fh.decoder, "decoder_out_step", lambda *a, **k: steps.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=LAYERS, n_head=4, n_positions=128,
+                                     pad_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # non-trivial layer norm biases
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.bias.uniform_(-0.2, 0.2)
+    ids, mask = _batch(padding)
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+              output_scores=True, return_dict_in_generate=True)
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(ids, **kw)
+    fh.register()
+    model.set_attn_implementation("fastarch")
+    out = model.generate(ids, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    for got, want in zip(out.scores, ref.scores):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    assert len(steps) == (7 * LAYERS if padding == "none" else 0)
+    assert "GPT2Block" in fh.report(model)

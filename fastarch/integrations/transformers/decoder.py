@@ -1,9 +1,9 @@
-"""The Llama-family decoder layers' decode step on :func:`fastarch.ops.decoder_qkv_step` and
-:func:`fastarch.ops.decoder_out_step`: one token per sequence, two fused calls per layer around transformers' own
-cache write.
+"""The decode step of the Llama-family decoder layers and GPT-2's block on :func:`fastarch.ops.decoder_qkv_step`
+and :func:`fastarch.ops.decoder_out_step`: one token per sequence, two fused calls per layer around transformers'
+own cache write.
 
-A decoder layer's forward runs the fused step when every condition below holds, and its original forward
-otherwise (prefill, training, other dtypes or devices, padding, other caches or attention implementations):
+A layer's forward runs the fused step when every condition below holds, and its original forward otherwise
+(prefill, training, other dtypes or devices, padding, other caches or attention implementations):
 
 - autograd is off, nothing is being compiled, the module is in eval mode;
 - the hidden states are CPU fp32 ``(batch, 1, hidden)``;
@@ -11,27 +11,31 @@ otherwise (prefill, training, other dtypes or devices, padding, other caches or 
   :func:`~fastarch.integrations.transformers.register`), and the mask is its compact causal or sliding-window
   mask without padded keys;
 - the cache is a ``DynamicCache`` (written with its own ``update``);
-- the layer is the family's plain structure: ``nn.Linear`` projections, the family's RMS norms, a SiLU-gated MLP
-  without biases, cos/sin tables whose halves repeat (rotate-half rotary, full or partial), no tensor
-  parallelism (``pretraining_tp`` 1).
-"""
+- the layer is its family's plain structure: for the Llama family ``nn.Linear`` projections, the family's RMS
+  norms, a SiLU-gated MLP without biases, cos/sin tables whose halves repeat (rotate-half rotary, full or
+  partial), no tensor parallelism (``pretraining_tp`` 1); for GPT-2 self-attention only, ``nn.LayerNorm`` norms,
+  ``Conv1D`` projections and a GELU-tanh MLP."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import activations as _activations
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.pytorch_utils import Conv1D
 
 from ...ops.decoder_layer_step import decoder_out_step, decoder_qkv_step
 from .attention import CompactMask, attention_forward
 from .llama import _SILU_TYPES, _rotary_tables
 
-__all__ = ["DECODER_LAYERS"]
+__all__ = ["DECODER_LAYERS", "GPT2_BLOCKS"]
 
 # (modeling module, decoder layer class, RMS norm class): the families whose decoder layer is Llama's (pre-norm
 # attention and SwiGLU MLP with residuals; Phi-3's residual dropouts are identities in eval mode).
@@ -43,13 +47,51 @@ DECODER_LAYERS: tuple[tuple[str, str, str], ...] = (
     ("transformers.models.phi3.modeling_phi3", "Phi3DecoderLayer", "Phi3RMSNorm"),
 )
 
+# GPT-2's block (``GPT2Block``: layer norms, ``Conv1D`` weights kept ``(in, out)``, a GELU-tanh MLP, no rotary).
+GPT2_BLOCKS: tuple[tuple[str, str], ...] = (("transformers.models.gpt2.modeling_gpt2", "GPT2Block"),)
+
 # The keyword arguments transformers passes a decoder layer in a decode step; anything else (packed-sequence
 # offsets, attention outputs, ...) takes the original forward.
 _KNOWN_KWARGS = frozenset({"attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
-                           "cache_position", "position_embeddings", "output_attentions"})
+                           "cache_position", "position_embeddings", "output_attentions", "encoder_hidden_states",
+                           "encoder_attention_mask"})
+# transformers' GELU-tanh activations (GPT-2's "gelu_new", "gelu_pytorch_tanh"), by their public names.
+_GELU_TANH_TYPES = tuple(t for t in (getattr(_activations, n, None) for n in ("NewGELUActivation", "GELUTanh",
+                                                                          "PytorchGELUTanh")) if t is not None)
 
 
-def _norm(module: nn.Module, norm_cls: type) -> tuple[torch.Tensor, float] | None:
+@dataclass(frozen=True)
+class _Weights:
+    """What the two halves take from a layer (see :func:`fastarch.ops.decoder_qkv_step` and
+    :func:`~fastarch.ops.decoder_out_step`)."""
+
+    norm1: torch.Tensor
+    norm1_b: torch.Tensor | None
+    eps1: float
+    q_w: torch.Tensor
+    k_w: torch.Tensor
+    v_w: torch.Tensor
+    q_b: torch.Tensor | None
+    k_b: torch.Tensor | None
+    v_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    head_eps: float
+    H: int
+    Hk: int
+    o_w: torch.Tensor
+    o_b: torch.Tensor | None
+    norm2: torch.Tensor
+    norm2_b: torch.Tensor | None
+    eps2: float
+    gate: torch.Tensor | None
+    up: torch.Tensor
+    up_b: torch.Tensor | None
+    down: torch.Tensor
+    down_b: torch.Tensor | None
+
+
+def _rms(module: nn.Module | None, norm_cls: type) -> tuple[torch.Tensor, float] | None:
     if type(module) is not norm_cls:
         return None
     return module.weight, float(module.variance_epsilon)
@@ -59,12 +101,10 @@ def _linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear
 
 
-def _weights(layer: nn.Module, norm_cls: type) -> tuple | None:
-    """What the two halves take from ``layer``: ``(norm1, eps1, q_w, k_w, v_w, q_b, k_b, v_b, q_norm, k_norm,
-    head_eps, H, Hk, o_w, o_b, norm2, eps2, gate, up, down)``, or None when the layer is not the plain
-    structure."""
+def _llama_weights(layer: nn.Module, norm_cls: type) -> _Weights | None:
+    """A Llama-family layer's weights, or None when the layer is not the plain structure."""
     attn, mlp = layer.self_attn, layer.mlp
-    n1, n2 = _norm(layer.input_layernorm, norm_cls), _norm(layer.post_attention_layernorm, norm_cls)
+    n1, n2 = _rms(layer.input_layernorm, norm_cls), _rms(layer.post_attention_layernorm, norm_cls)
     if n1 is None or n2 is None or getattr(attn.config, "pretraining_tp", 1) != 1:
         return None
     D = attn.head_dim
@@ -84,7 +124,7 @@ def _weights(layer: nn.Module, norm_cls: type) -> tuple | None:
     q_norm = k_norm = None
     head_eps = 1e-6
     if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):  # Qwen3: per-head RMS norms of q and k
-        qn, kn = _norm(getattr(attn, "q_norm", None), norm_cls), _norm(getattr(attn, "k_norm", None), norm_cls)
+        qn, kn = _rms(getattr(attn, "q_norm", None), norm_cls), _rms(getattr(attn, "k_norm", None), norm_cls)
         if qn is None or kn is None or qn[1] != kn[1]:
             return None
         (q_norm, head_eps), (k_norm, _) = qn, kn
@@ -102,61 +142,122 @@ def _weights(layer: nn.Module, norm_cls: type) -> tuple | None:
                 or not isinstance(getattr(mlp, "act_fn", None), _SILU_TYPES):
             return None
         gate, up = parts[0].weight, parts[1].weight
-    return (n1[0], n1[1], q_w, k_w, v_w, q_b, k_b, v_b, q_norm, k_norm, head_eps, H, Hk, attn.o_proj.weight,
-            attn.o_proj.bias, n2[0], n2[1], gate, up, mlp.down_proj.weight)
+    return _Weights(n1[0], None, n1[1], q_w, k_w, v_w, q_b, k_b, v_b, q_norm, k_norm, head_eps, H, Hk,
+                    attn.o_proj.weight, attn.o_proj.bias, n2[0], None, n2[1], gate, up, None, mlp.down_proj.weight,
+                    None)
 
 
-def _step(layer: nn.Module, hidden: torch.Tensor, kwargs: dict, norm_cls: type) -> torch.Tensor | None:
-    """The fused decode step of ``layer``, or None when the call is not one it takes."""
-    if not kwargs.keys() <= _KNOWN_KWARGS or kwargs.get("output_attentions"):
+def _layer_norm(module: nn.Module) -> bool:
+    return (type(module) is nn.LayerNorm and module.weight is not None and module.bias is not None
+            and len(module.normalized_shape) == 1)
+
+
+def _gpt2_weights(block: nn.Module) -> _Weights | None:
+    """A GPT-2 block's weights (its ``Conv1D`` weights transposed, read in place), or None when the block is not
+    the plain structure (cross-attention, other activations or modules)."""
+    attn, mlp = block.attn, block.mlp
+    convs = (getattr(attn, "c_attn", None), getattr(attn, "c_proj", None), getattr(mlp, "c_fc", None),
+             getattr(mlp, "c_proj", None))
+    if (getattr(attn, "is_cross_attention", False) or not _layer_norm(block.ln_1) or not _layer_norm(block.ln_2)
+            or not all(type(c) is Conv1D for c in convs) or not isinstance(getattr(mlp, "act", None),
+                                                                         _GELU_TANH_TYPES)):
         return None
-    attn = layer.self_attn
+    d, H, D = attn.embed_dim, attn.num_heads, attn.head_dim
+    w, b = attn.c_attn.weight, attn.c_attn.bias
+    if tuple(w.shape) != (d, 3 * H * D):
+        return None
+    qkv = [w[:, i * H * D:(i + 1) * H * D].t() for i in range(3)]
+    bias = b.split(H * D)
+    return _Weights(block.ln_1.weight, block.ln_1.bias, float(block.ln_1.eps), *qkv, *bias, None, None, 1e-6, H, H,
+                    attn.c_proj.weight.t(), attn.c_proj.bias, block.ln_2.weight, block.ln_2.bias,
+                    float(block.ln_2.eps), None, mlp.c_fc.weight.t(), mlp.c_fc.bias, mlp.c_proj.weight.t(),
+                    mlp.c_proj.bias)
+
+
+def _step(attn: nn.Module, hidden: torch.Tensor, kwargs: dict, weights: Callable[[], _Weights | None],
+          rotary: bool) -> torch.Tensor | None:
+    """The fused decode step of a layer whose attention module is ``attn``, or None when the call is not one it
+    takes (``weights`` gives the layer's weights)."""
+    if not kwargs.keys() <= _KNOWN_KWARGS or kwargs.get("output_attentions") \
+            or kwargs.get("encoder_hidden_states") is not None:
+        return None
     if ALL_ATTENTION_FUNCTIONS.get(attn.config._attn_implementation) is not attention_forward:
         return None
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    pe = kwargs.get("position_embeddings")
     mask = kwargs.get("attention_mask")
-    if not isinstance(cache, DynamicCache) or not isinstance(pe, tuple) or len(pe) != 2:
+    if not isinstance(cache, DynamicCache):
         return None
     if not (isinstance(mask, CompactMask) and mask.key_padding_mask is None and mask.window[1] == 0):
         return None
-    cos, sin = pe
-    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.dtype == torch.float32
-            and cos.dim() == 3 and cos.shape == sin.shape and cos.shape[1] == 1 and cos.shape[2] % 2 == 0
-            and cos.device.type == "cpu" and cos.shape[0] in (1, hidden.shape[0])):
+    cos = sin = None
+    if rotary:
+        pe = kwargs.get("position_embeddings")
+        if not isinstance(pe, tuple) or len(pe) != 2:
+            return None
+        cos, sin = pe
+        if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.dtype == torch.float32
+                and cos.dim() == 3 and cos.shape == sin.shape and cos.shape[1] == 1 and cos.shape[2] % 2 == 0
+                and cos.device.type == "cpu" and cos.shape[0] in (1, hidden.shape[0])
+                and cos.shape[2] <= attn.head_dim):
+            return None
+    w = weights()
+    if w is None:
         return None
-    w = _weights(layer, norm_cls)
-    if w is None or cos.shape[2] > attn.head_dim:
-        return None
-    tables = _rotary_tables(cos, sin)
-    if tables is None:
-        return None
-    (norm1, eps1, q_w, k_w, v_w, q_b, k_b, v_b, q_norm, k_norm, head_eps, H, Hk, o_w, o_b, norm2, eps2, gate, up,
-     down) = w
+    if rotary:
+        tables = _rotary_tables(cos, sin)
+        if tables is None:
+            return None
+        cos, sin = tables[0][:, 0], tables[1][:, 0]
     x = hidden[:, 0]
-    q, k, v = decoder_qkv_step(x, norm1, q_w, k_w, v_w, q_b, k_b, v_b, tables[0][:, 0], tables[1][:, 0], H, Hk,
-                             eps1, q_norm, k_norm, head_eps)
+    q, k, v = decoder_qkv_step(x, w.norm1, w.q_w, w.k_w, w.v_w, w.q_b, w.k_b, w.v_b, cos, sin, w.H, w.Hk, w.eps1,
+                               w.q_norm, w.k_norm, w.head_eps, w.norm1_b)
     key, value = cache.update(k[:, :, None], v[:, :, None], attn.layer_idx)
     n, left = mask.key_length, mask.window[0]
     if n > key.shape[2]:
         raise ValueError(f"fastarch attention: the mask covers {n} keys but key has {key.shape[2]}")
-    out = decoder_out_step(q, key, value, x, o_w, o_b, norm2, gate, up, down, n, left, float(attn.scaling), eps2)
+    out = decoder_out_step(q, key, value, x, w.o_w, w.o_b, w.norm2, w.gate, w.up, w.down, n, left,
+                           float(attn.scaling), w.eps2, w.norm2_b, w.up_b, w.down_b)
     return out[:, None]
 
 
+def _decodes(layer: nn.Module, hidden_states) -> bool:
+    """Could this call be a fused decode step (before the layer's own conditions)?"""
+    return (not torch.is_grad_enabled() and not layer.training and isinstance(hidden_states, torch.Tensor)
+            and hidden_states.dtype == torch.float32 and hidden_states.device.type == "cpu"
+            and hidden_states.dim() == 3 and hidden_states.shape[1] == 1 and not torch.compiler.is_compiling())
+
+
 def _decoder_layer_forward(original: Callable, norm_cls_name: str) -> Callable:
-    """A decoder layer's forward that runs the fused decode step when it can (see the module's docstring) and
-    ``original`` otherwise."""
+    """A Llama-family decoder layer's forward that runs the fused decode step when it can (see the module's
+    docstring) and ``original`` otherwise."""
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
-        if (not args and not torch.is_grad_enabled() and not self.training and isinstance(hidden_states, torch.Tensor)
-                and hidden_states.dtype == torch.float32 and hidden_states.device.type == "cpu"
-                and hidden_states.dim() == 3 and hidden_states.shape[1] == 1 and not torch.compiler.is_compiling()):
+        if not args and _decodes(self, hidden_states):
             norm_cls = getattr(sys.modules[type(self).__module__], norm_cls_name, None)
-            out = _step(self, hidden_states, kwargs, norm_cls) if norm_cls is not None else None
-            if out is not None:
-                return out
+            if norm_cls is not None:
+                out = _step(self.self_attn, hidden_states, kwargs, lambda: _llama_weights(self, norm_cls), True)
+                if out is not None:
+                    return out
+        return original(self, hidden_states, *args, **kwargs)
+
+    forward.__fastarch_original__ = original
+    return forward
+
+
+def _gpt2_block_forward(original: Callable) -> Callable:
+    """GPT-2's block forward with the fused decode step. transformers passes the cache, the mask and the encoder
+    states positionally: they are named from the original forward's own signature."""
+    names = tuple(inspect.signature(original).parameters)[2:]
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, *args, **kwargs):
+        if len(args) <= len(names) and _decodes(self, hidden_states):
+            named = dict(zip(names, args))
+            if not named.keys() & kwargs.keys():
+                out = _step(self.attn, hidden_states, {**kwargs, **named}, lambda: _gpt2_weights(self), False)
+                if out is not None:
+                    return out
         return original(self, hidden_states, *args, **kwargs)
 
     forward.__fastarch_original__ = original

@@ -13,7 +13,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .decoder import DECODER_LAYERS, _decoder_layer_forward
+from .decoder import DECODER_LAYERS, GPT2_BLOCKS, _decoder_layer_forward, _gpt2_block_forward
 from .kernels import KERNEL_EXCEPTIONS, KERNEL_GLOBALS, _dispatcher, _real_package, is_kernel_function
 from .llama import LLAMA_MLPS, LLAMA_MODULES, _apply_rotary_pos_emb, _swiglu_mlp_forward
 from .mamba import _mamba2_mixer_forward, _mamba_mixer_forward
@@ -73,6 +73,9 @@ PATCHES: tuple[Patch, ...] = (
     *(Patch("llama", modname, clsname, "forward", functools.partial(_decoder_layer_forward, norm_cls_name=norm),
             f"{clsname}: the CPU fp32 decode step (fastarch attention, DynamicCache) as two fused calls "
             "(fastarch.ops.decoder_qkv_step, decoder_out_step)") for modname, clsname, norm in DECODER_LAYERS),
+    *(Patch("llama", modname, clsname, "forward", _gpt2_block_forward,
+            f"{clsname}: the CPU fp32 decode step (fastarch attention, DynamicCache) as two fused calls "
+            "(fastarch.ops.decoder_qkv_step, decoder_out_step)") for modname, clsname in GPT2_BLOCKS),
     *(Patch("llama", modname, clsname, "forward", _swiglu_mlp_forward,
             f"{clsname}: SiLU and product in place without autograd") for modname, clsname in LLAMA_MLPS),
 )

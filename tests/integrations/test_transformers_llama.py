@@ -441,3 +441,24 @@ def test_fused_gpt2_decode_step_generates_what_transformers_does(padding, monkey
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     assert len(steps) == (7 * LAYERS if padding == "none" else 0)
     assert "GPT2Block" in fh.report(model)
+
+
+def test_fused_decode_step_follows_replaced_and_reloaded_weights():
+    model = _step_model("llama")
+    ids, mask = _batch("none")
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, output_scores=True,
+              return_dict_in_generate=True)
+    fh.register()
+
+    def scores(impl):
+        model.set_attn_implementation(impl)
+        return torch.stack(model.generate(ids, **kw).scores)
+
+    scores("fastarch")  # the layers keep their weights
+    layer = model.model.layers[0]
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():  # a replaced parameter and module, and an in-place reload
+        layer.mlp.up_proj.weight = torch.nn.Parameter(torch.randn(layer.mlp.up_proj.weight.shape, generator=g))
+        layer.self_attn.o_proj = torch.nn.Linear(64, 64, bias=True)
+        model.model.layers[1].load_state_dict({k: v + 0.1 for k, v in model.model.layers[1].state_dict().items()})
+    torch.testing.assert_close(scores("fastarch"), scores("sdpa"), atol=ATOL, rtol=0)

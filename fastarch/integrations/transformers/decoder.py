@@ -174,6 +174,30 @@ def _gpt2_weights(block: nn.Module) -> _Weights | None:
                     mlp.c_proj.bias)
 
 
+def _structure(layer: nn.Module) -> list[tuple[dict, str, object]]:
+    """Every ``(parent's registry, name, member)`` of ``layer``'s submodules and parameters: what the cached
+    weights were taken from."""
+    out: list[tuple[dict, str, object]] = []
+    for module in layer.modules():
+        out += [(module._modules, name, child) for name, child in module._modules.items()]
+        out += [(module._parameters, name, param) for name, param in module._parameters.items()]
+    return out
+
+
+_CACHE_ATTR = "_fastarch_decode_weights"
+
+
+def _layer_weights(layer: nn.Module, build: Callable[[], _Weights | None]) -> _Weights | None:
+    """``build()``, kept on the layer while none of its submodules or parameters has been replaced (in-place
+    updates, such as ``load_state_dict``, reach the kept views; a replaced module or parameter rebuilds)."""
+    kept = layer.__dict__.get(_CACHE_ATTR)
+    if kept is not None and all(registry.get(name) is member for registry, name, member in kept[1]):
+        return kept[0]
+    weights = build()
+    layer.__dict__[_CACHE_ATTR] = (weights, _structure(layer))
+    return weights
+
+
 def _step(attn: nn.Module, hidden: torch.Tensor, kwargs: dict, weights: Callable[[], _Weights | None],
           rotary: bool) -> torch.Tensor | None:
     """The fused decode step of a layer whose attention module is ``attn``, or None when the call is not one it
@@ -236,7 +260,8 @@ def _decoder_layer_forward(original: Callable, norm_cls_name: str) -> Callable:
         if not args and _decodes(self, hidden_states):
             norm_cls = getattr(sys.modules[type(self).__module__], norm_cls_name, None)
             if norm_cls is not None:
-                out = _step(self.self_attn, hidden_states, kwargs, lambda: _llama_weights(self, norm_cls), True)
+                out = _step(self.self_attn, hidden_states, kwargs,
+                            lambda: _layer_weights(self, lambda: _llama_weights(self, norm_cls)), True)
                 if out is not None:
                     return out
         return original(self, hidden_states, *args, **kwargs)
@@ -255,7 +280,8 @@ def _gpt2_block_forward(original: Callable) -> Callable:
         if len(args) <= len(names) and _decodes(self, hidden_states):
             named = dict(zip(names, args))
             if not named.keys() & kwargs.keys():
-                out = _step(self.attn, hidden_states, {**kwargs, **named}, lambda: _gpt2_weights(self), False)
+                out = _step(self.attn, hidden_states, {**kwargs, **named},
+                            lambda: _layer_weights(self, lambda: _gpt2_weights(self)), False)
                 if out is not None:
                     return out
         return original(self, hidden_states, *args, **kwargs)

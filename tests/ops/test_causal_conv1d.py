@@ -326,7 +326,7 @@ def test_update_errors_leave_state_untouched(backend):
         (ValueError, "'cache_seqlens'", dict(cache_seqlens=torch.tensor([3], **i32))),
         (TypeError, "'cache_seqlens'", dict(cache_seqlens=torch.tensor([3.0, 1.0]))),
         (IndexError, "'conv_state_indices'", dict(conv_state_indices=torch.tensor([0, 2], **i32))),
-        (IndexError, "'conv_state_indices'", dict(conv_state_indices=torch.tensor([-1, 0], **i32))),
+        (IndexError, "'conv_state_indices'", dict(conv_state_indices=torch.tensor([-2, 0], **i32))),
         (ValueError, "'conv_state_indices'", dict(conv_state_indices=torch.tensor([1, 1], **i32))),
     ]
     for exc, match, change in bad:

@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "fastarch_math.h"
@@ -352,6 +354,35 @@ torch::Tensor mamba2_step(const torch::Tensor& x, const torch::Tensor& in_w, con
   return out;
 }
 
+// Storage types of the decoder step: fp32, or bf16 read into fp32 (the step computes in fp32).
+inline float to_float(float v) { return v; }
+inline float to_float(c10::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// A vector argument (norm weights, biases, angles) as fp32: the values of t, of dtype st and numel elements.
+// Empty when t is absent.
+std::vector<float> floats(const c10::optional<torch::Tensor>& t, torch::ScalarType st, int64_t numel,
+                          const char* name) {
+  if (!t.has_value() || !t->defined()) return {};
+  check_cpu_contig(*t, name);
+  TORCH_CHECK(t->scalar_type() == st && t->numel() == numel, "decode_step: ", name, " must be ", st, " with ", numel,
+              " elements, got ", t->scalar_type(), " with ", t->numel());
+  std::vector<float> out(static_cast<size_t>(numel));
+  if (st == torch::kFloat) {
+    std::copy(t->data_ptr<float>(), t->data_ptr<float>() + numel, out.begin());
+  } else {
+    const c10::BFloat16* p = t->data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < numel; ++i) out[i] = to_float(p[i]);
+  }
+  return out;
+}
+
+inline const float* ptr_or_null(const std::vector<float>& v) { return v.empty() ? nullptr : v.data(); }
+
 // Norm of each row of x (rows, n) into y: RMS (x * rsqrt(mean(x^2) + eps) * w) or, with bias b (layer),
 // (x - mean) * rsqrt(var + eps) * w + b.
 void norm_rows(const float* x, const float* w, const float* b, bool rms, int64_t rows, int64_t n, float eps,
@@ -375,38 +406,48 @@ void norm_rows(const float* x, const float* w, const float* b, bool rms, int64_t
 
 // A projection's weight, logically (N, K) as nn.Linear keeps it: row-major (unit stride over K), or a
 // column-major view of a (K, >= N) matrix (unit stride over N: a Conv1D weight, or a column block of one).
+template <typename T>
 struct Weight {
-  const float* data;
+  const T* data;
   int64_t N, K, ld;  // ld: the stride of the non-unit dimension
   bool columns;      // column-major: element (n, k) at data[k * ld + n]
 };
 
-Weight weight_of(const torch::Tensor& w, const char* name, int64_t N, int64_t K) {
-  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == torch::kFloat && w.dim() == 2 && w.size(0) == N &&
-                  w.size(1) == K,
-              "decode_step: ", name, " must be an fp32 CPU (", N, ", ", K, ") tensor, got ", w.sizes());
-  if (w.stride(1) == 1 && (w.stride(0) >= K || N == 1)) return {w.data_ptr<float>(), N, K, w.stride(0), false};
+template <typename T>
+Weight<T> weight_of(const torch::Tensor& w, const char* name, int64_t N, int64_t K) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == c10::CppTypeToScalarType<T>::value && w.dim() == 2 &&
+                  w.size(0) == N && w.size(1) == K,
+              "decode_step: ", name, " must be a ", c10::CppTypeToScalarType<T>::value, " CPU (", N, ", ", K,
+              ") tensor, got ", w.scalar_type(), " ", w.sizes());
+  if (w.stride(1) == 1 && (w.stride(0) >= K || N == 1)) return {w.data_ptr<T>(), N, K, w.stride(0), false};
   TORCH_CHECK(w.stride(0) == 1 && (w.stride(1) >= N || K == 1), "decode_step: ", name,
               " must have unit stride over one dimension (row- or column-major)");
-  return {w.data_ptr<float>(), N, K, w.stride(1), true};
+  return {w.data_ptr<T>(), N, K, w.stride(1), true};
 }
 
-// Y (M, N) = X (M, K) W^T + bias for either layout of W.
-void project(const Weight& w, const float* bias, const float* X, int64_t M, float* Y, bool parallel) {
-  if (!w.columns && w.ld == w.K) {
-    matvec(w.data, bias, w.N, w.K, X, M, Y, parallel);
-    return;
+// Y (M, N) = X (M, K) W^T + bias (fp32 X, Y and bias) for either layout and storage type of W.
+template <typename T>
+void project(const Weight<T>& w, const float* bias, const float* X, int64_t M, float* Y, bool parallel) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (!w.columns && w.ld == w.K) {
+      matvec(w.data, bias, w.N, w.K, X, M, Y, parallel);
+      return;
+    }
   }
   if (!w.columns) {
-    for (int64_t n = 0; n < w.N; ++n)
-      for (int64_t m = 0; m < M; ++m) {
-        const float* row = w.data + n * w.ld;
-        const float* x = X + m * w.K;
-        float a = 0.f;
+    const int64_t grain = parallel ? std::max<int64_t>(1, GRAIN / std::max<int64_t>(w.K, 1)) : std::max<int64_t>(w.N, 1);
+    fastarch::parallel_for(0, w.N, grain, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const T* row = w.data + n * w.ld;
+        for (int64_t m = 0; m < M; ++m) {
+          const float* x = X + m * w.K;
+          float a = 0.f;
 #pragma omp simd reduction(+ : a)
-        for (int64_t k = 0; k < w.K; ++k) a += row[k] * x[k];
-        Y[m * w.N + n] = a + (bias ? bias[n] : 0.f);
+          for (int64_t k = 0; k < w.K; ++k) a += to_float(row[k]) * x[k];
+          Y[m * w.N + n] = a + (bias ? bias[n] : 0.f);
+        }
       }
+    });
     return;
   }
   // Column-major: y += x[k] * W[k, :], streaming each row of the (K, N) matrix once per batch row; columns
@@ -422,12 +463,31 @@ void project(const Weight& w, const float* bias, const float* X, int64_t M, floa
       for (int64_t n = n0; n < n1; ++n) y[n] = bias ? bias[n] : 0.f;
       for (int64_t k = 0; k < w.K; ++k) {
         const float xk = x[k];
-        const float* row = w.data + k * w.ld;
+        const T* row = w.data + k * w.ld;
 #pragma omp simd
-        for (int64_t n = n0; n < n1; ++n) y[n] += xk * row[n];
+        for (int64_t n = n0; n < n1; ++n) y[n] += xk * to_float(row[n]);
       }
     }
   });
+}
+
+// Rows of a (rows, n) tensor of storage type T into fp32 (a contiguous copy).
+template <typename T>
+std::vector<float> rows_f32(const torch::Tensor& t, const char* name, int64_t rows, int64_t n) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.numel() == rows * n, "decode_step: ", name,
+              " must be a contiguous CPU tensor of ", rows * n, " elements");
+  std::vector<float> out(static_cast<size_t>(rows * n));
+  const T* p = t.data_ptr<T>();
+  for (int64_t i = 0; i < rows * n; ++i) out[i] = to_float(p[i]);
+  return out;
+}
+
+template <typename T>
+torch::Tensor stored(const float* v, c10::IntArrayRef shape, const torch::TensorOptions& opts) {
+  auto out = torch::empty(shape, opts);
+  T* p = out.data_ptr<T>();
+  for (int64_t i = 0; i < out.numel(); ++i) p[i] = static_cast<T>(v[i]);
+  return out;
 }
 
 // Rotates each of the rows (rows, D) of v by the angles (cos, sin) (R / 2 each): channel pairs (i, i + R / 2) for
@@ -444,11 +504,62 @@ void rotate_rows(float* v, int64_t rows, int64_t D, const float* c, const float*
   }
 }
 
-// First half of a pre-norm decoder layer's decode step. x (B, d); norm_w (d), norm_b (d) for a layer norm
-// (else RMS); q_w (H D, d), k_w and v_w (Hk D, d), each row- or column-major (see Weight), biases optional;
-// q_norm_w and k_norm_w (D), optional: a per-head RMS norm of q and k before the rotation (epsilon head_eps);
-// cos and sin (Bc, R / 2), Bc 1 or B, R <= D even, optional: the rotation's angles.
-// Returns q (B, H, D), k (B, Hk, D) rotated and v (B, Hk, D).
+// First half of a pre-norm decoder layer's decode step, every tensor fp32 or every tensor bf16 (computed in fp32,
+// the results rounded once). x (B, d); norm_w (d), norm_b (d) for a layer norm (else RMS); q_w (H D, d), k_w and
+// v_w (Hk D, d), each row- or column-major (see Weight), biases optional; q_norm_w and k_norm_w (D), optional: a
+// per-head RMS norm of q and k before the rotation (epsilon head_eps); cos and sin (Bc, R / 2), Bc 1 or B,
+// R <= D even, optional: the rotation's angles. Returns q (B, H, D), k (B, Hk, D) rotated and v (B, Hk, D).
+template <typename T>
+std::vector<torch::Tensor> qkv_step(const torch::Tensor& x, const torch::Tensor& norm_w,
+                                    const c10::optional<torch::Tensor>& norm_b, double norm_eps,
+                                    const torch::Tensor& q_w, const c10::optional<torch::Tensor>& q_b,
+                                    const torch::Tensor& k_w, const c10::optional<torch::Tensor>& k_b,
+                                    const torch::Tensor& v_w, const c10::optional<torch::Tensor>& v_b,
+                                    const c10::optional<torch::Tensor>& q_norm_w,
+                                    const c10::optional<torch::Tensor>& k_norm_w, double head_eps,
+                                    const c10::optional<torch::Tensor>& cos, const c10::optional<torch::Tensor>& sin,
+                                    int64_t H, int64_t Hk, bool parallel) {
+  const auto st = x.scalar_type();
+  const int64_t Bsz = x.size(0), Dm = x.size(1), D = q_w.size(0) / H;
+  const Weight<T> wq = weight_of<T>(q_w, "q_w", H * D, Dm), wk = weight_of<T>(k_w, "k_w", Hk * D, Dm),
+                  wv = weight_of<T>(v_w, "v_w", Hk * D, Dm);
+  const std::vector<float> nw = floats(norm_w, st, Dm, "norm_w"), nb = floats(norm_b, st, Dm, "norm_b"),
+                           qb = floats(q_b, st, H * D, "q_b"), kb = floats(k_b, st, Hk * D, "k_b"),
+                           vb = floats(v_b, st, Hk * D, "v_b"), qn = floats(q_norm_w, st, D, "q_norm_w"),
+                           kn = floats(k_norm_w, st, D, "k_norm_w");
+  const bool rotary = cos.has_value() && cos->defined();
+  int64_t half = 0, Bc = 1;
+  std::vector<float> cs, sn;
+  if (rotary) {
+    TORCH_CHECK(cos->dim() == 2 && sin.has_value() && sin->defined(), "decoder_qkv_step: cos and sin must be (Bc, R/2)");
+    half = cos->size(1);
+    Bc = cos->size(0);
+    TORCH_CHECK(2 * half <= D && (Bc == 1 || Bc == Bsz), "decoder_qkv_step: cos must be (1 or B, <= D / 2)");
+    TORCH_CHECK(sin->sizes() == cos->sizes(), "decoder_qkv_step: sin must have cos's shape");
+    cs = floats(cos, st, Bc * half, "cos");
+    sn = floats(sin, st, Bc * half, "sin");
+  }
+  const std::vector<float> xf = rows_f32<T>(x, "x", Bsz, Dm);
+  std::vector<float> xn(static_cast<size_t>(Bsz * Dm)), q(static_cast<size_t>(Bsz * H * D)),
+      k(static_cast<size_t>(Bsz * Hk * D)), v(static_cast<size_t>(Bsz * Hk * D));
+  norm_rows(xf.data(), nw.data(), ptr_or_null(nb), nb.empty(), Bsz, Dm, static_cast<float>(norm_eps), xn.data());
+  project(wq, ptr_or_null(qb), xn.data(), Bsz, q.data(), parallel);
+  project(wk, ptr_or_null(kb), xn.data(), Bsz, k.data(), parallel);
+  project(wv, ptr_or_null(vb), xn.data(), Bsz, v.data(), parallel);
+  if (!qn.empty()) norm_rows(q.data(), qn.data(), nullptr, true, Bsz * H, D, static_cast<float>(head_eps), q.data());
+  if (!kn.empty()) norm_rows(k.data(), kn.data(), nullptr, true, Bsz * Hk, D, static_cast<float>(head_eps), k.data());
+  if (rotary) {
+    for (int64_t b = 0; b < Bsz; ++b) {
+      const int64_t t = Bc == 1 ? 0 : b;
+      rotate_rows(q.data() + b * H * D, H, D, cs.data() + t * half, sn.data() + t * half, half);
+      rotate_rows(k.data() + b * Hk * D, Hk, D, cs.data() + t * half, sn.data() + t * half, half);
+    }
+  }
+  const auto opts = x.options();
+  return {stored<T>(q.data(), {Bsz, H, D}, opts), stored<T>(k.data(), {Bsz, Hk, D}, opts),
+          stored<T>(v.data(), {Bsz, Hk, D}, opts)};
+}
+
 std::vector<torch::Tensor> decoder_qkv_step(const torch::Tensor& x, const torch::Tensor& norm_w,
                                             const c10::optional<torch::Tensor>& norm_b, double norm_eps,
                                             const torch::Tensor& q_w, const c10::optional<torch::Tensor>& q_b,
@@ -459,56 +570,14 @@ std::vector<torch::Tensor> decoder_qkv_step(const torch::Tensor& x, const torch:
                                             const c10::optional<torch::Tensor>& cos,
                                             const c10::optional<torch::Tensor>& sin, int64_t H, int64_t Hk,
                                             bool parallel) {
-  TORCH_CHECK(x.dim() == 2 && q_w.dim() == 2 && H >= 1 && Hk >= 1, "decoder_qkv_step: x (B, d), q_w (H D, d)");
-  const int64_t Bsz = x.size(0), Dm = x.size(1);
-  TORCH_CHECK(q_w.size(0) % H == 0, "decoder_qkv_step: q_w rows must be H * D");
-  const int64_t D = q_w.size(0) / H;
-  check_f32(x, "x", {Bsz, Dm});
-  check_f32(norm_w, "norm_w", {Dm});
-  const Weight wq = weight_of(q_w, "q_w", H * D, Dm), wk = weight_of(k_w, "k_w", Hk * D, Dm),
-               wv = weight_of(v_w, "v_w", Hk * D, Dm);
-  const float* pnb = opt_ptr(norm_b, Dm, "norm_b");
-  const float* pqb = opt_ptr(q_b, H * D, "q_b");
-  const float* pkb = opt_ptr(k_b, Hk * D, "k_b");
-  const float* pvb = opt_ptr(v_b, Hk * D, "v_b");
-  const float* pqn = opt_ptr(q_norm_w, D, "q_norm_w");
-  const float* pkn = opt_ptr(k_norm_w, D, "k_norm_w");
-  const bool rotary = cos.has_value() && cos->defined();
-  int64_t half = 0, Bc = 1;
-  if (rotary) {
-    TORCH_CHECK(cos->dim() == 2 && sin.has_value(), "decoder_qkv_step: cos and sin must be (Bc, R/2)");
-    half = cos->size(1);
-    Bc = cos->size(0);
-    TORCH_CHECK(2 * half <= D && (Bc == 1 || Bc == Bsz), "decoder_qkv_step: cos must be (1 or B, <= D / 2)");
-    check_f32(*cos, "cos", {Bc, half});
-    check_f32(*sin, "sin", {Bc, half});
-  }
-
-  auto opts = x.options();
-  auto xn = torch::empty({Bsz, Dm}, opts);
-  auto q = torch::empty({Bsz, H, D}, opts);
-  auto k = torch::empty({Bsz, Hk, D}, opts);
-  auto v = torch::empty({Bsz, Hk, D}, opts);
-  float* pxn = xn.data_ptr<float>();
-  norm_rows(x.data_ptr<float>(), norm_w.data_ptr<float>(), pnb, pnb == nullptr, Bsz, Dm,
-            static_cast<float>(norm_eps), pxn);
-  project(wq, pqb, pxn, Bsz, q.data_ptr<float>(), parallel);
-  project(wk, pkb, pxn, Bsz, k.data_ptr<float>(), parallel);
-  project(wv, pvb, pxn, Bsz, v.data_ptr<float>(), parallel);
-  float* pq = q.data_ptr<float>();
-  float* pk = k.data_ptr<float>();
-  if (pqn) norm_rows(pq, pqn, nullptr, true, Bsz * H, D, static_cast<float>(head_eps), pq);
-  if (pkn) norm_rows(pk, pkn, nullptr, true, Bsz * Hk, D, static_cast<float>(head_eps), pk);
-  if (rotary) {
-    const float* pc = cos->data_ptr<float>();
-    const float* ps = sin->data_ptr<float>();
-    for (int64_t b = 0; b < Bsz; ++b) {
-      const int64_t t = Bc == 1 ? 0 : b;
-      rotate_rows(pq + b * H * D, H, D, pc + t * half, ps + t * half, half);
-      rotate_rows(pk + b * Hk * D, Hk, D, pc + t * half, ps + t * half, half);
-    }
-  }
-  return {q, k, v};
+  TORCH_CHECK(x.dim() == 2 && q_w.dim() == 2 && H >= 1 && Hk >= 1 && q_w.size(0) % H == 0,
+              "decoder_qkv_step: x (B, d), q_w (H D, d)");
+  if (x.scalar_type() == torch::kBFloat16)
+    return qkv_step<c10::BFloat16>(x, norm_w, norm_b, norm_eps, q_w, q_b, k_w, k_b, v_w, v_b, q_norm_w, k_norm_w,
+                                   head_eps, cos, sin, H, Hk, parallel);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat, "decoder_qkv_step: x must be fp32 or bf16, got ", x.scalar_type());
+  return qkv_step<float>(x, norm_w, norm_b, norm_eps, q_w, q_b, k_w, k_b, v_w, v_b, q_norm_w, k_norm_w, head_eps, cos,
+                         sin, H, Hk, parallel);
 }
 
 inline float gelu_tanh(float x) {
@@ -516,60 +585,50 @@ inline float gelu_tanh(float x) {
   return 0.5f * x * (1.f + std::tanh(u));
 }
 
-// Second half of the step. q (B, H, D); key and value (B, Hk, S, D), unit stride in D, S >= n: the query (at
-// position n - 1) attends keys [j0, n) with j0 = max(0, n - 1 - left) (left < 0: all), scaled by scale, its head
-// reading key head h / (H / Hk). Then h = residual + attn @ o_w^T (+ o_b). With the MLP (up_w and down_w):
-// m = norm(h) (norm_w, norm_b as in decoder_qkv_step) and the result is h + down(a) + down_b with
-// a = silu(gate(m)) * up(m) (gate_w given: SwiGLU, no biases) or a = gelu_tanh(up(m) + up_b) (no gate: GPT-2's
-// MLP); without it, h. residual (B, d); o_w (d, H D); gate_w, up_w (I, d); down_w (d, I): any layout of Weight.
-torch::Tensor decoder_out_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
-                               int64_t n, int64_t left, double scale, const torch::Tensor& residual,
-                               const torch::Tensor& o_w, const c10::optional<torch::Tensor>& o_b,
-                               const c10::optional<torch::Tensor>& norm_w, const c10::optional<torch::Tensor>& norm_b,
-                               double norm_eps, const c10::optional<torch::Tensor>& gate_w,
-                               const c10::optional<torch::Tensor>& up_w, const c10::optional<torch::Tensor>& up_b,
-                               const c10::optional<torch::Tensor>& down_w, const c10::optional<torch::Tensor>& down_b,
-                               bool parallel) {
-  TORCH_CHECK(q.dim() == 3 && key.dim() == 4 && value.dim() == 4 && residual.dim() == 2 && o_w.dim() == 2,
-              "decoder_out_step: q (B, H, D), key and value (B, Hk, S, D), residual (B, d), o_w (d, H D)");
+// Second half of the step, every tensor fp32 or every tensor bf16 (computed in fp32, the result rounded once).
+// q (B, H, D); key and value (B, Hk, S, D), unit stride in D, S >= n: the query (at position n - 1) attends keys
+// [j0, n) with j0 = max(0, n - 1 - left) (left < 0: all), scaled by scale, its head reading key head h / (H / Hk).
+// Then h = residual + attn @ o_w^T (+ o_b). With the MLP (up_w and down_w): m = norm(h) (norm_w, norm_b as in
+// decoder_qkv_step) and the result is h + down(a) + down_b with a = silu(gate(m)) * up(m) (gate_w given:
+// SwiGLU) or a = gelu_tanh(up(m) + up_b) (no gate: GPT-2's MLP); without it, h. residual (B, d); o_w (d, H D);
+// gate_w, up_w (I, d); down_w (d, I): any layout of Weight.
+template <typename T>
+torch::Tensor out_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value, int64_t n,
+                       int64_t left, double scale, const torch::Tensor& residual, const torch::Tensor& o_w,
+                       const c10::optional<torch::Tensor>& o_b, const c10::optional<torch::Tensor>& norm_w,
+                       const c10::optional<torch::Tensor>& norm_b, double norm_eps,
+                       const c10::optional<torch::Tensor>& gate_w, const c10::optional<torch::Tensor>& up_w,
+                       const c10::optional<torch::Tensor>& up_b, const c10::optional<torch::Tensor>& down_w,
+                       const c10::optional<torch::Tensor>& down_b, bool parallel) {
+  const auto st = q.scalar_type();
   const int64_t Bsz = q.size(0), H = q.size(1), D = q.size(2), Hk = key.size(1), Dm = residual.size(1);
-  TORCH_CHECK(Hk >= 1 && H % Hk == 0, "decoder_out_step: key heads must divide the query heads");
-  TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == Bsz && key.size(3) == D && n >= 1 && n <= key.size(2),
-              "decoder_out_step: key and value must be (B, Hk, S >= n, D)");
-  TORCH_CHECK(key.scalar_type() == torch::kFloat && value.scalar_type() == torch::kFloat && key.stride(3) == 1 &&
-                  value.stride(3) == 1 && key.device().is_cpu() && value.device().is_cpu(),
-              "decoder_out_step: key and value must be fp32 CPU tensors with unit stride over D");
-  check_f32(q, "q", {Bsz, H, D});
-  check_f32(residual, "residual", {Bsz, Dm});
-  const Weight wo = weight_of(o_w, "o_w", Dm, H * D);
-  const float* pob = opt_ptr(o_b, Dm, "o_b");
+  TORCH_CHECK(key.scalar_type() == st && value.scalar_type() == st && residual.scalar_type() == st,
+              "decoder_out_step: q, key, value and residual must share one dtype");
+  const Weight<T> wo = weight_of<T>(o_w, "o_w", Dm, H * D);
+  const std::vector<float> ob = floats(o_b, st, Dm, "o_b");
   const bool mlp = up_w.has_value() && up_w->defined();
   const bool gated = gate_w.has_value() && gate_w->defined();
   int64_t I = 0;
-  Weight wg{}, wu{}, wd{};
-  const float* pub = nullptr;
-  const float* pdb = nullptr;
-  const float* pnw = nullptr;
-  const float* pnb = nullptr;
+  Weight<T> wg{}, wu{}, wd{};
+  std::vector<float> ub, db, nw, nb;
   if (mlp) {
     I = up_w->size(0);
-    wu = weight_of(*up_w, "up_w", I, Dm);
-    if (gated) wg = weight_of(*gate_w, "gate_w", I, Dm);
+    wu = weight_of<T>(*up_w, "up_w", I, Dm);
+    if (gated) wg = weight_of<T>(*gate_w, "gate_w", I, Dm);
     TORCH_CHECK(down_w.has_value() && down_w->defined(), "decoder_out_step: the MLP needs down_w");
-    wd = weight_of(*down_w, "down_w", Dm, I);
-    pub = opt_ptr(up_b, I, "up_b");
-    pdb = opt_ptr(down_b, Dm, "down_b");
-    pnw = opt_ptr(norm_w, Dm, "norm_w");
-    pnb = opt_ptr(norm_b, Dm, "norm_b");
-    TORCH_CHECK(pnw, "decoder_out_step: the MLP needs norm_w");
+    wd = weight_of<T>(*down_w, "down_w", Dm, I);
+    ub = floats(up_b, st, I, "up_b");
+    db = floats(down_b, st, Dm, "down_b");
+    nw = floats(norm_w, st, Dm, "norm_w");
+    nb = floats(norm_b, st, Dm, "norm_b");
+    TORCH_CHECK(!nw.empty(), "decoder_out_step: the MLP needs norm_w");
   }
+  const std::vector<float> qf = rows_f32<T>(q, "q", Bsz, H * D), rf = rows_f32<T>(residual, "residual", Bsz, Dm);
 
-  auto opts = q.options();
-  auto attn = torch::empty({Bsz, H * D}, opts);
-  float* pa = attn.data_ptr<float>();
-  const float* pq = q.data_ptr<float>();
-  const float* pk = key.data_ptr<float>();
-  const float* pv = value.data_ptr<float>();
+  std::vector<float> attn(static_cast<size_t>(Bsz * H * D));
+  float* pa = attn.data();
+  const T* pk = key.data_ptr<T>();
+  const T* pv = value.data_ptr<T>();
   const int64_t ksb = key.stride(0), ksh = key.stride(1), kss = key.stride(2);
   const int64_t vsb = value.stride(0), vsh = value.stride(1), vss = value.stride(2);
   const int64_t j0 = left < 0 ? 0 : std::max<int64_t>(0, n - 1 - left);
@@ -581,15 +640,15 @@ torch::Tensor decoder_out_step(const torch::Tensor& q, const torch::Tensor& key,
     std::vector<float> p(static_cast<size_t>(L));
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / H, h = t % H, g = h / group;
-      const float* qh = pq + t * D;
-      const float* kh = pk + b * ksb + g * ksh + j0 * kss;
-      const float* vh = pv + b * vsb + g * vsh + j0 * vss;
+      const float* qh = qf.data() + t * D;
+      const T* kh = pk + b * ksb + g * ksh + j0 * kss;
+      const T* vh = pv + b * vsb + g * vsh + j0 * vss;
       float mx = -INFINITY;
       for (int64_t j = 0; j < L; ++j) {
-        const float* kr = kh + j * kss;
+        const T* kr = kh + j * kss;
         float s = 0.f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < D; ++d) s += qh[d] * kr[d];
+        for (int64_t d = 0; d < D; ++d) s += qh[d] * to_float(kr[d]);
         p[j] = s * sc;
         mx = std::max(mx, p[j]);
       }
@@ -602,38 +661,56 @@ torch::Tensor decoder_out_step(const torch::Tensor& q, const torch::Tensor& key,
       std::fill(out, out + D, 0.f);
       for (int64_t j = 0; j < L; ++j) {
         const float w = p[j] / sum;
-        const float* vr = vh + j * vss;
+        const T* vr = vh + j * vss;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) out[d] += w * vr[d];
+        for (int64_t d = 0; d < D; ++d) out[d] += w * to_float(vr[d]);
       }
     }
   });
 
-  auto hid = torch::empty({Bsz, Dm}, opts);
-  float* ph = hid.data_ptr<float>();
-  project(wo, pob, pa, Bsz, ph, parallel);
-  const float* pr = residual.data_ptr<float>();
-  for (int64_t i = 0; i < Bsz * Dm; ++i) ph[i] += pr[i];
-  if (!mlp) return hid;
+  std::vector<float> hid(static_cast<size_t>(Bsz * Dm));
+  project(wo, ptr_or_null(ob), pa, Bsz, hid.data(), parallel);
+  for (int64_t i = 0; i < Bsz * Dm; ++i) hid[i] += rf[i];
+  if (!mlp) return stored<T>(hid.data(), {Bsz, Dm}, q.options());
 
-  auto m = torch::empty({Bsz, Dm}, opts);
-  auto gu = torch::empty({gated ? 2 : 1, Bsz, I}, opts);
-  auto out = torch::empty({Bsz, Dm}, opts);
-  float* pm = m.data_ptr<float>();
-  float* pu = gu.data_ptr<float>();
-  float* po = out.data_ptr<float>();
-  norm_rows(ph, pnw, pnb, pnb == nullptr, Bsz, Dm, static_cast<float>(norm_eps), pm);
-  project(wu, pub, pm, Bsz, pu, parallel);
+  std::vector<float> m(static_cast<size_t>(Bsz * Dm)), u(static_cast<size_t>(Bsz * I)), out(static_cast<size_t>(Bsz * Dm));
+  norm_rows(hid.data(), nw.data(), ptr_or_null(nb), nb.empty(), Bsz, Dm, static_cast<float>(norm_eps), m.data());
+  project(wu, ptr_or_null(ub), m.data(), Bsz, u.data(), parallel);
   if (gated) {
-    float* pg = pu + Bsz * I;
-    project(wg, nullptr, pm, Bsz, pg, parallel);
-    for (int64_t i = 0; i < Bsz * I; ++i) pu[i] *= pg[i] * sigmoid_f(pg[i]);
+    std::vector<float> g(static_cast<size_t>(Bsz * I));
+    project(wg, nullptr, m.data(), Bsz, g.data(), parallel);
+    for (int64_t i = 0; i < Bsz * I; ++i) u[i] *= g[i] * sigmoid_f(g[i]);
   } else {
-    for (int64_t i = 0; i < Bsz * I; ++i) pu[i] = gelu_tanh(pu[i]);
+    for (int64_t i = 0; i < Bsz * I; ++i) u[i] = gelu_tanh(u[i]);
   }
-  project(wd, pdb, pu, Bsz, po, parallel);
-  for (int64_t i = 0; i < Bsz * Dm; ++i) po[i] += ph[i];
-  return out;
+  project(wd, ptr_or_null(db), u.data(), Bsz, out.data(), parallel);
+  for (int64_t i = 0; i < Bsz * Dm; ++i) out[i] += hid[i];
+  return stored<T>(out.data(), {Bsz, Dm}, q.options());
+}
+
+torch::Tensor decoder_out_step(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value,
+                               int64_t n, int64_t left, double scale, const torch::Tensor& residual,
+                               const torch::Tensor& o_w, const c10::optional<torch::Tensor>& o_b,
+                               const c10::optional<torch::Tensor>& norm_w, const c10::optional<torch::Tensor>& norm_b,
+                               double norm_eps, const c10::optional<torch::Tensor>& gate_w,
+                               const c10::optional<torch::Tensor>& up_w, const c10::optional<torch::Tensor>& up_b,
+                               const c10::optional<torch::Tensor>& down_w, const c10::optional<torch::Tensor>& down_b,
+                               bool parallel) {
+  TORCH_CHECK(q.dim() == 3 && key.dim() == 4 && value.dim() == 4 && residual.dim() == 2 && o_w.dim() == 2,
+              "decoder_out_step: q (B, H, D), key and value (B, Hk, S, D), residual (B, d), o_w (d, H D)");
+  const int64_t Bsz = q.size(0), H = q.size(1), D = q.size(2), Hk = key.size(1);
+  TORCH_CHECK(Hk >= 1 && H % Hk == 0, "decoder_out_step: key heads must divide the query heads");
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(0) == Bsz && key.size(3) == D && n >= 1 && n <= key.size(2),
+              "decoder_out_step: key and value must be (B, Hk, S >= n, D)");
+  TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1 && key.device().is_cpu() && value.device().is_cpu() &&
+                  residual.size(0) == Bsz,
+              "decoder_out_step: key and value must be CPU tensors with unit stride over D");
+  if (q.scalar_type() == torch::kBFloat16)
+    return out_step<c10::BFloat16>(q, key, value, n, left, scale, residual, o_w, o_b, norm_w, norm_b, norm_eps, gate_w,
+                                   up_w, up_b, down_w, down_b, parallel);
+  TORCH_CHECK(q.scalar_type() == torch::kFloat, "decoder_out_step: q must be fp32 or bf16, got ", q.scalar_type());
+  return out_step<float>(q, key, value, n, left, scale, residual, o_w, o_b, norm_w, norm_b, norm_eps, gate_w, up_w,
+                         up_b, down_w, down_b, parallel);
 }
 
 }  // namespace

@@ -32,7 +32,6 @@ from ._dispatch import call_of, dispatch
 from .attention import attention
 from .layer_norm import layer_norm
 from .linear import linear
-from .mamba_mixer_step import fused_step_reasons
 from .rms_norm import rms_norm
 from .rotary import rotary_embedding, rotary_embedding_ref
 
@@ -259,22 +258,18 @@ def _unit_stride(t: torch.Tensor | None) -> bool:
     return (t.stride(1) == 1 and t.stride(0) >= t.shape[1]) or (t.stride(0) == 1 and t.stride(1) >= t.shape[0])
 
 
-def _all_fp32(tensors: tuple) -> bool:
-    return all(t is None or t.dtype == torch.float32 for t in tensors)
-
-
 def _call(tensors: tuple, grad: bool) -> Call:
     x = tensors[0]
     # x, cos and sin are copied when strided (a row of a longer sequence); the weights are read in place
-    return call_of(x, batch=x.shape[0], all_fp32=_all_fp32(tensors),
-                   contiguous=all(_unit_stride(t) for t in tensors[1:8] + tensors[10:]), grad=grad)
+    return call_of(x, batch=x.shape[0], contiguous=all(_unit_stride(t) for t in tensors[1:8] + tensors[10:]),
+                   grad=grad)
 
 
 def _out_call(tensors: tuple, grad: bool) -> Call:
     key, value = tensors[1:3]
     # q and the residual are copied when strided; the cache may be any view with unit stride over head_dim (a
     # static cache's prefix); the weights are read in place
-    return call_of(tensors[0], batch=key.shape[0], all_fp32=_all_fp32(tensors),
+    return call_of(tensors[0], batch=key.shape[0],
                    contiguous=all(_unit_stride(t) for t in tensors[4:]) and key.stride(-1) == 1
                    and value.stride(-1) == 1, grad=grad)
 
@@ -424,13 +419,22 @@ class TorchDecoderOutStep(TorchImplementation):
         return _out(*tensors, n, left, scale, eps, attend=_attend, norm=_norm, lin=linear)
 
 
+def _fused_reasons(call: Call, layout_reason: str) -> list[str]:
+    """Why a fused C++ half cannot take ``call`` (every tensor shares the input's dtype: the ops check it)."""
+    reasons = [] if call.get("contiguous", True) else [layout_reason]
+    if call.get("grad"):
+        reasons.append("no backward (autograd needs the op-by-op torch step)")
+    return reasons
+
+
 class CppDecoderQkvStep(CppImplementation):
     op, extension = QKV, "decode_step"
-    dtypes = (torch.float32,)
-    description = "one fused C++ call (weights read once, in place); fp32, without autograd"
+    dtypes = (torch.float32, torch.bfloat16)
+    description = ("one fused C++ call (weights read once, in place; bf16 read into fp32 arithmetic); fp32 or "
+                   "bf16, without autograd")
 
     def check(self, call):
-        return fused_step_reasons(call, "the weights must be row- or column-major, the vectors contiguous")
+        return _fused_reasons(call, "the weights must be row- or column-major, the vectors contiguous")
 
     def forward(self, x, norm_w, q_w, k_w, v_w, q_b, k_b, v_b, cos, sin, q_norm_w, k_norm_w, norm_b, H, Hk, eps,
                 head_eps):
@@ -443,12 +447,13 @@ class CppDecoderQkvStep(CppImplementation):
 
 class CppDecoderOutStep(CppImplementation):
     op, extension = OUT, "decode_step"
-    dtypes = (torch.float32,)
-    description = "one fused C++ call (weights read once, in place); fp32, without autograd"
+    dtypes = (torch.float32, torch.bfloat16)
+    description = ("one fused C++ call (weights read once, in place; bf16 read into fp32 arithmetic); fp32 or "
+                   "bf16, without autograd")
 
     def check(self, call):
-        return fused_step_reasons(call, "the weights must be row- or column-major, the vectors contiguous, the "
-                                        "cache unit-stride over head_dim")
+        return _fused_reasons(call, "the weights must be row- or column-major, the vectors contiguous, the cache "
+                                    "unit-stride over head_dim")
 
     def forward(self, q, key, value, residual, o_w, o_b, norm_w, gate_w, up_w, down_w, norm_b, up_b, down_b, n,
                 left, scale, eps):

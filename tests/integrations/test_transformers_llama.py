@@ -462,3 +462,32 @@ def test_fused_decode_step_follows_replaced_and_reloaded_weights():
         layer.self_attn.o_proj = torch.nn.Linear(64, 64, bias=True)
         model.model.layers[1].load_state_dict({k: v + 0.1 for k, v in model.model.layers[1].state_dict().items()})
     torch.testing.assert_close(scores("fastarch"), scores("sdpa"), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "phi3"])
+def test_fused_decode_step_in_bf16(name, monkeypatch):
+    """bf16 models: the fused step computes in fp32 (rounding once), transformers rounds after each op; the
+    decode logits agree within bf16 noise, against an fp32 run of the same bf16 weights."""
+    steps = []
+    real = fh.decoder.decoder_out_step
+    monkeypatch.setattr(fh.decoder, "decoder_out_step", lambda *a, **k: steps.append(1) or real(*a, **k))
+    model = _step_model(name).to(torch.bfloat16)
+    exact = _step_model(name).to(torch.bfloat16).float()  # the same bf16 values, computed in fp32
+    ids, mask = _batch("none")
+
+    def decode_logits(m, impl):
+        m.set_attn_implementation(impl)
+        with torch.no_grad():
+            cache = transformers.DynamicCache(config=m.config)
+            m(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+            nxt = ids[:, :1]  # the same next token for every run
+            mask2 = torch.cat([mask, torch.ones_like(nxt)], 1)
+            return m(nxt, attention_mask=mask2, past_key_values=cache, use_cache=True).logits[:, -1].float()
+
+    want = decode_logits(exact, "sdpa")
+    plain = decode_logits(model, "sdpa")
+    fh.register()
+    got = decode_logits(model, "fastarch")
+    assert len(steps) == LAYERS
+    # at least as close to the fp32 computation as transformers' own bf16 path, up to bf16 noise
+    assert (got - want).abs().max() <= 2 * (plain - want).abs().max() + 2e-2

@@ -199,3 +199,26 @@ def test_gpt2_decode_loop_matches_the_whole_sequence_block(backend):
                                          norm_bias=p["ln2_b"], up_bias=p["c_fc_b"], down_bias=p["mlp_proj_b"],
                                          backend=backend))
     torch.testing.assert_close(torch.stack(outs, 1), want, atol=2e-5, rtol=1e-4)
+
+
+def test_bf16_steps_compute_in_fp32_and_round_once(backend):
+    """bf16 in and out: every backend against the fp32 oracle on the same bf16 values, within a few bf16 roundings
+    (the cpp backend rounds once, the torch backend after each op)."""
+    p = _layer(qk_norm=True)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 24, generator=g)
+    cos, sin = _angles(1, 4)
+    cache = torch.randn(2, 2, 5, 8, generator=g)
+    lo = {k: v.bfloat16() if isinstance(v, torch.Tensor) else v for k, v in p.items()}
+    args = (x.bfloat16(), lo["norm"], lo["q_w"], lo["k_w"], lo["v_w"], lo["q_b"], lo["k_b"], lo["v_b"],
+            cos.bfloat16(), sin.bfloat16(), 4, 2, 1e-5, lo["q_norm"], lo["k_norm"])
+    got = ops.decoder_qkv_step(*args, backend=backend)
+    want = ops.decoder_qkv_step_ref(*args)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2)
+    out_args = (got[0], cache.bfloat16(), cache.flip(2).bfloat16(), x.bfloat16(), lo["o_w"], None, lo["norm2"],
+                lo["gate"], lo["up"], lo["down"], 5, 2)
+    out = ops.decoder_out_step(*out_args, backend=backend)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ops.decoder_out_step_ref(*out_args), atol=3e-2, rtol=3e-2)

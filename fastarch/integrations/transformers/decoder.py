@@ -6,7 +6,7 @@ A layer's forward runs the fused step when every condition below holds, and its 
 (prefill, training, other dtypes or devices, padding, other caches or attention implementations):
 
 - autograd is off, nothing is being compiled, the module is in eval mode;
-- the hidden states are CPU fp32 ``(batch, 1, hidden)``;
+- the hidden states are CPU fp32 or bf16 ``(batch, 1, hidden)`` (the weights and the cache in the same dtype);
 - the model's attention implementation is fastarch's (``model.set_attn_implementation("fastarch")`` after
   :func:`~fastarch.integrations.transformers.register`), and the mask is its compact causal or sliding-window
   mask without padded keys;
@@ -219,7 +219,7 @@ def _step(attn: nn.Module, hidden: torch.Tensor, kwargs: dict, weights: Callable
         if not isinstance(pe, tuple) or len(pe) != 2:
             return None
         cos, sin = pe
-        if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.dtype == torch.float32
+        if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor) and cos.dtype == hidden.dtype
                 and cos.dim() == 3 and cos.shape == sin.shape and cos.shape[1] == 1 and cos.shape[2] % 2 == 0
                 and cos.device.type == "cpu" and cos.shape[0] in (1, hidden.shape[0])
                 and cos.shape[2] <= attn.head_dim):
@@ -244,10 +244,14 @@ def _step(attn: nn.Module, hidden: torch.Tensor, kwargs: dict, weights: Callable
     return out[:, None]
 
 
+# The dtypes the fused step takes (the model's weights, cache and hidden states all in one of them).
+_STEP_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _decodes(layer: nn.Module, hidden_states) -> bool:
     """Could this call be a fused decode step (before the layer's own conditions)?"""
     return (not torch.is_grad_enabled() and not layer.training and isinstance(hidden_states, torch.Tensor)
-            and hidden_states.dtype == torch.float32 and hidden_states.device.type == "cpu"
+            and hidden_states.dtype in _STEP_DTYPES and hidden_states.device.type == "cpu"
             and hidden_states.dim() == 3 and hidden_states.shape[1] == 1 and not torch.compiler.is_compiling())
 
 

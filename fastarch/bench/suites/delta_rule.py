@@ -42,7 +42,10 @@ def _transformers(recurrent: bool) -> Callable[..., Any]:
     except ImportError:
         raise Skip("transformers (with Qwen3-Next) is not importable") from None
     fn = m.torch_recurrent_gated_delta_rule if recurrent else m.torch_chunk_gated_delta_rule
-    return getattr(fn, "__fastarch_original__", fn).__wrapped__  # its own PyTorch function, never a kernel
+    fn = getattr(fn, "__fastarch_original__", fn)
+    # transformers' own PyTorch function: unwrapped from its kernel wrapper, or (with Hugging Face's kernels
+    # package, transformers 5.25) the kernels layer around it, which sends CPU inputs to that function
+    return getattr(fn, "__wrapped__", fn)
 
 
 def _case(cfg: BenchConfig, shape: tuple[int, int, int, int, int, int], recurrent: bool, reference: bool,

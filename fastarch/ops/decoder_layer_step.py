@@ -27,11 +27,12 @@ import torch.nn.functional as F
 
 from ..backend import Call, choose, register
 from ._backends import CppImplementation, TorchImplementation
-from ._checks import fail
+from ._checks import check_tensor, fail
 from ._dispatch import call_of, dispatch
 from .attention import attention
 from .layer_norm import layer_norm
 from .linear import linear
+from .mamba_mixer_step import fused_step_reasons
 from .rms_norm import rms_norm
 from .rotary import rotary_embedding, rotary_embedding_ref
 
@@ -137,20 +138,10 @@ def decoder_out_step_ref(q, key, value, residual, o_weight, o_bias, norm_weight,
 # -- validation ------------------------------------------------------------------------------------------------
 def _tensor(op: str, name: str, t, ndim: int, like: torch.Tensor, shape: tuple | None = None,
             optional: bool = False) -> None:
-    if t is None:
-        if not optional:
-            fail(op, f"argument '{name}' must be a torch.Tensor, got None", TypeError)
+    """``check_tensor`` with the step's rule: every tensor in the input's dtype and on its device."""
+    if t is None and optional:
         return
-    if not isinstance(t, torch.Tensor):
-        fail(op, f"argument '{name}' must be a torch.Tensor, got {type(t).__name__}", TypeError)
-    if t.dim() != ndim or (shape is not None and tuple(t.shape) != shape):
-        want = shape if shape is not None else f"{ndim} dimensions"
-        fail(op, f"argument '{name}' must be {want}, got shape {tuple(t.shape)}")
-    if t.dtype != like.dtype:
-        fail(op, f"argument '{name}' has dtype {t.dtype} but the input has {like.dtype} (the step runs in one "
-                 "dtype)", TypeError)
-    if t.device != like.device:
-        fail(op, f"argument '{name}' is on {t.device} but the input is on {like.device}")
+    check_tensor(op, name, t, ndim=ndim, dtypes=(like.dtype,), device=like.device, shape=shape)
 
 
 def _positive_int(op: str, name: str, v) -> int:
@@ -419,14 +410,6 @@ class TorchDecoderOutStep(TorchImplementation):
         return _out(*tensors, n, left, scale, eps, attend=_attend, norm=_norm, lin=linear)
 
 
-def _fused_reasons(call: Call, layout_reason: str) -> list[str]:
-    """Why a fused C++ half cannot take ``call`` (every tensor shares the input's dtype: the ops check it)."""
-    reasons = [] if call.get("contiguous", True) else [layout_reason]
-    if call.get("grad"):
-        reasons.append("no backward (autograd needs the op-by-op torch step)")
-    return reasons
-
-
 class CppDecoderQkvStep(CppImplementation):
     op, extension = QKV, "decode_step"
     dtypes = (torch.float32, torch.bfloat16)
@@ -434,7 +417,7 @@ class CppDecoderQkvStep(CppImplementation):
                    "bf16, without autograd")
 
     def check(self, call):
-        return _fused_reasons(call, "the weights must be row- or column-major, the vectors contiguous")
+        return fused_step_reasons(call, "the weights must be row- or column-major, the vectors contiguous")
 
     def forward(self, x, norm_w, q_w, k_w, v_w, q_b, k_b, v_b, cos, sin, q_norm_w, k_norm_w, norm_b, H, Hk, eps,
                 head_eps):
@@ -452,7 +435,7 @@ class CppDecoderOutStep(CppImplementation):
                    "bf16, without autograd")
 
     def check(self, call):
-        return _fused_reasons(call, "the weights must be row- or column-major, the vectors contiguous, the cache "
+        return fused_step_reasons(call, "the weights must be row- or column-major, the vectors contiguous, the cache "
                                     "unit-stride over head_dim")
 
     def forward(self, q, key, value, residual, o_w, o_b, norm_w, gate_w, up_w, down_w, norm_b, up_b, down_b, n,

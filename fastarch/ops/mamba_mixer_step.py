@@ -184,7 +184,8 @@ def mamba_mixer_step(x: torch.Tensor, in_proj_weight: torch.Tensor, in_proj_bias
 
 
 def fused_step_reasons(call: Call, layout_reason: str) -> list[str]:
-    """Why a fused C++ mixer step cannot take ``call`` (fp32, contiguous, no autograd), for both mixers."""
+    """Why a fused C++ decode step cannot take ``call``: not fp32 (where the call declares ``all_fp32``), not
+    contiguous, or under autograd. Shared by the mixer steps and the decoder steps."""
     reasons = []
     if not call.get("all_fp32", True):
         reasons.append("every tensor must be fp32")

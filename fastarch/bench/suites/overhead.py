@@ -13,7 +13,9 @@ times are ``CALLS`` calls and the ratios are per call. Cases:
 - ``selective_state_update`` (B=1, D=1536, N=16) against transformers' PyTorch fallback formula;
 - ``linear`` on one row (1024 -> 1024) against ``F.linear``;
 - a whole Mamba-2 mixer decode step (``mamba2_mixer_step``, d_model 768, 24 heads of 64, d_state 128, B=1)
-  against the same step as transformers' PyTorch path computes it, call by call.
+  against the same step as transformers' PyTorch path computes it, call by call;
+- a Llama decoder layer's decode step (``decoder_qkv_step`` + ``decoder_out_step``, hidden 256, 8 heads with
+  2 key/value heads, 64 cached keys) against the same step as transformers' Llama layer computes it.
 
 Providers: ``fastarch`` (the selector's choice) and ``torch`` (the call it replaces); the ratio
 ``fastarch`` over ``torch`` has the target 1 (at least as fast). Thread counts are set in each provider's
@@ -113,6 +115,7 @@ def _calls(cfg: BenchConfig) -> list[tuple[str, dict[str, int], Callable[[], Any
     out.append(("linear 1 row", {"rows": 1, "K": 1024, "N": 1024},
                 lambda: ops("linear")(xl, wl, bl), lambda: F.linear(xl, wl, bl)))
     out.append(_mamba2_step_case(cfg))
+    out.append(_decoder_step_case(cfg))
     return out
 
 
@@ -153,6 +156,48 @@ def _mamba2_step_case(cfg: BenchConfig) -> tuple[str, dict[str, int], Callable[[
         return F.linear(y, out_w)
 
     return "mamba2_mixer_step d_model 768", {"B": 1, "d_model": Dm, "H": H, "P": P, "N": N}, fused, plain
+
+
+def _decoder_step_case(cfg: BenchConfig) -> tuple[str, dict[str, int], Callable[[], Any], Callable[[], Any]]:
+    """One Llama decoder layer's decode step (hidden 256, 8 heads of 32 with 2 key/value heads, MLP 512, 64 cached
+    keys, B=1): the two fused halves (``decoder_qkv_step``, ``decoder_out_step``) against the step as
+    transformers' Llama layer computes it, call by call (the cache write left out of both)."""
+    d, H, Hk, D, I, S = 256, 8, 2, 32, 512, 64
+
+    def w(*shape: int, seed: int) -> torch.Tensor:
+        return randn(*shape, cfg=cfg, seed=seed) * shape[-1] ** -0.5
+
+    x = randn(1, d, cfg=cfg, seed=40)
+    n1, n2 = 1 + 0.1 * randn(d, cfg=cfg, seed=41), 1 + 0.1 * randn(d, cfg=cfg, seed=42)
+    q_w, k_w, v_w, o_w = w(H * D, d, seed=43), w(Hk * D, d, seed=44), w(Hk * D, d, seed=45), w(d, H * D, seed=46)
+    gate, up, down = w(I, d, seed=47), w(I, d, seed=48), w(d, I, seed=49)
+    keys, values = randn(1, Hk, S, D, cfg=cfg, seed=50), randn(1, Hk, S, D, cfg=cfg, seed=51)
+    angles = randn(1, D // 2, cfg=cfg, seed=52)
+    cos, sin = angles.cos(), angles.sin()
+    cos_full, sin_full = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+    qkv_op, out_op = fastarch_op("decoder_qkv_step"), fastarch_op("decoder_out_step")
+
+    def fused() -> torch.Tensor:
+        q, _, _ = qkv_op(x, n1, q_w, k_w, v_w, None, None, None, cos, sin, H, Hk, 1e-5)
+        return out_op(q, keys, values, x, o_w, None, n2, gate, up, down, S, -1, None, 1e-5)
+
+    def rms(t: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return weight * (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+    def rotate(t: torch.Tensor) -> torch.Tensor:
+        return t * cos_full + torch.cat([-t[..., D // 2:], t[..., : D // 2]], -1) * sin_full
+
+    def plain() -> torch.Tensor:
+        h = rms(x, n1)
+        q = rotate(F.linear(h, q_w).view(1, 1, H, D).transpose(1, 2))
+        rotate(F.linear(h, k_w).view(1, 1, Hk, D).transpose(1, 2))
+        F.linear(h, v_w)
+        a = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+        h = x + F.linear(a.transpose(1, 2).reshape(1, H * D), o_w)
+        m = rms(h, n2)
+        return h + F.linear(F.silu(F.linear(m, gate)) * F.linear(m, up), down)
+
+    return "decoder layer step d_model 256", {"B": 1, "d_model": d, "H": H, "Hk": Hk, "S": S}, fused, plain
 
 
 def cases(cfg: BenchConfig) -> list[Case]:
